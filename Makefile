@@ -1,0 +1,30 @@
+# The two commands: `make demo` runs the main job, `make test` runs the tests.
+# Each creates .venv in the repo root and installs what it needs (Python 3.11).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv proto clean
+
+demo: $(STAMP)
+	$(PY) -m kvpager.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[torch,ray,metrics,dev]"
+	touch $(STAMP)
+
+# Regenerate the committed protobuf/gRPC code from proto/ (tests check it is current).
+proto: $(STAMP)
+	$(PY) -m kvpager.protogen
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,577 @@
+"""The block manager: sequences, their block tables, copy-on-write, prefix caching and swaps.
+
+Pure Python and single-threaded: the caller (``kvpager.manager.service``) serializes calls
+with one lock. Every operation validates its whole request before changing anything, and
+runs under the journal, so a failure of any kind leaves no trace.
+
+Cost of each operation, independent of how many sequences are live (B = block size):
+- allocate: O(prompt tokens) to hash the prompt, plus O(prompt blocks).
+- append: O(new tokens + new blocks).
+- fork: O(parent's blocks) ref-count increments.
+- free, swap_out, swap_in: O(blocks of the sequences named).
+- step: the sum of its operations, plus O(blocks of the sequences it touched) for the
+  block tables of its answer.
+- stats: O(1). check_invariants: O(all blocks and sequences) (tests only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence as Seq
+
+from .block_pool import CACHED, BlockPool
+from .config import ManagerConfig
+from .errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolation,
+    ManagerError,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+)
+from .journal import Journal
+from .operations import AllocateOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp
+from .plan import (
+    AllocateResult,
+    AppendResult,
+    BatchTables,
+    BlockMapping,
+    ExecutionPlan,
+    ForkResult,
+    FreeResult,
+    ManagerStats,
+    OperationOutcome,
+    StepResult,
+    SwapResult,
+    TierStats,
+)
+from .prefix_hash import chain_hash, root_hash
+from .sequence import CPU, GPU, Sequence, SequenceTable
+
+MAX_SEQ_ID_LEN = 256
+
+
+@dataclass(slots=True)
+class Counters:
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    cow_copies: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one Step accumulates while its operations run."""
+
+    plan: ExecutionPlan
+    # GPU blocks the step writes (new K/V slots, copy and swap-in targets); swapping one of
+    # them out in the same step would copy it before it is written, so that is refused.
+    written: set[int] = field(default_factory=set)
+    # Running sequences touched, in first-touch order -> slots of the tokens to compute.
+    touched: dict[str, list[int]] = field(default_factory=dict)
+
+
+class BlockManager:
+    def __init__(self, config: ManagerConfig | None = None) -> None:
+        self.config = config or ManagerConfig()
+        self.block_size = self.config.block_size
+        self.watermark_blocks = self.config.watermark_blocks
+        self._journal = Journal()
+        self.gpu = BlockPool(self.config.num_gpu_blocks, self._journal, "gpu", self.config.enable_prefix_caching)
+        self.cpu = BlockPool(self.config.num_cpu_blocks, self._journal, "cpu", caching=False)
+        self.seqs = SequenceTable(self._journal)
+        self.counters = Counters()
+        self.steps = 0
+        self._step: Optional[_StepState] = None
+        self._apply = {
+            AllocateOp: self._allocate,
+            AppendOp: self._append,
+            ForkOp: self._fork,
+            FreeOp: self._free,
+            SwapOutOp: self._swap_out,
+            SwapInOp: self._swap_in,
+            RejectedOp: self._reject,
+        }
+
+    # ---- public operations ----------------------------------------------------------------
+    def allocate(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0,
+                 namespace: str = "") -> AllocateResult:
+        return self._atomic(AllocateOp(seq_id, token_ids, num_tokens, namespace))
+
+    def append(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0) -> AppendResult:
+        return self._atomic(AppendOp(seq_id, token_ids, num_tokens))
+
+    def fork(self, parent_seq_id: str, child_seq_id: str) -> ForkResult:
+        return self._atomic(ForkOp(parent_seq_id, child_seq_id))
+
+    def free(self, seq_id: str) -> FreeResult:
+        return self._atomic(FreeOp(seq_id))
+
+    def swap_out(self, seq_ids: Seq[str]) -> SwapResult:
+        return self._atomic(SwapOutOp(list(seq_ids)))
+
+    def swap_in(self, seq_ids: Seq[str]) -> SwapResult:
+        return self._atomic(SwapInOp(list(seq_ids)))
+
+    def run(self, op: Operation):
+        """Apply one operation on its own (outside a Step)."""
+        return self._atomic(op)
+
+    def step(self, ops: Seq[Operation], all_or_nothing: bool = False) -> StepResult:
+        """Apply ops in order, each atomically; merge their plans and block tables.
+
+        Blocks released during the step are HELD until it ends, so no block is both freed and
+        reused within one plan; with that, the worker's fixed order (swap-out, swap-in, copy,
+        write) is always correct.
+        """
+        self.steps += 1
+        state = _StepState(ExecutionPlan(self.steps))
+        saved = dataclasses.replace(self.counters)
+        self._step = state
+        self.gpu.hold_releases()
+        self.cpu.hold_releases()
+        outcomes: list[OperationOutcome] = []
+        failed_at: Optional[int] = None
+        try:
+            if all_or_nothing:
+                self._journal.begin()
+            for i, op in enumerate(ops):
+                try:
+                    result = self._run(op) if all_or_nothing else self._atomic(op)
+                except ManagerError as err:
+                    outcomes.append(OperationOutcome(error=err))
+                    if all_or_nothing:
+                        failed_at = i
+                        break
+                else:
+                    outcomes.append(OperationOutcome(result=result))
+            if failed_at is not None:
+                self._journal.rollback()
+                self.counters = saved
+                outcomes = self._aborted(len(ops), failed_at, outcomes[failed_at].error)
+                state = _StepState(ExecutionPlan(state.plan.step_id))
+            elif all_or_nothing:
+                self._journal.commit()
+        except BaseException:
+            if self._journal.active:
+                self._journal.rollback()
+                self.counters = saved
+            raise
+        finally:
+            self._step = None
+            self.gpu.end_hold()
+            self.cpu.end_hold()
+        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, self._batch(state.touched))
+
+    def block_table(self, seq_id: str) -> Sequence:
+        return self._get(seq_id)
+
+    def stats(self) -> ManagerStats:
+        gpu, cpu, c = self.gpu, self.cpu, self.counters
+        slots = gpu.num_used * self.block_size
+        return ManagerStats(
+            block_size=self.block_size,
+            gpu=TierStats(gpu.num_blocks, gpu.num_used, gpu.num_free, gpu.num_cached),
+            cpu=TierStats(cpu.num_blocks, cpu.num_used, cpu.num_free, cpu.num_cached),
+            running_sequences=self.seqs.num_running,
+            swapped_sequences=self.seqs.num_swapped,
+            gpu_utilization=gpu.num_used / gpu.num_blocks,
+            internal_fragmentation=(slots - gpu.filled_slots) / slots if slots else 0.0,
+            prefix_caching=self.config.enable_prefix_caching,
+            prefix_query_tokens=c.prefix_query_tokens,
+            prefix_hit_tokens=c.prefix_hit_tokens,
+            cow_copies=c.cow_copies,
+            blocks_swapped_out=c.blocks_swapped_out,
+            blocks_swapped_in=c.blocks_swapped_in,
+            evictions=gpu.evictions,
+            watermark_blocks=self.watermark_blocks,
+            steps=self.steps,
+        )
+
+    # ---- running operations ---------------------------------------------------------------
+    def _run(self, op: Operation):
+        handler = self._apply.get(type(op))
+        if handler is None:
+            raise InvalidArgument(f"unknown operation {type(op).__name__}")
+        return handler(op)
+
+    def _atomic(self, op: Operation):
+        journal = self._journal
+        journal.begin()
+        try:
+            result = self._run(op)
+        except BaseException:
+            journal.rollback()
+            raise
+        journal.commit()
+        return result
+
+    @staticmethod
+    def _aborted(n: int, failed_at: int, error: ManagerError) -> list[OperationOutcome]:
+        out = []
+        for i in range(n):
+            if i == failed_at:
+                out.append(OperationOutcome(error=error))
+            else:
+                out.append(OperationOutcome(error=Aborted(
+                    f"not applied: the step is all-or-nothing and operation {failed_at} failed ({error.code})")))
+        return out
+
+    # ---- the six operations -----------------------------------------------------------------
+    @staticmethod
+    def _reject(op: RejectedOp):
+        raise InvalidArgument(op.reason)
+
+    def _allocate(self, op: AllocateOp) -> AllocateResult:
+        self._check_new_id(op.seq_id)
+        tokens = op.token_ids or None
+        n = self._count(tokens, op.num_tokens, "prompt")
+        B, gpu = self.block_size, self.gpu
+        num_blocks = -(-n // B)
+        usable = gpu.num_blocks - self.watermark_blocks
+        if num_blocks > usable:
+            raise OutOfRange(
+                f"allocate {op.seq_id!r}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
+                f"never give more than {usable} ({gpu.num_blocks} minus a reserve of {self.watermark_blocks})")
+
+        caching = self.config.enable_prefix_caching and tokens is not None
+        hashes: list[bytes] = []
+        hits: list[int] = []
+        last_hash = root_hash(op.namespace) if caching else None
+        if caching:
+            for i in range(n // B):
+                last_hash = chain_hash(last_hash, tokens[i * B:(i + 1) * B])
+                hashes.append(last_hash)
+            for h in hashes:
+                bid = gpu.lookup(h)
+                if bid is None:
+                    break
+                hits.append(bid)
+            if len(hits) == num_blocks:
+                hits.pop()  # the whole prompt is cached: recompute its last block to get logits
+
+        new = num_blocks - len(hits)
+        available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
+        if new > available - self.watermark_blocks:
+            raise ResourceExhausted(
+                f"allocate {op.seq_id!r}: needs {new} free GPU blocks, {available} are free or evictable "
+                f"and {self.watermark_blocks} are kept in reserve")
+
+        for b in hits:
+            gpu.acquire(b)
+        block_ids = hits + [gpu.allocate() for _ in range(new)]
+        for i in range(len(hits), len(hashes)):
+            gpu.register(block_ids[i], hashes[i])
+        for i in range(len(hits), num_blocks):
+            gpu.fill(block_ids[i], min(B, n - i * B))
+        pending = list(tokens[len(hashes) * B:]) if caching else None
+        seq = Sequence(op.seq_id, block_ids, n, GPU, op.namespace, last_hash, pending)
+        self.seqs.add(seq)
+
+        cached = len(hits) * B
+        slots = self._slots(block_ids, 0, n)
+        if caching:
+            self.counters.prefix_query_tokens += n
+            self.counters.prefix_hit_tokens += cached
+        if self._step is not None:
+            self._step.written.update(block_ids[len(hits):])
+            self._step.touched[op.seq_id] = slots[cached:]
+        return AllocateResult(op.seq_id, list(block_ids), slots, cached)
+
+    def _append(self, op: AppendOp) -> AppendResult:
+        seq = self._get_running(op.seq_id, "append to")
+        tokens = op.token_ids or None
+        k = self._count(tokens, op.num_tokens, "append")
+        n, B, gpu = seq.num_tokens, self.block_size, self.gpu
+        if n + k > self.config.max_seq_len:
+            raise InvalidArgument(
+                f"append to {op.seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        table = seq.block_ids
+        total = -(-(n + k) // B)
+        if total > gpu.num_blocks:
+            raise OutOfRange(f"append to {op.seq_id!r}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+        cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
+        need = total - len(table) + cow
+        if need > gpu.num_available:
+            raise ResourceExhausted(
+                f"append to {op.seq_id!r}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+
+        self.seqs.save(seq)
+        copies = BlockMapping()
+        new_ids: list[int] = []
+        if cow:
+            shared = table[-1]
+            private = gpu.allocate()
+            gpu.fill(private, n % B)
+            copies.add(shared, private)
+            table[-1] = private
+            gpu.decref(shared)
+            new_ids.append(private)
+        while len(table) < total:
+            bid = gpu.allocate()
+            table.append(bid)
+            new_ids.append(bid)
+        for i in range(n // B, total):
+            gpu.fill(table[i], min(B, n + k - i * B))
+        seq.num_tokens = n + k
+        self._hash_new_tokens(seq, tokens, n)
+
+        slots = self._slots(table, n, n + k)
+        self.counters.cow_copies += cow
+        if self._step is not None:
+            step = self._step
+            step.plan.blocks_to_copy.extend(copies)
+            step.written.update(table[n // B:total])
+            step.touched.setdefault(op.seq_id, []).extend(slots)
+        return AppendResult(op.seq_id, slots, new_ids, copies, n + k)
+
+    def _fork(self, op: ForkOp) -> ForkResult:
+        parent = self._get_running(op.parent_seq_id, "fork")
+        self._check_new_id(op.child_seq_id)
+        for b in parent.block_ids:
+            self.gpu.incref(b)
+        pending = list(parent.pending_tokens) if parent.pending_tokens is not None else None
+        child = Sequence(op.child_seq_id, list(parent.block_ids), parent.num_tokens, GPU,
+                         parent.namespace, parent.last_hash, pending)
+        self.seqs.add(child)
+        if self._step is not None:
+            self._step.touched.setdefault(op.child_seq_id, [])
+        return ForkResult(op.child_seq_id, list(child.block_ids))
+
+    def _free(self, op: FreeOp) -> FreeResult:
+        seq = self._get(op.seq_id)
+        pool = self.gpu if seq.tier == GPU else self.cpu
+        released = 0
+        for b in reversed(seq.block_ids):  # tail first, so the LRU evicts a prefix's tail first
+            released += pool.decref(b)
+        self.seqs.remove(seq)
+        if self._step is not None:
+            self._step.touched.pop(op.seq_id, None)
+        return FreeResult(op.seq_id, released)
+
+    def _swap_out(self, op: SwapOutOp) -> SwapResult:
+        seqs = self._distinct(op.seq_ids, "swap out")
+        step = self._step
+        for s in seqs:
+            if s.tier != GPU:
+                raise FailedPrecondition(f"swap out: sequence {s.seq_id!r} is already swapped out")
+            if step is not None and not step.written.isdisjoint(s.block_ids):
+                raise FailedPrecondition(
+                    f"swap out: sequence {s.seq_id!r} has K/V written in this step; swap it out in a later step")
+        distinct = dict.fromkeys(b for s in seqs for b in s.block_ids)
+        need, cpu, gpu = len(distinct), self.cpu, self.gpu
+        if need > cpu.num_blocks:
+            raise OutOfRange(f"swap out: needs {need} CPU blocks; the CPU pool has {cpu.num_blocks}")
+        if need > cpu.num_available:
+            raise ResourceExhausted(f"swap out: needs {need} free CPU blocks, {cpu.num_available} are free")
+
+        mapping = BlockMapping()
+        to_cpu: dict[int, int] = {}
+        for g in distinct:
+            c = cpu.allocate()
+            cpu.fill(c, gpu.blocks[g].num_filled)
+            h = gpu.hash_of(g)
+            if h is not None:
+                cpu.register(c, h)
+            to_cpu[g] = c
+            mapping.add(g, c)
+        self._move(seqs, gpu, cpu, to_cpu, CPU)
+        self.counters.blocks_swapped_out += need
+        if step is not None:
+            step.plan.blocks_to_swap_out.extend(mapping)
+            for s in seqs:
+                step.touched.pop(s.seq_id, None)
+        return SwapResult(mapping)
+
+    def _swap_in(self, op: SwapInOp) -> SwapResult:
+        seqs = self._distinct(op.seq_ids, "swap in")
+        for s in seqs:
+            if s.tier != CPU:
+                raise FailedPrecondition(f"swap in: sequence {s.seq_id!r} is not swapped out")
+        gpu, cpu = self.gpu, self.cpu
+        distinct = dict.fromkeys(c for s in seqs for c in s.block_ids)
+        reuse: dict[int, int] = {}  # CPU block -> GPU block already holding the same content
+        if self.config.enable_prefix_caching:
+            for c in distinct:
+                h = cpu.hash_of(c)
+                g = gpu.lookup(h) if h is not None else None
+                if g is not None:
+                    reuse[c] = g
+        need = len(distinct) - len(reuse)
+        usable = gpu.num_blocks - self.watermark_blocks
+        if need > usable:
+            raise OutOfRange(f"swap in: needs {need} GPU blocks; the GPU pool can never give more than {usable}")
+        available = gpu.num_available - sum(1 for g in set(reuse.values()) if gpu.blocks[g].state == CACHED)
+        if need > available - self.watermark_blocks:
+            raise ResourceExhausted(
+                f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
+                f"and {self.watermark_blocks} are kept in reserve")
+
+        mapping = BlockMapping()
+        to_gpu: dict[int, int] = {}
+        acquired: set[int] = set()
+        for c in distinct:
+            g = reuse.get(c)
+            if g is not None:
+                if g not in acquired:  # two CPU copies of one block map to one GPU block
+                    gpu.acquire(g)
+                    acquired.add(g)
+            else:
+                g = gpu.allocate()
+                gpu.fill(g, cpu.blocks[c].num_filled)
+                h = cpu.hash_of(c)
+                if h is not None:
+                    gpu.register(g, h)
+                mapping.add(c, g)
+            to_gpu[c] = g
+        self._move(seqs, cpu, gpu, to_gpu, GPU)
+        self.counters.blocks_swapped_in += need
+        if self._step is not None:
+            self._step.plan.blocks_to_swap_in.extend(mapping)
+            self._step.written.update(mapping.dst)
+            for s in seqs:
+                self._step.touched.setdefault(s.seq_id, [])
+        return SwapResult(mapping, len(reuse))
+
+    def _move(self, seqs: list[Sequence], src: BlockPool, dst: BlockPool, to: dict[int, int], tier: str) -> None:
+        """Point each sequence's table at its blocks' new homes; each new block already holds one
+        reference (from allocate or acquire), so only repeat references take another."""
+        referenced: set[int] = set()
+        for s in seqs:
+            self.seqs.save(s)
+            table = [to[b] for b in s.block_ids]
+            for b in table:
+                if b in referenced:
+                    dst.incref(b)
+                else:
+                    referenced.add(b)
+            for b in reversed(s.block_ids):
+                src.decref(b)
+            s.block_ids = table
+            self.seqs.set_tier(s, tier)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _hash_new_tokens(self, seq: Sequence, tokens: Optional[Seq[int]], start: int) -> None:
+        """Extend the prefix-hash chain over appended tokens, registering blocks they fill."""
+        pending = seq.pending_tokens
+        if pending is None:
+            return
+        if tokens is None:  # an unknown token breaks the chain for good
+            seq.pending_tokens = seq.last_hash = None
+            return
+        B = self.block_size
+        pending.extend(tokens)
+        full = start // B
+        while len(pending) >= B:
+            seq.last_hash = chain_hash(seq.last_hash, pending[:B])
+            self.gpu.register(seq.block_ids[full], seq.last_hash)
+            del pending[:B]
+            full += 1
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        B = self.block_size
+        if end - start == 1:
+            return [table[start // B] * B + start % B]
+        return [table[i // B] * B + i % B for i in range(start, end)]
+
+    def _count(self, tokens: Optional[Seq[int]], num_tokens: int, what: str) -> int:
+        if tokens is not None:
+            if num_tokens and num_tokens != len(tokens):
+                raise InvalidArgument(
+                    f"{what}: {len(tokens)} token ids given but num_tokens says {num_tokens}; give one or make them agree")
+            n = len(tokens)
+            if min(tokens) < 0:
+                raise InvalidArgument(f"{what}: token ids must be >= 0")
+        else:
+            n = num_tokens
+            if n < 1:
+                raise InvalidArgument(f"{what}: needs at least 1 token (token_ids or num_tokens), got {n}")
+        if n > self.config.max_seq_len:
+            raise InvalidArgument(f"{what}: {n} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        return n
+
+    def _check_new_id(self, seq_id: str) -> None:
+        if not seq_id:
+            raise InvalidArgument("a sequence id must be a non-empty string")
+        if len(seq_id) > MAX_SEQ_ID_LEN:
+            raise InvalidArgument(f"sequence id is {len(seq_id)} characters; the limit is {MAX_SEQ_ID_LEN}")
+        if seq_id in self.seqs:
+            raise AlreadyExists(f"sequence {seq_id!r} already exists")
+
+    def _get(self, seq_id: str) -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no sequence {seq_id!r}")
+        return seq
+
+    def _get_running(self, seq_id: str, what: str) -> Sequence:
+        seq = self._get(seq_id)
+        if seq.tier != GPU:
+            raise FailedPrecondition(f"cannot {what} sequence {seq_id!r}: it is swapped out; swap it in first")
+        return seq
+
+    def _distinct(self, seq_ids: Seq[str], what: str) -> list[Sequence]:
+        if not seq_ids:
+            raise InvalidArgument(f"{what}: no sequence ids given")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise InvalidArgument(f"{what}: a sequence id is listed twice")
+        return [self._get(s) for s in seq_ids]
+
+    def _batch(self, touched: dict[str, list[int]]) -> BatchTables:
+        out = BatchTables()
+        B = self.block_size
+        rows = []
+        for seq_id, slots in touched.items():
+            seq = self.seqs.get(seq_id)
+            table = seq.block_ids
+            out.seq_ids.append(seq_id)
+            out.context_lens.append(seq.num_tokens)
+            out.query_lens.append(len(slots))
+            out.slot_mapping.extend(slots)
+            out.kv_indices.extend(table)
+            out.kv_indptr.append(len(out.kv_indices))
+            out.kv_last_page_len.append(seq.num_tokens - (len(table) - 1) * B)
+            rows.append(table)
+        out.max_blocks = max((len(t) for t in rows), default=0)
+        for table in rows:
+            out.block_tables.extend(table)
+            out.block_tables.extend([0] * (out.max_blocks - len(table)))
+        return out
+
+    # ---- checking -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise InvariantViolation unless every block is free, cached or owned exactly as the
+        block tables say (refcounts, fill, totals per tier). O(blocks + sequences)."""
+        B = self.block_size
+        refs = {GPU: Counter(), CPU: Counter()}
+        fill = {GPU: {}, CPU: {}}
+        swapped = 0
+        for seq in self.seqs.values():
+            table = seq.block_ids
+            if seq.num_tokens < 1 or len(table) != -(-seq.num_tokens // B):
+                raise InvariantViolation(f"sequence {seq.seq_id!r}: {seq.num_tokens} tokens in {len(table)} blocks")
+            if len(set(table)) != len(table):
+                raise InvariantViolation(f"sequence {seq.seq_id!r} names a block twice: {table}")
+            if seq.pending_tokens is not None and len(seq.pending_tokens) != seq.num_tokens % B:
+                raise InvariantViolation(f"sequence {seq.seq_id!r}: hash state out of step with its length")
+            swapped += seq.tier == CPU
+            refs[seq.tier].update(table)
+            for i, b in enumerate(table):
+                filled = min(B, seq.num_tokens - i * B)
+                fill[seq.tier][b] = max(fill[seq.tier].get(b, 0), filled)
+        if swapped != self.seqs.num_swapped:
+            raise InvariantViolation(f"{swapped} sequences swapped out, counter says {self.seqs.num_swapped}")
+        for tier, pool in ((GPU, self.gpu), (CPU, self.cpu)):
+            pool.check_invariants(refs[tier])
+            for b, filled in fill[tier].items():
+                if pool.blocks[b].num_filled != filled:
+                    raise InvariantViolation(
+                        f"{tier} block {b} records {pool.blocks[b].num_filled} filled slots; its sequences fill {filled}")
+            if self._step is None and pool.num_held:
+                raise InvariantViolation(f"{tier} pool holds {pool.num_held} blocks outside a step")

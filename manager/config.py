@@ -1,0 +1,60 @@
+"""Manager settings, from flags or KVPAGER_* environment variables (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from .errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    block_size: int = 16              # tokens per KV block
+    num_gpu_blocks: int = 4096        # GPU pool size
+    num_cpu_blocks: int = 4096        # CPU swap pool size
+    watermark: float = 0.01           # fraction of GPU blocks kept free at admission and swap-in
+    enable_prefix_caching: bool = True
+    max_seq_len: int = 1 << 20        # longer sequences are rejected as INVALID_ARGUMENT
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise InvalidArgument(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_gpu_blocks < 1 or self.num_cpu_blocks < 0:
+            raise InvalidArgument(
+                f"pool sizes must be >= 1 GPU and >= 0 CPU blocks, got {self.num_gpu_blocks} and {self.num_cpu_blocks}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise InvalidArgument(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.max_seq_len < 1:
+            raise InvalidArgument(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_gpu_blocks)
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, defaulting to KVPAGER_<FIELD> from the environment."""
+    for f in fields(ManagerConfig):
+        env = f"KVPAGER_{f.name.upper()}"
+        kind = _parse_bool if f.type in (bool, "bool") else (float if f.type in (float, "float") else int)
+        default = kind(os.environ[env]) if env in os.environ else f.default
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", type=kind, default=default,
+            help=f"(env {env}, default {f.default})",
+        )
+
+
+def from_args(args: argparse.Namespace) -> ManagerConfig:
+    return ManagerConfig(**{f.name: getattr(args, f.name) for f in fields(ManagerConfig)})

@@ -1,0 +1,55 @@
+"""Typed errors of the block manager.
+
+Each class names the gRPC status it maps to (as a string, so this module needs no grpc);
+the one mapping to real status codes lives in ``kvpager.manager.service``. Three kinds are
+kept apart: *no room now* (``ResourceExhausted``, a normal outcome the scheduler acts on),
+*a bad request* (the others), and *a broken invariant* (``InvariantViolation``, a bug).
+"""
+
+from __future__ import annotations
+
+
+class ManagerError(Exception):
+    """Base of every error the manager raises on purpose; ``code`` is a gRPC status name."""
+
+    code = "UNKNOWN"
+
+
+class InvalidArgument(ManagerError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(ManagerError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(ManagerError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(ManagerError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(ManagerError):
+    """No room now; the same request may succeed after sequences are freed or swapped out."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class OutOfRange(ManagerError):
+    """The request can never fit the pool as configured."""
+
+    code = "OUT_OF_RANGE"
+
+
+class Aborted(ManagerError):
+    """Not applied because another operation of an all-or-nothing step failed."""
+
+    code = "ABORTED"
+
+
+class InvariantViolation(ManagerError):
+    """Manager state is inconsistent: a bug, never the caller's fault."""
+
+    code = "INTERNAL"

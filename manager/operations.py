@@ -1,0 +1,53 @@
+"""The operations a scheduler asks of the manager, as plain records (the servicer builds
+them from protobuf; tests and in-process callers build them directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+
+@dataclass(slots=True)
+class AllocateOp:
+    seq_id: str
+    token_ids: Optional[Sequence[int]] = None  # the prompt; None or empty when unknown
+    num_tokens: int = 0                         # the prompt length when ids are unknown
+    namespace: str = ""
+
+
+@dataclass(slots=True)
+class AppendOp:
+    seq_id: str
+    token_ids: Optional[Sequence[int]] = None
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ForkOp:
+    parent_seq_id: str
+    child_seq_id: str
+
+
+@dataclass(slots=True)
+class FreeOp:
+    seq_id: str
+
+
+@dataclass(slots=True)
+class SwapOutOp:
+    seq_ids: Sequence[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SwapInOp:
+    seq_ids: Sequence[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RejectedOp:
+    """A malformed request found while decoding a Step; applying it fails with INVALID_ARGUMENT."""
+
+    reason: str
+
+
+Operation = Union[AllocateOp, AppendOp, ForkOp, FreeOp, SwapOutOp, SwapInOp, RejectedOp]

@@ -1,0 +1,100 @@
+"""The sequence table: each live sequence's block table, length, tier and prefix-hash state.
+
+O(1) lookup, add and remove by id (a dict). Mutations go through ``SequenceTable`` so that
+the journal can undo them; ``save`` snapshots what an operation may change in O(block
+size), never copying the block table (operations only append to it, replace its last
+entry, or replace the whole list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .journal import Journal
+
+GPU, CPU = "gpu", "cpu"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    block_ids: list[int]        # the block table, in the tier below
+    num_tokens: int             # tokens whose K/V the table holds (or will after this step)
+    tier: str                   # GPU (running) or CPU (swapped out)
+    namespace: str              # prefix-cache namespace
+    # Prefix hashing: hash of the last full block (or the namespace root) and the token ids
+    # of the partially filled last block. None once a token id was not given: no block
+    # after that point can be identified, so hashing stops for this sequence.
+    last_hash: Optional[bytes]
+    pending_tokens: Optional[list[int]]
+
+
+class SequenceTable:
+    def __init__(self, journal: Journal) -> None:
+        self._seqs: dict[str, Sequence] = {}
+        self._journal = journal
+        self.num_swapped = 0
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def get(self, seq_id: str) -> Optional[Sequence]:
+        return self._seqs.get(seq_id)
+
+    def values(self):
+        return self._seqs.values()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._seqs) - self.num_swapped
+
+    def add(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        if seq.tier == CPU:
+            self.num_swapped += 1
+        self._journal.record(self._undo_add, seq)
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[seq.seq_id]
+        if seq.tier == CPU:
+            self.num_swapped -= 1
+        self._journal.record(self.add_silently, seq)
+
+    def set_tier(self, seq: Sequence, tier: str) -> None:
+        if seq.tier != tier:
+            self.num_swapped += 1 if tier == CPU else -1
+            seq.tier = tier
+
+    def save(self, seq: Sequence) -> None:
+        """Snapshot the fields an operation may change, before it changes them."""
+        if self._journal.active:
+            table = seq.block_ids
+            pending = list(seq.pending_tokens) if seq.pending_tokens is not None else None
+            self._journal.record(
+                self._restore, seq, table, len(table), table[-1] if table else None,
+                seq.num_tokens, seq.tier, seq.last_hash, pending,
+            )
+
+    def _restore(self, seq, table, length, last, num_tokens, tier, last_hash, pending) -> None:
+        del table[length:]
+        if length:
+            table[-1] = last
+        seq.block_ids = table
+        seq.num_tokens = num_tokens
+        self.set_tier(seq, tier)
+        seq.last_hash = last_hash
+        seq.pending_tokens = pending
+
+    def _undo_add(self, seq: Sequence) -> None:
+        del self._seqs[seq.seq_id]
+        if seq.tier == CPU:
+            self.num_swapped -= 1
+
+    def add_silently(self, seq: Sequence) -> None:
+        self._seqs[seq.seq_id] = seq
+        if seq.tier == CPU:
+            self.num_swapped += 1
