@@ -53,3 +53,13 @@ class InvariantViolation(ManagerError):
     """Manager state is inconsistent: a bug, never the caller's fault."""
 
     code = "INTERNAL"
+
+
+class Unavailable(ManagerError):
+    """A service (the manager, or a worker it needs) cannot be reached now; retrying may help."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ManagerError):
+    code = "DEADLINE_EXCEEDED"
