@@ -1,0 +1,54 @@
+"""Shared fixtures: a real block-manager gRPC server on a loopback port, per test."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from kvpager.client import BlockManagerClient
+from kvpager.manager import ManagerConfig
+from kvpager.manager.service import create_server
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def running_server(config: ManagerConfig, max_workers: int = 16):
+    """Start a server on 127.0.0.1:0; yield (client, service); check invariants and stop it."""
+    server, port, service, _ = create_server(config, "127.0.0.1:0", max_workers=max_workers)
+    server.start()
+    client = BlockManagerClient(f"127.0.0.1:{port}", timeout=10)
+    try:
+        yield client, service
+        with service.lock:
+            service.manager.check_invariants()
+    finally:
+        client.close()
+        server.stop(None)
+
+
+@pytest.fixture
+def small_config() -> ManagerConfig:
+    return ManagerConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8, watermark=0.0)
+
+
+@pytest.fixture
+def served(small_config):
+    with running_server(small_config) as pair:
+        yield pair
