@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Sequence as Seq
+from typing import Callable, Optional, Sequence as Seq
 
 from .block_pool import CACHED, BlockPool
 from .config import ManagerConfig
@@ -89,6 +89,9 @@ class BlockManager:
         self.counters = Counters()
         self.steps = 0
         self._step: Optional[_StepState] = None
+        # Called with each step's plan before the step commits (the service sends it to the
+        # workers); raising rolls the step back. None when no worker is attached.
+        self.dispatch: Optional[Callable[[ExecutionPlan], None]] = None
         self._apply = {
             AllocateOp: self._allocate,
             AppendOp: self._append,
@@ -102,49 +105,56 @@ class BlockManager:
     # ---- public operations ----------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0,
                  namespace: str = "") -> AllocateResult:
-        return self._atomic(AllocateOp(seq_id, token_ids, num_tokens, namespace))
+        return self.run(AllocateOp(seq_id, token_ids, num_tokens, namespace))
 
     def append(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0) -> AppendResult:
-        return self._atomic(AppendOp(seq_id, token_ids, num_tokens))
+        return self.run(AppendOp(seq_id, token_ids, num_tokens))
 
     def fork(self, parent_seq_id: str, child_seq_id: str) -> ForkResult:
-        return self._atomic(ForkOp(parent_seq_id, child_seq_id))
+        return self.run(ForkOp(parent_seq_id, child_seq_id))
 
     def free(self, seq_id: str) -> FreeResult:
-        return self._atomic(FreeOp(seq_id))
+        return self.run(FreeOp(seq_id))
 
     def swap_out(self, seq_ids: Seq[str]) -> SwapResult:
-        return self._atomic(SwapOutOp(list(seq_ids)))
+        return self.run(SwapOutOp(list(seq_ids)))
 
     def swap_in(self, seq_ids: Seq[str]) -> SwapResult:
-        return self._atomic(SwapInOp(list(seq_ids)))
+        return self.run(SwapInOp(list(seq_ids)))
 
     def run(self, op: Operation):
-        """Apply one operation on its own (outside a Step)."""
-        return self._atomic(op)
+        """Apply one operation on its own: a step of one, whose error is raised."""
+        outcome = self.step([op], batch=False).outcomes[0]
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.result
 
-    def step(self, ops: Seq[Operation], all_or_nothing: bool = False) -> StepResult:
+    def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True) -> StepResult:
         """Apply ops in order, each atomically; merge their plans and block tables.
 
         Blocks released during the step are HELD until it ends, so no block is both freed and
         reused within one plan; with that, the worker's fixed order (swap-out, swap-in, copy,
-        write) is always correct.
+        write) is always correct. If ``dispatch`` is set, it receives the plan before the step
+        commits; if it raises (a worker is unreachable), the whole step is rolled back and the
+        error propagates.
         """
         self.steps += 1
         state = _StepState(ExecutionPlan(self.steps))
         saved = dataclasses.replace(self.counters)
+        journal = self._journal
         self._step = state
         self.gpu.hold_releases()
         self.cpu.hold_releases()
         outcomes: list[OperationOutcome] = []
         failed_at: Optional[int] = None
+        journal.begin()
         try:
-            if all_or_nothing:
-                self._journal.begin()
             for i, op in enumerate(ops):
+                mark = journal.mark()
                 try:
-                    result = self._run(op) if all_or_nothing else self._atomic(op)
+                    result = self._run(op)
                 except ManagerError as err:
+                    journal.rollback_to(mark)
                     outcomes.append(OperationOutcome(error=err))
                     if all_or_nothing:
                         failed_at = i
@@ -152,22 +162,23 @@ class BlockManager:
                 else:
                     outcomes.append(OperationOutcome(result=result))
             if failed_at is not None:
-                self._journal.rollback()
+                journal.rollback()
                 self.counters = saved
                 outcomes = self._aborted(len(ops), failed_at, outcomes[failed_at].error)
                 state = _StepState(ExecutionPlan(state.plan.step_id))
-            elif all_or_nothing:
-                self._journal.commit()
+            elif self.dispatch is not None:
+                self.dispatch(state.plan)
+            journal.commit()
         except BaseException:
-            if self._journal.active:
-                self._journal.rollback()
-                self.counters = saved
+            journal.rollback()
+            self.counters = saved
             raise
         finally:
             self._step = None
             self.gpu.end_hold()
             self.cpu.end_hold()
-        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, self._batch(state.touched))
+        tables = self._batch(state.touched) if batch else BatchTables()
+        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables)
 
     def block_table(self, seq_id: str) -> Sequence:
         return self._get(seq_id)
@@ -200,17 +211,6 @@ class BlockManager:
         if handler is None:
             raise InvalidArgument(f"unknown operation {type(op).__name__}")
         return handler(op)
-
-    def _atomic(self, op: Operation):
-        journal = self._journal
-        journal.begin()
-        try:
-            result = self._run(op)
-        except BaseException:
-            journal.rollback()
-            raise
-        journal.commit()
-        return result
 
     @staticmethod
     def _aborted(n: int, failed_at: int, error: ManagerError) -> list[OperationOutcome]:

@@ -1,9 +1,10 @@
-"""An undo log, so that an all-or-nothing Step can roll back the operations it applied.
+"""An undo log, so that a failed operation, an all-or-nothing Step, or a Step whose plan the
+workers could not execute can be rolled back exactly.
 
-Mutating primitives (block pool, sequence records) call ``record(undo, *args)`` with the
-function that reverses them; ``rollback()`` runs those in reverse order, which restores
-every structure exactly, free-list and LRU order included. Recording is off (one attribute
-test) outside an all-or-nothing step, so the hot path pays almost nothing.
+Mutating primitives (block pool, sequence table) call ``record(undo, *args)`` with the
+function that reverses them; ``rollback_to(mark)`` runs the entries after a mark in reverse
+order, which restores every structure exactly, free-list and LRU order included.
+Recording is a no-op outside ``begin()``/``commit()``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ class Journal:
         if self.active:
             self._entries.append((undo, args))
 
+    def mark(self) -> int:
+        return len(self._entries)
+
+    def rollback_to(self, mark: int) -> None:
+        entries = self._entries
+        while len(entries) > mark:
+            undo, args = entries.pop()
+            undo(*args)
+
+    def rollback(self) -> None:
+        self.rollback_to(0)
+        self.active = False
+
     def commit(self) -> None:
         self.active = False
         self._entries.clear()
-
-    def rollback(self) -> None:
-        self.active = False
-        entries, self._entries = self._entries, []
-        for undo, args in reversed(entries):
-            undo(*args)

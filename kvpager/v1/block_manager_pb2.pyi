@@ -292,3 +292,43 @@ class PingRequest(_message.Message):
 class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("address", "rank", "tensor_parallel_size", "num_gpu_blocks", "num_cpu_blocks", "block_size")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    rank: int
+    tensor_parallel_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class RegisterWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_s", "num_gpu_blocks", "num_cpu_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_s: float
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_s: _Optional[float] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("registered",)
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    registered: bool
+    def __init__(self, registered: _Optional[bool] = ...) -> None: ...

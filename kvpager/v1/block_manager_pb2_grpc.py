@@ -84,6 +84,16 @@ class BlockManagerStub:
                 request_serializer=kvpager_dot_v1_dot_block__manager__pb2.PingRequest.SerializeToString,
                 response_deserializer=kvpager_dot_v1_dot_block__manager__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.RegisterWorker = channel.unary_unary(
+                '/kvpager.v1.BlockManager/RegisterWorker',
+                request_serializer=kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvpager.v1.BlockManager/Heartbeat',
+                request_serializer=kvpager_dot_v1_dot_block__manager__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvpager_dot_v1_dot_block__manager__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -157,6 +167,20 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterWorker(self, request, context):
+        """A GPU worker announces itself; the manager then sends it every step's plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """A registered worker's proof of life; unknown (expired) workers must register again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +233,16 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=kvpager_dot_v1_dot_block__manager__pb2.PingRequest.FromString,
                     response_serializer=kvpager_dot_v1_dot_block__manager__pb2.PingResponse.SerializeToString,
+            ),
+            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterWorker,
+                    request_deserializer=kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvpager_dot_v1_dot_block__manager__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvpager_dot_v1_dot_block__manager__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -481,6 +515,60 @@ class BlockManager:
             '/kvpager.v1.BlockManager/Ping',
             kvpager_dot_v1_dot_block__manager__pb2.PingRequest.SerializeToString,
             kvpager_dot_v1_dot_block__manager__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpager.v1.BlockManager/RegisterWorker',
+            kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerRequest.SerializeToString,
+            kvpager_dot_v1_dot_block__manager__pb2.RegisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpager.v1.BlockManager/Heartbeat',
+            kvpager_dot_v1_dot_block__manager__pb2.HeartbeatRequest.SerializeToString,
+            kvpager_dot_v1_dot_block__manager__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
