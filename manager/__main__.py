@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ManagerError as err:
         parser.error(str(err))
 
-    server, port, _, health_servicer = create_server(config, f"{args.host}:{args.port}")
+    server, port, service, health_servicer = create_server(config, f"{args.host}:{args.port}")
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(args.grace).wait()
+    service.close()
     log.info("stopped")
     return 0
 

@@ -80,6 +80,8 @@ class _StepState:
 class BlockManager:
     def __init__(self, config: ManagerConfig | None = None) -> None:
         self.config = config or ManagerConfig()
+        if self.config.num_gpu_blocks < 1:
+            raise InvalidArgument("a BlockManager needs num_gpu_blocks >= 1 (0 means: let the service size it from workers)")
         self.block_size = self.config.block_size
         self.watermark_blocks = self.config.watermark_blocks
         self._journal = Journal()

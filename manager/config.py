@@ -12,23 +12,32 @@ from .errors import InvalidArgument
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
     block_size: int = 16              # tokens per KV block
-    num_gpu_blocks: int = 4096        # GPU pool size
+    num_gpu_blocks: int = 4096        # GPU pool size; 0: both pools sized from the workers' capacity
     num_cpu_blocks: int = 4096        # CPU swap pool size
     watermark: float = 0.01           # fraction of GPU blocks kept free at admission and swap-in
     enable_prefix_caching: bool = True
     max_seq_len: int = 1 << 20        # longer sequences are rejected as INVALID_ARGUMENT
+    worker_heartbeat_timeout: float = 5.0  # seconds without a heartbeat before a worker is dropped
+    worker_plan_timeout: float = 30.0      # deadline of one ExecutePlan call to a worker
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise InvalidArgument(f"block_size must be in [1, 1024], got {self.block_size}")
-        if self.num_gpu_blocks < 1 or self.num_cpu_blocks < 0:
+        if self.num_gpu_blocks < 0 or self.num_cpu_blocks < 0:
             raise InvalidArgument(
-                f"pool sizes must be >= 1 GPU and >= 0 CPU blocks, got {self.num_gpu_blocks} and {self.num_cpu_blocks}"
+                f"pool sizes must be >= 0 blocks (0 GPU blocks: size from workers), got {self.num_gpu_blocks} "
+                f"and {self.num_cpu_blocks}"
             )
+        if self.worker_heartbeat_timeout <= 0 or self.worker_plan_timeout <= 0:
+            raise InvalidArgument("worker timeouts must be > 0 seconds")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidArgument(f"watermark must be in [0, 1), got {self.watermark}")
         if self.max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+
+    @property
+    def sized_by_workers(self) -> bool:
+        return self.num_gpu_blocks == 0
 
     @property
     def watermark_blocks(self) -> int:

@@ -41,6 +41,7 @@ def running_server(config: ManagerConfig, max_workers: int = 16):
     finally:
         client.close()
         server.stop(None)
+        service.close()
 
 
 @pytest.fixture

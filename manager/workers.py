@@ -1,0 +1,164 @@
+"""The manager's view of its GPU workers: registration, liveness, and plan fan-out.
+
+Workers form one tensor-parallel group: rank r of N holds a slice of the KV heads, and every
+rank receives the same plan. A step's plan goes to all ranks in parallel, each call with a
+deadline, and the step commits only after every rank acknowledged it; any failure rolls the
+step back and surfaces as UNAVAILABLE. Rolling back is safe even when some ranks already
+executed the plan: a plan only writes blocks that the step newly took, which are free again
+after the rollback. A worker whose heartbeats stop for ``heartbeat_timeout`` seconds, or
+whose ExecutePlan fails, is dropped; a replacement registering under the same rank is used.
+
+The registry has its own lock, so heartbeats never wait behind a long step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+
+from kvpager.v1 import block_manager_pb2 as pb
+from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
+
+from .errors import FailedPrecondition, InvalidArgument, Unavailable
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    address: str
+    rank: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.CacheWorkerStub
+    last_seen: float  # clock() of the last registration or heartbeat
+
+
+class WorkerRegistry:
+    def __init__(self, block_size: int, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
+                 plan_timeout: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_size = block_size
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.plan_timeout = plan_timeout
+        self.tensor_parallel_size: Optional[int] = None  # fixed by the first registration
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_rank: dict[int, WorkerRecord] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def expected(self) -> bool:
+        """True once any worker registered: from then on steps need the whole group."""
+        return self.tensor_parallel_size is not None
+
+    def register(self, req: pb.RegisterWorkerRequest) -> WorkerRecord:
+        if not req.address:
+            raise InvalidArgument("register worker: address (host:port of its CacheWorker service) is required")
+        if req.tensor_parallel_size < 1 or not 0 <= req.rank < req.tensor_parallel_size:
+            raise InvalidArgument(
+                f"register worker: rank {req.rank} must be in [0, tensor_parallel_size={req.tensor_parallel_size})")
+        if req.num_gpu_blocks < 1 or req.num_cpu_blocks < 0:
+            raise InvalidArgument(
+                f"register worker: capacity must be >= 1 GPU and >= 0 CPU blocks, got {req.num_gpu_blocks}/{req.num_cpu_blocks}")
+        if req.block_size != self.block_size:
+            raise FailedPrecondition(
+                f"register worker: its block size {req.block_size} differs from the manager's {self.block_size}")
+        with self._lock:
+            if self.tensor_parallel_size not in (None, req.tensor_parallel_size):
+                raise FailedPrecondition(
+                    f"register worker: tensor_parallel_size {req.tensor_parallel_size} differs from the group's "
+                    f"{self.tensor_parallel_size}")
+            self.tensor_parallel_size = req.tensor_parallel_size
+            old = self._by_rank.get(req.rank)
+            channel = grpc.insecure_channel(req.address)
+            record = WorkerRecord(
+                worker_id=f"worker-{next(self._ids)}-rank{req.rank}", address=req.address, rank=req.rank,
+                num_gpu_blocks=req.num_gpu_blocks, num_cpu_blocks=req.num_cpu_blocks, channel=channel,
+                stub=worker_pb2_grpc.CacheWorkerStub(channel), last_seen=self._clock(),
+            )
+            self._by_rank[req.rank] = record
+        if old is not None:
+            old.channel.close()
+        return record
+
+    def unregister(self, worker_id: str) -> None:
+        with self._lock:
+            for rank, record in list(self._by_rank.items()):
+                if record.worker_id == worker_id:
+                    del self._by_rank[rank]
+                    record.channel.close()
+
+    def heartbeat(self, worker_id: str) -> bool:
+        with self._lock:
+            for record in self._by_rank.values():
+                if record.worker_id == worker_id:
+                    record.last_seen = self._clock()
+                    return True
+        return False
+
+    def expire(self) -> list[WorkerRecord]:
+        """Drop workers whose heartbeats stopped; returns them."""
+        now = self._clock()
+        with self._lock:
+            dead = [r for r in self._by_rank.values() if now - r.last_seen > self.heartbeat_timeout]
+            for record in dead:
+                del self._by_rank[record.rank]
+        for record in dead:
+            record.channel.close()
+        return dead
+
+    def missing_ranks(self) -> list[int]:
+        if self.tensor_parallel_size is None:
+            return []
+        with self._lock:
+            return [r for r in range(self.tensor_parallel_size) if r not in self._by_rank]
+
+    def complete(self) -> bool:
+        return self.expected and not self.missing_ranks()
+
+    def capacity(self) -> tuple[int, int]:
+        """The smallest GPU and CPU capacities among the registered workers."""
+        with self._lock:
+            records = list(self._by_rank.values())
+        return min(r.num_gpu_blocks for r in records), min(r.num_cpu_blocks for r in records)
+
+    def workers(self) -> list[WorkerRecord]:
+        with self._lock:
+            return [self._by_rank[r] for r in sorted(self._by_rank)]
+
+    def execute(self, plan: plan_pb2.ExecutionPlan) -> None:
+        """Send a plan to every rank in parallel; return when all acknowledged, else raise Unavailable."""
+        missing = self.missing_ranks()
+        if missing:
+            raise Unavailable(
+                f"step {plan.step_id}: worker rank(s) {missing} of {self.tensor_parallel_size} are not registered "
+                "(dead or not started); the step was not applied")
+        if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
+            return
+        request = worker_pb2.ExecutePlanRequest(plan=plan)
+        calls = [(w, w.stub.ExecutePlan.future(request, timeout=self.plan_timeout)) for w in self.workers()]
+        failures = []
+        for worker, call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                failures.append((worker, exc))
+        if failures:
+            for worker, _ in failures:
+                self.unregister(worker.worker_id)
+            worker, exc = failures[0]
+            raise Unavailable(
+                f"step {plan.step_id}: worker rank {worker.rank} at {worker.address} failed to execute the plan "
+                f"({exc.code().name}: {exc.details()}); the step was not applied")
+
+    def close(self) -> None:
+        with self._lock:
+            records, self._by_rank = list(self._by_rank.values()), {}
+        for record in records:
+            record.channel.close()
