@@ -180,7 +180,8 @@ class BlockManager:
             self.gpu.end_hold()
             self.cpu.end_hold()
         tables = self._batch(state.touched) if batch else BatchTables()
-        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables)
+        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
+                          self.gpu.num_available, self.cpu.num_available)
 
     def block_table(self, seq_id: str) -> Sequence:
         return self._get(seq_id)

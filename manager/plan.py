@@ -109,6 +109,8 @@ class StepResult:
     applied: bool
     plan: ExecutionPlan
     batch: BatchTables
+    gpu_blocks_available: int = 0  # free + evictable once the step ended
+    cpu_blocks_available: int = 0
 
 
 @dataclass(slots=True)

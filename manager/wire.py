@@ -141,7 +141,8 @@ def step_pb(ops: list[Operation], r: StepResult) -> pb.StepResponse:
             name, encode = _RESULT_FIELDS[type(op)]
             results.append(pb.OperationResult(**{name: encode(outcome.result)}))
     return pb.StepResponse(step_id=r.step_id, results=results, applied=r.applied, plan=plan_pb(r.plan),
-                           batch=batch_pb(r.batch))
+                           batch=batch_pb(r.batch), gpu_blocks_available=r.gpu_blocks_available,
+                           cpu_blocks_available=r.cpu_blocks_available)
 
 
 def block_table_pb(seq: Sequence) -> pb.GetBlockTableResponse:

@@ -202,18 +202,22 @@ class BatchTables(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., context_lens: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., block_tables: _Optional[_Iterable[int]] = ..., kv_indptr: _Optional[_Iterable[int]] = ..., kv_indices: _Optional[_Iterable[int]] = ..., kv_last_page_len: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "results", "applied", "plan", "batch")
+    __slots__ = ("step_id", "results", "applied", "plan", "batch", "gpu_blocks_available", "cpu_blocks_available")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     applied: bool
     plan: _plan_pb2.ExecutionPlan
     batch: BatchTables
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., applied: _Optional[bool] = ..., plan: _Optional[_Union[_plan_pb2.ExecutionPlan, _Mapping]] = ..., batch: _Optional[_Union[BatchTables, _Mapping]] = ...) -> None: ...
+    gpu_blocks_available: int
+    cpu_blocks_available: int
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., applied: _Optional[bool] = ..., plan: _Optional[_Union[_plan_pb2.ExecutionPlan, _Mapping]] = ..., batch: _Optional[_Union[BatchTables, _Mapping]] = ..., gpu_blocks_available: _Optional[int] = ..., cpu_blocks_available: _Optional[int] = ...) -> None: ...
 
 class GetBlockTableRequest(_message.Message):
     __slots__ = ("seq_id",)

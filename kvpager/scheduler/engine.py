@@ -1,0 +1,241 @@
+"""Continuous batching over the block manager (gRPC) and the workers (a ``runner`` callable).
+
+Each iteration: frees finished sequences, appends every running sequence's last sampled
+token, swaps preempted requests back in when room returns, admits waiting requests (their
+prompts, with cached prefixes skipped, and ``n > 1`` samples forked from the prompt), all
+in one ``Step``; the manager has the workers execute the step's swaps and copies before it
+answers; then the runner computes the step's tokens and the scheduler samples. When the
+next appends would not fit, the most recently admitted requests are preempted by swapping
+them out in a step of their own first (blocks freed in a step are only reusable after it),
+or, when the CPU pool is full too, freed and restarted from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from kvpager import client as C
+from kvpager.manager import errors
+from kvpager.v1 import block_manager_pb2 as pb
+from kvpager.worker.model import ModelInput
+
+from .request import Group, Request, RequestOutput, SeqState, sample
+
+Runner = Callable[[ModelInput], torch.Tensor]
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    steps: int = 0
+    tokens_computed: int = 0       # prompt + decode tokens the model ran
+    tokens_generated: int = 0
+    requests_finished: int = 0
+    preemptions: int = 0           # groups swapped out
+    restarts: int = 0              # groups freed and recomputed (no CPU room)
+    step_latencies: list[float] = field(default_factory=list)  # Step RPC round trips, seconds
+
+
+class Scheduler:
+    def __init__(self, client: C.BlockManagerClient, runner: Runner, block_size: int,
+                 max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None) -> None:
+        self.client = client
+        self.runner = runner
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        self.on_step = on_step
+        self.stats = SchedulerStats()
+        self.waiting: deque[Group] = deque()
+        self.running: list[Group] = []
+        self.swapped: deque[Group] = deque()
+        self.outputs: dict[str, RequestOutput] = {}
+        self._seqs: dict[str, SeqState] = {}
+        self._group_of: dict[str, Group] = {}
+        self._to_free: list[SeqState] = []
+        stats = client.get_stats()
+        self._available = stats.gpu.free_blocks + stats.gpu.cached_blocks
+        self._reserve = stats.watermark_blocks
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(self._new_group(request))
+
+    def run(self, requests: Iterable[Request] = ()) -> dict[str, RequestOutput]:
+        for request in requests:
+            self.add(request)
+        idle = 0
+        while self.waiting or self.running or self.swapped or self._to_free:
+            idle = 0 if self.step() else idle + 1
+            if idle > 3:
+                raise RuntimeError("no progress: the GPU pool is too small for the requests that remain")
+        return self.outputs
+
+    # ---- one iteration ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration; returns whether any token was computed."""
+        self._preempt_if_short()
+        ops, handlers = [], []
+
+        def add(op: pb.Operation, handler) -> None:
+            ops.append(op)
+            handlers.append(handler)
+
+        for seq in self._to_free:
+            add(C.free_op(seq.seq_id), None)
+        self._to_free.clear()
+        for group in self.running:
+            for seq in group.unfinished():
+                add(C.append_op(seq.seq_id, [seq.next_token]), None)
+        room = self._available - self._reserve - self._append_need()
+        while self.swapped and self._blocks(self.swapped[0]) <= room:
+            group = self.swapped.popleft()
+            room -= self._blocks(group)
+            add(C.swap_in_op([s.seq_id for s in group.unfinished()]), self._swapped_in(group))
+        budget = self.max_batch_tokens
+        while self.waiting and not self.swapped:
+            group = self.waiting[0]
+            prompt, n = group.request.prompt, group.request.params.n
+            need = -(-len(prompt) // self.block_size) + (n - 1)
+            if need > room or (len(prompt) > budget and budget < self.max_batch_tokens):
+                break
+            self.waiting.popleft()
+            room, budget = room - need, budget - len(prompt)
+            parent = group.seqs[0]
+            add(C.allocate_op(parent.seq_id, prompt, namespace=group.request.namespace), self._admitted(group))
+            for child in group.seqs[1:]:
+                add(C.fork_op(parent.seq_id, child.seq_id), None)
+
+        reply = self._step(ops)
+        for op, result, handler in zip(ops, reply.results, handlers):
+            err = C.result_error(result)
+            if handler is not None:
+                handler(err)
+            elif err is not None and not isinstance(err, errors.ResourceExhausted):
+                raise err  # an append, fork or free the scheduler believed valid
+        return self._compute(reply.batch)
+
+    def _compute(self, batch: pb.BatchTables) -> bool:
+        inp = ModelInput([], [], [], [0], [], [])
+        computed: list[SeqState] = []
+        offset, width = 0, batch.max_blocks
+        for i, seq_id in enumerate(batch.seq_ids):
+            q, ctx = batch.query_lens[i], batch.context_lens[i]
+            if q == 0:
+                continue
+            seq = self._seqs[seq_id]
+            inp.token_ids.extend(seq.tokens[ctx - q:ctx])
+            inp.positions.extend(range(ctx - q, ctx))
+            inp.slot_mapping.extend(batch.slot_mapping[offset:offset + q])
+            inp.query_start_loc.append(inp.query_start_loc[-1] + q)
+            inp.context_lens.append(ctx)
+            inp.block_tables.append(list(batch.block_tables[i * width:i * width + -(-ctx // self.block_size)]))
+            offset += q
+            computed.append(seq)
+        if not computed:
+            return False
+        logits = self.runner(inp)
+        self.stats.tokens_computed += len(inp.token_ids)
+        for seq, row, ctx in zip(computed, logits, inp.context_lens):
+            seq.num_cached = ctx
+            group = self._group_of[seq.seq_id]
+            # A prompt just computed gives the first token of every sample of its request.
+            targets = group.seqs if ctx == len(group.request.prompt) and seq is group.seqs[0] else [seq]
+            for target in targets:
+                target.num_cached = ctx
+                self._emit(group, target, sample(row, group.request.params, target.generator))
+        return True
+
+    # ---- results of operations -------------------------------------------------------------------------
+    def _admitted(self, group: Group):
+        def handle(err: Optional[errors.ManagerError]) -> None:
+            if err is None:
+                self.running.append(group)
+            elif isinstance(err, errors.ResourceExhausted):
+                self.waiting.appendleft(group)  # try again when room returns
+            else:
+                raise err
+        return handle
+
+    def _swapped_in(self, group: Group):
+        def handle(err: Optional[errors.ManagerError]) -> None:
+            if err is None:
+                self.running.append(group)
+            elif isinstance(err, errors.ResourceExhausted):
+                self.swapped.appendleft(group)
+            else:
+                raise err
+        return handle
+
+    def _emit(self, group: Group, seq: SeqState, token: int) -> None:
+        seq.tokens.append(token)
+        seq.num_generated += 1
+        self.stats.tokens_generated += 1
+        if seq.num_generated == group.request.params.max_new_tokens:
+            self._to_free.append(seq)
+            if group.done:
+                self.running.remove(group)
+                self.stats.requests_finished += 1
+                prompt_len = len(group.request.prompt)
+                self.outputs[group.request.request_id] = RequestOutput(
+                    group.request.request_id, [s.tokens[prompt_len:] for s in group.seqs])
+
+    # ---- preemption ------------------------------------------------------------------------------------
+    def _preempt_if_short(self) -> None:
+        while self._append_need() > self._available and len(self.running) > 1:
+            victim = self.running.pop()
+            live = victim.unfinished()
+            reply = self._step([C.swap_out_op([s.seq_id for s in live])])
+            err = C.result_error(reply.results[0])
+            if err is None:
+                self.swapped.append(victim)
+                self.stats.preemptions += 1
+            elif isinstance(err, (errors.ResourceExhausted, errors.OutOfRange)):
+                finished = [s for s in self._to_free if s in victim.seqs]
+                self._to_free = [s for s in self._to_free if s not in victim.seqs]
+                self._step([C.free_op(s.seq_id) for s in live + finished])  # no CPU room: recompute later
+                self.waiting.appendleft(self._new_group(victim.request))
+                self.stats.restarts += 1
+            else:
+                raise err
+
+    def _append_need(self) -> int:
+        """Blocks the next appends may take: a new block at each block boundary, and a
+        copy-on-write block for samples that may still share a partial last block."""
+        need = 0
+        for group in self.running:
+            live = group.unfinished()
+            for seq in live:
+                need += seq.num_cached % self.block_size == 0 or len(live) > 1
+        return need
+
+    def _blocks(self, group: Group) -> int:
+        return sum(-(-(s.num_cached + 1) // self.block_size) for s in group.unfinished())
+
+    # ---- plumbing ---------------------------------------------------------------------------------------
+    def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
+        started = time.perf_counter()
+        reply = self.client.step(ops)
+        self.stats.step_latencies.append(time.perf_counter() - started)
+        self.stats.steps += 1
+        self._available = reply.gpu_blocks_available
+        if self.on_step is not None:
+            self.on_step(self)
+        return reply
+
+    def _new_group(self, request: Request) -> Group:
+        params = request.params
+        group = Group(request)
+        for i in range(params.n):
+            seq_id = request.request_id if i == 0 else f"{request.request_id}#{i}"
+            generator = None
+            if params.temperature > 0:
+                generator = torch.Generator().manual_seed((params.seed or 0) * 1000003 + i)
+            seq = SeqState(seq_id, list(request.prompt), generator=generator)
+            group.seqs.append(seq)
+            self._seqs[seq_id] = seq
+        for seq in group.seqs:
+            self._group_of[seq.seq_id] = group
+        return group

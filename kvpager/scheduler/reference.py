@@ -1,0 +1,27 @@
+"""The oracle for end-to-end checks: greedy generation with a plain contiguous KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpager.worker.model import Llama
+
+from .request import Request
+
+
+def generate_contiguous(model: Llama, requests: list[Request]) -> dict[str, list[list[int]]]:
+    """Greedy tokens per request (all n samples are equal under greedy decoding), computed one
+    sequence at a time with past keys and values concatenated per step."""
+    outputs = {}
+    for request in requests:
+        if request.params.temperature > 0:
+            raise ValueError("the contiguous reference checks greedy decoding only")
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        logits = model.forward_contiguous(request.prompt, 0, past)
+        generated = [int(torch.argmax(logits))]
+        while len(generated) < request.params.max_new_tokens:
+            position = len(request.prompt) + len(generated) - 1
+            logits = model.forward_contiguous([generated[-1]], position, past)
+            generated.append(int(torch.argmax(logits)))
+        outputs[request.request_id] = [list(generated) for _ in range(request.params.n)]
+    return outputs

@@ -1,0 +1,170 @@
+"""A GPU worker: owns one tensor-parallel rank's KV cache and model shard, serves the manager's
+plans over gRPC, and runs the model step by step.
+
+A plain class, made a Ray actor where it is created (``ray.remote(num_gpus=1)(CacheWorker)``
+on a GPU node, CPU-only otherwise), so it is unit-tested without Ray and touches the device
+only once Ray has assigned one. ``start()`` sizes and allocates the cache, joins the
+tensor-parallel group, starts the gRPC server and registers with the manager; a daemon
+thread then sends heartbeats (registering again if the manager forgot it). Plans (from the
+gRPC thread) and model steps (from the actor's caller) are serialized by one lock; the
+manager's Step answers only after every worker executed its plan, and the scheduler runs
+the model only after Step answered, so each step's plan precedes its K/V writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvpager.v1 import block_manager_pb2 as pb
+from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+from kvpager.v1 import worker_pb2, worker_pb2_grpc
+
+from .kv_cache import CacheSpec, KVCache
+from .model import Llama, ModelConfig, ModelInput
+from .service import CacheWorkerService
+
+log = logging.getLogger("kvpager.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None  # explicit cache size; else memory_fraction of free memory
+    memory_fraction: float = 0.5
+    num_cpu_blocks: int = 256             # swap space
+    rank: int = 0
+    tensor_parallel_size: int = 1
+    manager_address: Optional[str] = None  # register with this block manager; None: standalone
+    dist_init_method: Optional[str] = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT) when TP > 1
+    host: str = "127.0.0.1"
+    device: Optional[str] = None          # default: the CUDA device Ray assigned, else the CPU
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class CacheWorker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = ""
+        self.address = ""
+        self.cache: Optional[KVCache] = None
+        self.model: Optional[Llama] = None
+        self._lock = threading.Lock()
+        self._server: Optional[grpc.Server] = None
+        self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+        self._stats = dict(plans_executed=0, blocks_swapped_out=0, blocks_swapped_in=0, blocks_copied=0,
+                           last_step_id=0)
+
+    # ---- life cycle ------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Allocate the cache, load the model shard, serve, register. Returns host:port."""
+        cfg = self.config
+        device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        all_reduce = None
+        if cfg.tensor_parallel_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.dist_init_method,
+                                    rank=cfg.rank, world_size=cfg.tensor_parallel_size)
+            all_reduce = dist.all_reduce
+        self.model = Llama(cfg.model, cfg.rank, cfg.tensor_parallel_size, device, all_reduce)
+        spec = CacheSpec(cfg.model.num_layers, self.model.kv_heads, cfg.model.head_dim, cfg.block_size,
+                         cfg.model.torch_dtype)
+        num_blocks = cfg.num_gpu_blocks or int(free_device_memory(device) * cfg.memory_fraction) // spec.block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
+        self.cache = KVCache(spec, num_blocks, cfg.num_cpu_blocks, device)
+        self._serve()
+        if cfg.manager_address:
+            self._register()
+            self._heartbeat = threading.Thread(target=self._beat, name="kvpager-heartbeat", daemon=True)
+            self._heartbeat.start()
+        log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s", cfg.rank, device,
+                 num_blocks, cfg.num_cpu_blocks, spec.block_bytes, self.address)
+        return self.address
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.stop(None)
+        if self.config.tensor_parallel_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _serve(self) -> None:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpager-worker"))
+        worker_pb2_grpc.add_CacheWorkerServicer_to_server(CacheWorkerService(self), server)
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        port = server.add_insecure_port(f"{self.config.host}:0")
+        server.start()
+        self._server = server
+        self.address = f"{self.config.host}:{port}"
+
+    def _register(self) -> None:
+        cfg = self.config
+        with grpc.insecure_channel(cfg.manager_address) as channel:
+            reply = pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(
+                address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
+                num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
+                block_size=cfg.block_size), timeout=30)
+        self.worker_id = reply.worker_id
+        self._interval = reply.heartbeat_interval_s
+
+    def _beat(self) -> None:
+        with grpc.insecure_channel(self.config.manager_address) as channel:
+            stub = pb_grpc.BlockManagerStub(channel)
+            while not self._stop.wait(self._interval):
+                try:
+                    if not stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id), timeout=5).registered:
+                        log.warning("the manager forgot worker %s; registering again", self.worker_id)
+                        self._register()
+                except grpc.RpcError as exc:
+                    log.warning("heartbeat failed: %s", exc.code().name)
+
+    # ---- work ----------------------------------------------------------------------------------------
+    def execute_plan(self, step_id: int, swap_out: tuple[Sequence[int], Sequence[int]],
+                     swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]]) -> None:
+        with self._lock:
+            self.cache.execute(swap_out, swap_in, copy)
+            if self.cache.device.type == "cuda":
+                torch.cuda.synchronize(self.cache.device)  # acknowledged means done
+            s = self._stats
+            s["plans_executed"] += 1
+            s["blocks_swapped_out"] += len(swap_out[0])
+            s["blocks_swapped_in"] += len(swap_in[0])
+            s["blocks_copied"] += len(copy[0])
+            s["last_step_id"] = step_id
+
+    def execute_model(self, inp: ModelInput) -> Optional[torch.Tensor]:
+        """Run one step; rank 0 returns the float32 logits of each sequence's last token (on the CPU)."""
+        with self._lock:
+            logits = self.model.forward_paged(inp, self.cache.layer)
+        return logits.cpu() if self.config.rank == 0 else None
+
+    def memory_stats(self) -> worker_pb2.WorkerMemoryStats:
+        cache = self.cache
+        return worker_pb2.WorkerMemoryStats(
+            worker_id=self.worker_id, device=str(cache.device), num_gpu_blocks=cache.num_gpu_blocks,
+            num_cpu_blocks=cache.num_cpu_blocks, block_bytes=cache.spec.block_bytes,
+            gpu_cache_bytes=cache.gpu.numel() * cache.gpu.element_size(),
+            cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(), **self._stats)
