@@ -172,6 +172,18 @@ class BlockPool:
     def hash_of(self, block_id: int) -> Optional[bytes]:
         return self.blocks[block_id].block_hash
 
+    def forget_contents(self) -> None:
+        """Drop every content hash (a worker was replaced: what its blocks held is gone).
+        CACHED blocks become FREE; USED blocks stay with their sequences. O(num_blocks)."""
+        while self._head.next is not self._tail:
+            block = self._head.next
+            self._lru_remove(block)
+            block.block_hash = None
+            self._park(block)
+        for block in self.blocks:
+            block.block_hash = None
+        self._hash_to_block.clear()
+
     # ---- steps --------------------------------------------------------------------------
     def hold_releases(self) -> None:
         """From now until ``end_hold``, released blocks are HELD instead of reusable."""

@@ -136,6 +136,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))
 
     def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
+        replacing = request.rank in self.registry.ranks_seen
         record = self.registry.register(request)
         if self.manager is not None:
             gpu, cpu = self.manager.gpu.num_blocks, self.manager.cpu.num_blocks
@@ -150,6 +151,11 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             log.info("pools sized from the workers: %d GPU and %d CPU blocks", gpu, cpu)
         if self.manager is not None:
             self.manager.dispatch = self._dispatch
+            if replacing:
+                # The replaced worker's cache contents are gone: no prefix may be served from them.
+                # (Running sequences lost their K/V on that rank; their scheduler must recompute them.)
+                self.manager.gpu.forget_contents()
+                log.warning("rank %d replaced: prefix cache cleared", record.rank)
         log.info("registered %s (rank %d of %d) at %s", record.worker_id, record.rank,
                  self.registry.tensor_parallel_size, record.address)
         self._start_monitor()

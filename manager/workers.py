@@ -50,6 +50,7 @@ class WorkerRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_rank: dict[int, WorkerRecord] = {}
+        self.ranks_seen: set[int] = set()  # ranks that ever registered: a new one there is a replacement
         self._ids = itertools.count(1)
 
     @property
@@ -83,6 +84,7 @@ class WorkerRegistry:
                 stub=worker_pb2_grpc.CacheWorkerStub(channel), last_seen=self._clock(),
             )
             self._by_rank[req.rank] = record
+            self.ranks_seen.add(req.rank)
         if old is not None:
             old.channel.close()
         return record
@@ -133,14 +135,15 @@ class WorkerRegistry:
             return [self._by_rank[r] for r in sorted(self._by_rank)]
 
     def execute(self, plan: plan_pb2.ExecutionPlan) -> None:
-        """Send a plan to every rank in parallel; return when all acknowledged, else raise Unavailable."""
+        """Send a plan to every rank in parallel; return when all acknowledged, else raise Unavailable.
+        A plan with nothing to move needs no worker."""
+        if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
+            return
         missing = self.missing_ranks()
         if missing:
             raise Unavailable(
                 f"step {plan.step_id}: worker rank(s) {missing} of {self.tensor_parallel_size} are not registered "
                 "(dead or not started); the step was not applied")
-        if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
-            return
         request = worker_pb2.ExecutePlanRequest(plan=plan)
         calls = [(w, w.stub.ExecutePlan.future(request, timeout=self.plan_timeout)) for w in self.workers()]
         failures = []

@@ -80,6 +80,8 @@ class CacheWorker:
         if cfg.tensor_parallel_size > 1:
             import torch.distributed as dist
 
+            if device.type == "cpu":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep traffic on loopback
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.dist_init_method,
                                     rank=cfg.rank, world_size=cfg.tensor_parallel_size)
             all_reduce = dist.all_reduce
