@@ -63,11 +63,15 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(self._new_group(request))
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._to_free)
+
     def run(self, requests: Iterable[Request] = ()) -> dict[str, RequestOutput]:
         for request in requests:
             self.add(request)
         idle = 0
-        while self.waiting or self.running or self.swapped or self._to_free:
+        while self.has_work:
             idle = 0 if self.step() else idle + 1
             if idle > 3:
                 raise RuntimeError("no progress: the GPU pool is too small for the requests that remain")
