@@ -1,121 +1,252 @@
-"""Pure-torch reference kernels over the paged KV cache: the oracle for the CUDA kernels and
-what runs where there is no GPU. Device-agnostic; softmax and accumulation in float32.
+"""Pure-torch reference kernels over the paged KV cache.
 
-Cache layout (see ``kvpager.worker.kv_cache``): a worker's whole cache is block-major,
-``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``; attention takes one
-layer's views ``k_cache = cache[:, layer, 0]`` and ``v_cache = cache[:, layer, 1]``, each
-``[num_blocks, num_kv_heads, block_size, head_dim]`` and not contiguous (any block stride).
-A token's slot is ``block_id * block_size + offset``.
+These are the oracle that the CUDA kernels must match, and what runs where there is no GPU.
+They are device-agnostic (CPU or CUDA tensors), take fp32/fp16/bf16 inputs, and do the
+softmax and its accumulation in float32 (float64 inputs stay float64).
+
+Cache layout (fixed by the project, see ``kvpager.worker.kv_cache``). A worker's whole cache is
+one block-major tensor::
+
+    kv_cache  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+
+with K at index 0 and V at index 1 of dim 2, so one block's data for every layer is one
+contiguous chunk: copy and swap move one chunk per block. Attention reads one layer through
+the views::
+
+    k_cache = kv_cache[:, layer, 0]  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache = kv_cache[:, layer, 1]  # same shape
+
+which are NOT contiguous (the block stride is num_layers * 2 * num_kv_heads * block_size *
+head_dim); every function here accepts such views and writes through them in place.
+A token's slot is ``block_id * block_size + offset``. Sequence i's tokens live in the blocks
+``block_tables[i, 0], block_tables[i, 1], ...``, in order; table entries past its context are
+padding and never dereferenced, nor is any slot past its context read into a result.
 """
 
 from __future__ import annotations
 
 import torch
 
+__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks"]
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into their slots, in place; a negative slot is padding and skipped.
+    """Scatter new K/V into their slots, in place. A negative slot is padding and is skipped;
+    two tokens mapped to the same slot leave either one (the manager never plans that).
 
-    key, value:       [num_tokens, num_kv_heads, head_dim]
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-    slot_mapping:     [num_tokens] int64
+    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
+    slot_mapping:     [num_tokens] int64 (any integer dtype)
     """
-    _check_cache(k_cache, v_cache)
-    if key.shape != value.shape or key.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
-        raise ValueError(f"key/value {tuple(key.shape)} do not fit a cache of {tuple(k_cache.shape)}")
+    _check_caches(k_cache, v_cache)
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], "
+                         f"got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
+        raise ValueError(f"key/value heads and head_dim {tuple(key.shape[1:])} do not match the cache's "
+                         f"{(k_cache.shape[1], k_cache.shape[3])}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} != cache dtype {k_cache.dtype}")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    block_size = k_cache.shape[2]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = value[keep].to(v_cache.dtype)
+    blocks, offsets = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    # Indices on dims 0 and 2 around a slice: the indexed result is [n, num_kv_heads, head_dim].
+    k_cache[blocks, :, offsets] = key[keep]
+    v_cache[blocks, :, offsets] = value[keep]
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence over its block table (GQA, ragged lengths).
+    """One new token per sequence attending to all of its cached tokens (its own included).
 
-    query:        [num_seqs, num_q_heads, head_dim]
-    block_tables: [num_seqs, max_blocks] int32 (entries past the context are never read)
-    context_lens: [num_seqs] int32, each >= 1
-    returns       [num_seqs, num_q_heads, head_dim] in query's dtype
+    query:            [num_seqs, num_q_heads, head_dim]
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
+    block_tables:     [num_seqs, max_blocks] int32, padded rows
+    context_lens:     [num_seqs] int32, ragged, each >= 1
+    returns           [num_seqs, num_q_heads, head_dim] in query's dtype
+
+    GQA: q head h reads kv head h // (num_q_heads // num_kv_heads).
     """
-    starts = torch.arange(query.shape[0] + 1, device=query.device, dtype=torch.int32)
+    if query.shape[:1] != context_lens.shape[:1]:
+        raise ValueError(f"query {tuple(query.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"disagree on num_seqs")
+    # Decode is prefill with one query per sequence.
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, starts, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cache (a cached prefix
-    included); the new tokens' K/V must already be written.
+    """Causal attention of each sequence's new tokens over its whole cache, a cached prefix
+    included. The new tokens' K/V must already be in the cache (``write_kv``).
 
-    query:           [total_query_tokens, num_q_heads, head_dim], sequence after sequence
-    query_start_loc: [num_seqs + 1] int32; sequence i's queries are rows [start[i], start[i+1])
-    context_lens:    [num_seqs] int32: cached tokens after the write, the new ones included;
-                     query j of sequence i sits at position context_len - query_len + j
-    returns          [total_query_tokens, num_q_heads, head_dim] in query's dtype
+    query:            [total_query_tokens, num_q_heads, head_dim], sequence after sequence
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
+    block_tables:     [num_seqs, max_blocks] int32, padded rows
+    context_lens:     [num_seqs] int32: tokens in cache after the write, the new ones included
+    query_start_loc:  [num_seqs + 1] int32 CSR offsets; sequence i's queries are
+                      query[query_start_loc[i]:query_start_loc[i + 1]]
+    returns           [total_query_tokens, num_q_heads, head_dim] in query's dtype
+
+    Query j of sequence i (query_len q_i, context c_i) sits at position c_i - q_i + j and sees
+    the cache positions <= its own. GQA as in ``paged_decode_attention``.
+
+    Sequences are padded to the longest query and context of the batch (a reference, not a
+    fast path): memory is O(num_seqs * num_q_heads * max_query_len * max_context_len).
     """
-    _check_cache(k_cache, v_cache)
-    num_q_heads, num_kv_heads = query.shape[1], k_cache.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if query.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
-    group, block_size = num_q_heads // num_kv_heads, k_cache.shape[2]
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
+    num_seqs = context_lens.shape[0]
+    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must be [num_seqs, max_blocks] and [num_seqs]")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for i, ctx in enumerate(lens):
-        q = query[starts[i]:starts[i + 1]].float()  # [q_len, Hq, D]
-        q_len = q.shape[0]
-        if q_len == 0:
-            continue
-        num_blocks = -(-ctx // block_size)
-        table = block_tables[i, :num_blocks].long()
-        # [blocks, Hkv, B, D] -> [Hkv, ctx, D]
-        keys = k_cache[table].transpose(0, 1).reshape(num_kv_heads, -1, k_cache.shape[3])[:, :ctx].float()
-        values = v_cache[table].transpose(0, 1).reshape(num_kv_heads, -1, v_cache.shape[3])[:, :ctx].float()
-        keys = keys.repeat_interleave(group, dim=0)      # [Hq, ctx, D]
-        values = values.repeat_interleave(group, dim=0)
-        scores = torch.einsum("qhd,hkd->hqk", q, keys) * scale
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        k_pos = torch.arange(ctx, device=query.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,hkd->qhd", scores.softmax(dim=-1), values).to(query.dtype)
+    if num_seqs == 0:
+        return out
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    dev = query.device
+    starts = query_start_loc.to(dev, torch.int64)
+    ctx = context_lens.to(dev, torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+
+    # One host sync for every data-dependent check and size.
+    first, last, max_ctx, max_q, min_q, too_long = torch.stack(
+        [starts[0], starts[-1], ctx.max(), q_lens.max(), q_lens.min(), (q_lens > ctx).sum()]).tolist()
+    if first != 0 or last != num_tokens or min_q < 0:
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}")
+    if too_long:
+        raise ValueError("a sequence has more queries than context tokens")
+    if max_ctx > block_tables.shape[1] * block_size:
+        raise ValueError(f"context of {max_ctx} tokens exceeds the {block_tables.shape[1]} blocks of block_tables")
+    if num_tokens == 0:
+        return out
+
+    # Gather each sequence's K/V: [num_seqs, num_kv_heads, max_ctx_pad, head_dim].
+    n_blocks = -(-max_ctx // block_size)
+    tables = block_tables[:, :n_blocks].to(dev, torch.int64)                         # [S, n_blocks]
+    used = torch.arange(n_blocks, device=dev) * block_size < ctx[:, None]            # [S, n_blocks]
+    tables = torch.where(used, tables, torch.zeros_like(tables))  # padding entries never dereferenced
+    acc = torch.promote_types(query.dtype, torch.float32)
+    k_pos = torch.arange(n_blocks * block_size, device=dev)                          # [P]
+    in_ctx = k_pos < ctx[:, None]                                                    # [S, P]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        x = cache[tables]                              # [S, n_blocks, Hkv, B, D]
+        x = x.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim).to(acc)   # [S, Hkv, P, D]
+        # Zero slots past the context, so stale NaN/inf there cannot leak in through 0 * x.
+        return torch.where(in_ctx[:, None, :, None], x, torch.zeros((), dtype=acc, device=dev))
+
+    keys, values = gather(k_cache), gather(v_cache)
+
+    # Pad queries to [S, max_q, Hkv, group, D]; token t is query j of sequence seq[t].
+    group = num_q_heads // num_kv_heads
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens, output_size=num_tokens)  # [T]
+    j = torch.arange(num_tokens, device=dev) - starts[seq]                                           # [T]
+    q = torch.zeros(num_seqs, max_q, num_q_heads, head_dim, dtype=acc, device=dev)
+    q[seq, j] = query.to(acc)
+    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim)
+
+    q_pos = ctx[:, None] - q_lens[:, None] + torch.arange(max_q, device=dev)     # [S, max_q]
+    visible = (k_pos <= q_pos[:, :, None]) & in_ctx[:, None, :]                  # [S, max_q, P]
+    # Every real query sees at least its own token; padding rows (discarded) see the whole context.
+    scores = torch.einsum("sqhgd,shpd->shgqp", q, keys) * scale                  # [S, Hkv, G, max_q, P]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.einsum("shgqp,shpd->sqhgd", probs, values)                       # [S, max_q, Hkv, G, D]
+    out.copy_(res.reshape(num_seqs, max_q, num_q_heads, head_dim)[seq, j])
     return out
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole blocks (all layers, K and V) within one block-major cache, in place.
+    """Copy whole blocks (every layer, K and V) within one block-major cache, in place:
+    ``kv_cache[dst[i]] = kv_cache[src[i]]``.
 
-    kv_cache: [num_blocks, ...]; src, dst: [num_pairs] int64. No dst may also be a src in the
-    same call (the manager never plans such chains).
+    kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    src, dst: [num_pairs] int64 block ids, on any device
+
+    Pairs must not chain: no dst is also a src in the same call, and no dst repeats (the
+    manager guarantees both). Here the sources happen to be gathered before any write, but a
+    kernel that copies pair by pair may not, so callers must not rely on an order.
     """
-    if src.shape != dst.shape:
-        raise ValueError(f"{src.numel()} sources but {dst.numel()} destinations")
-    if src.numel():
-        kv_cache[dst.to(kv_cache.device)] = kv_cache[src.to(kv_cache.device)]
+    _check_pairs(src, dst)
+    if src.numel() == 0:
+        return
+    dev = kv_cache.device
+    kv_cache.index_copy_(0, dst.to(dev, torch.int64), kv_cache.index_select(0, src.to(dev, torch.int64)))
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst_cache[dst[i]] = src_cache[src[i]]`` between two block-major caches (e.g. device and
-    host): one gather, one copy across devices, one scatter, not one copy per block.
+    """Move whole blocks between two block-major caches, e.g. the GPU cache and the CPU swap
+    space: ``dst_cache[dst[i]] = src_cache[src[i]]``.
+
+    src_cache: [num_src_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    dst_cache: [num_dst_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], same dtype
+    src, dst:  [num_pairs] int64 block ids, on any device
+
+    The blocks are gathered into one contiguous tensor, moved across devices in one copy (not
+    one per block), then scattered. When the host side is pinned, the copy is non_blocking:
+    host-to-device stays ordered on the current stream before the scatter; device-to-host
+    waits for that stream before the host reads the staging buffer.
     """
-    if src.shape != dst.shape:
-        raise ValueError(f"{src.numel()} sources but {dst.numel()} destinations")
+    _check_pairs(src, dst)
     if src_cache.shape[1:] != dst_cache.shape[1:] or src_cache.dtype != dst_cache.dtype:
-        raise ValueError(f"caches differ: {tuple(src_cache.shape)} {src_cache.dtype} vs "
+        raise ValueError(f"caches differ beyond num_blocks: {tuple(src_cache.shape)} {src_cache.dtype} vs "
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype}")
-    if not src.numel():
+    if src.numel() == 0:
         return
-    gathered = src_cache[src.to(src_cache.device)]
-    # Blocking: the scatter below reads the copied data at once. (The CUDA path overlaps.)
-    dst_cache[dst.to(dst_cache.device)] = gathered.to(dst_cache.device)
+    src_ids = src.to(src_cache.device, torch.int64)
+    dst_ids = dst.to(dst_cache.device, torch.int64)
+    if src_cache.device == dst_cache.device:
+        dst_cache.index_copy_(0, dst_ids, src_cache.index_select(0, src_ids))
+        return
+    shape = (src.numel(), *src_cache.shape[1:])
+    if src_cache.device.type == "cpu":                      # host -> device (swap-in)
+        pinned = src_cache.is_pinned()
+        staging = torch.empty(shape, dtype=src_cache.dtype, pin_memory=pinned)
+        torch.index_select(src_cache, 0, src_ids, out=staging)
+        # The caching host allocator keeps the pinned staging alive until the copy is done.
+        dst_cache.index_copy_(0, dst_ids, staging.to(dst_cache.device, non_blocking=pinned))
+    elif dst_cache.device.type == "cpu":                    # device -> host (swap-out)
+        pinned = dst_cache.is_pinned()
+        staging = torch.empty(shape, dtype=dst_cache.dtype, pin_memory=pinned)
+        staging.copy_(src_cache.index_select(0, src_ids), non_blocking=pinned)
+        if pinned:
+            torch.cuda.current_stream(src_cache.device).synchronize()   # before the host reads it
+        dst_cache.index_copy_(0, dst_ids, staging)
+    else:                                                   # device -> another device
+        dst_cache.index_copy_(0, dst_ids, src_cache.index_select(0, src_ids).to(dst_cache.device))
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k/v caches must be [num_blocks, num_kv_heads, block_size, head_dim], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError(f"k_cache is {k_cache.dtype} on {k_cache.device}, v_cache {v_cache.dtype} on {v_cache.device}")
+
+
+def _check_query(query: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    if head_dim != k_cache.shape[3]:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads (GQA)")
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
+    if query.device != k_cache.device:
+        raise ValueError(f"query on {query.device} but cache on {k_cache.device}")
+    return num_tokens, num_q_heads, head_dim
+
+
+def _check_pairs(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.dim() != 1 or src.shape != dst.shape:
+        raise ValueError(f"src and dst must be [num_pairs], got {tuple(src.shape)} and {tuple(dst.shape)}")
