@@ -41,6 +41,8 @@ class RayWorkerGroup:
             use_gpu = ray.cluster_resources().get("GPU", 0) >= tensor_parallel_size
         self.use_gpu = use_gpu
         resources = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
+        if not use_gpu:  # a CPU actor on a GPU host still sees the GPUs: keep it off them
+            config = dataclasses.replace(config, device=config.device or "cpu")
         actor = ray.remote(**resources)(CacheWorker)
         rendezvous = f"tcp://127.0.0.1:{_free_port()}" if tensor_parallel_size > 1 else None
         self.configs = [
