@@ -416,16 +416,14 @@ class BlockManager:
                 f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
                 f"and {self.watermark_blocks} are kept in reserve")
 
+        # Take the cache hits first, so that allocating the other blocks cannot evict them.
+        for g in dict.fromkeys(reuse.values()):  # two CPU copies of one block map to one GPU block
+            gpu.acquire(g)
         mapping = BlockMapping()
         to_gpu: dict[int, int] = {}
-        acquired: set[int] = set()
         for c in distinct:
             g = reuse.get(c)
-            if g is not None:
-                if g not in acquired:  # two CPU copies of one block map to one GPU block
-                    gpu.acquire(g)
-                    acquired.add(g)
-            else:
+            if g is None:
                 g = gpu.allocate()
                 gpu.fill(g, cpu.blocks[c].num_filled)
                 h = cpu.hash_of(c)
