@@ -169,3 +169,24 @@ def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_clus
             check_against_reference(client, service, group, make_requests(8, 3))
         finally:
             group.stop()
+
+
+def test_seeded_sampling_is_reproducible_and_samples_differ():
+    with manager_sized_by_workers() as (client, service):
+        worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=16,
+                                          manager_address=client.target))
+        worker.start()
+        try:
+            def run(seed: int):
+                request = Request(f"s{seed}-{time.monotonic_ns()}", list(range(20, 31)),
+                                  SamplingParams(max_new_tokens=12, n=3, temperature=1.0, seed=seed))
+                return Scheduler(client, worker.execute_model, block_size=BLOCK).run([request])[request.request_id]
+
+            first, again, other = run(11), run(11), run(12)
+            assert first.samples == again.samples
+            assert len({tuple(s) for s in first.samples}) > 1  # the n samples are not copies
+            assert first.samples != other.samples
+            with service.lock:
+                service.manager.check_invariants()
+        finally:
+            worker.stop()
