@@ -3,15 +3,15 @@ live sequences, and one scheduler Step over gRPC against an empty RPC.
 
     .venv/bin/python benchmarks/manager_bench.py [--quick] [--json PATH] [--profile]
 
-Part 1 and 2, in process (``kvpager.manager.BlockManager``, no gRPC). Two managers are built,
-one with 1,000 and one with 100,000 live sequences (prompts of 24 token ids, prefix caching
-on, both pools with the same 50,000 blocks of headroom), and every operation is timed one
-call at a time with ``time.perf_counter_ns``, in rounds that alternate between the two
-managers so that drift of the machine hits both alike. Appends and forks go to live
-sequences taken in a shuffled order, so the large manager is measured with its data out of
-the CPU caches, as a scheduler's batch would find it. A sequence that grew past its next
-block boundary is freed and allocated again (untimed), which keeps the population steady.
-The operations:
+Parts 1 and 2, in process (``kvpager.manager.BlockManager``, no gRPC). Two managers are built,
+one with 1,000 and one with 100,000 live sequences (prompts of 24 to 32 token ids, prefix
+caching on, both pools with the same 50,000 blocks of headroom), and every operation is timed
+one call at a time with ``time.perf_counter_ns``, after a warm-up, in rounds that alternate
+between the two managers so that drift of the machine hits both alike. Appends and forks go
+to live sequences taken in a shuffled order, so the large manager is measured with its data
+out of the CPU caches, as a scheduler's batch would find it. A sequence that grew past its
+next block boundary is freed and allocated again (untimed), which keeps the population
+steady. The operations:
 
 - append, one token with its id, in three kinds: into the same block; the one that fills a
   block (it hashes and registers the block for prefix caching); the one that crosses a block
@@ -21,21 +21,28 @@ The operations:
 - fork+free of a live sequence (2-3 blocks);
 - a Step of 256 appends (one token each, to 256 live sequences).
 
-Part 3, over gRPC on loopback: a real server (``python -m kvpager.manager --port 0`` in a
-subprocess by default, so client and server do not share a GIL; ``--server inprocess`` runs
-``create_server`` in this process instead). Steps appending one token to each of 1, 64, 256
-and 1,024 sequences (prompts of 64 tokens, re-allocated every 32 steps so contexts stay
+Python's garbage collector stays on; how often it ran and what one full collection costs with
+both managers alive are printed too (full collections are what the p99/max columns catch).
+
+Part 3, over gRPC on loopback: a real server in a subprocess (the ``main()`` of ``python -m
+kvpager.manager --port 0``, with its Step handler wrapped by timers, see ``serve_timed``), so
+client and server do not share a GIL; ``--server inprocess`` runs ``create_server`` in this
+process instead (no server-side timings then). Steps appending one token to each of 1, 64,
+256 and 1,024 sequences (prompts of 64 tokens, re-allocated every 32 rounds so contexts stay
 between 64 and 96 tokens) and the empty ``Ping`` RPC are called in a shuffled order each
 round, so they share the same conditions; round trips are timed around the stub call
 (request serialization and response parsing included, building the request message not).
+The server-side timings split each Step into decode (``wire.step_ops``), manager
+(``BlockManager.step``), encode (``wire.step_pb``) and what lies outside the handler (gRPC,
+protobuf parsing and serialization, the client).
 
 Part 3b, the same Step path without gRPC, stage by stage, in this process: serialize the
 request, parse it (server), ``wire.step_ops``, ``BlockManager.step``, ``wire.step_pb``,
 serialize the answer, parse it (client). ``--profile`` adds a cProfile of that path for
 Step(256).
 
-Percentiles are nearest-rank. Timings are wall-clock on a shared machine: the load average
-is printed (and written to --json) with the results.
+Percentiles are nearest-rank. Timings are wall-clock on a possibly shared machine: the load
+average is printed (and written to --json) with the results.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -68,12 +76,12 @@ from google.protobuf.internal import api_implementation
 from kvpager.client import BlockManagerClient, allocate_op, free_op
 from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager import wire
-from kvpager.manager.operations import AllocateOp, AppendOp, FreeOp
+from kvpager.manager.operations import AllocateOp, AppendOp
 from kvpager.manager.service import create_server
 from kvpager.v1 import block_manager_pb2 as pb
 
 BLOCK_SIZE = 16
-LIVE_PROMPT = 24          # tokens of each live sequence's prompt: 2 blocks, the second half full
+LIVE_PROMPT = 24          # tokens of a live sequence's prompt (2 blocks); it then grows to 33 and starts over
 OP_PROMPT = 128           # tokens of the prompts of allocate+free and prefix hit: 8 blocks
 HEADROOM_BLOCKS = 50_000  # free blocks beyond the live sequences' needs, the same in both managers
 STEP_APPENDS = 256        # appends in the in-process Step row
@@ -95,8 +103,8 @@ def percentile(sorted_ns: list[int], q: float) -> float:
 
 def summarize(samples_ns: list[int]) -> dict:
     s = sorted(samples_ns)
-    return {"p50_us": percentile(s, 50), "p99_us": percentile(s, 99), "mean_us": statistics.fmean(s) / 1000,
-            "n": len(s)}
+    return {"p50_us": percentile(s, 50), "p99_us": percentile(s, 99), "max_us": s[-1] / 1000,
+            "mean_us": statistics.fmean(s) / 1000, "n": len(s)}
 
 
 def prompt(tag: int, length: int) -> list[int]:
@@ -130,11 +138,14 @@ class LiveManager:
         self.samples: dict[str, list[int]] = {row: [] for row in INPROCESS_ROWS}
         self._tag = 0
         self.ids = [f"live-{i}" for i in range(live)]
-        self.lengths = [LIVE_PROMPT] * live
-        # Grow each sequence until it has crossed into its next block, then start it over.
+        # Each sequence grows until it has crossed into its next block, then starts over from
+        # LIVE_PROMPT tokens. Their lengths start spread evenly over that cycle, so that every
+        # kind of append comes up at its steady-state rate however few appends each one gets.
         self.reset_at = (LIVE_PROMPT // BLOCK_SIZE + 1) * BLOCK_SIZE + 1
+        cycle = self.reset_at - LIVE_PROMPT
+        self.lengths = [LIVE_PROMPT + i % cycle for i in range(live)]
         for start in range(0, live, 1000):  # one step per 1,000 allocations: quicker to build
-            ops = [AllocateOp(sid, self._prompt(LIVE_PROMPT)) for sid in self.ids[start:start + 1000]]
+            ops = [AllocateOp(self.ids[i], self._prompt(self.lengths[i])) for i in range(start, min(live, start + 1000))]
             result = self.mgr.step(ops, all_or_nothing=True, batch=False)
             assert result.applied, result.outcomes
         self.order = list(range(live))
@@ -234,9 +245,9 @@ def run_inprocess(live_counts: tuple[int, int], reps: int, step_reps: int, round
         log(f"  built a manager with {live:,} live sequences in {time.perf_counter() - t0:.1f} s")
     gc.collect()
 
-    # One call of each, per round and manager: `reps` samples per row over all rounds. An append
-    # crosses into a new block once every (reset_at - LIVE_PROMPT) appends, so it runs that
-    # many times more often for that row to get its `reps` samples.
+    # Each round takes 1/rounds of every row's samples, on both managers in turn. Only one
+    # append in (reset_at - LIVE_PROMPT) crosses into a new block, so appends run that many
+    # times more often, for that row to get its `reps` samples too.
     appends_per_new = managers[0].reset_at - LIVE_PROMPT
     work: list[tuple[Callable[[LiveManager, int], None], int]] = [
         (LiveManager.time_appends, appends_per_new * reps),
@@ -254,10 +265,18 @@ def run_inprocess(live_counts: tuple[int, int], reps: int, step_reps: int, round
     one_round(0.05, flip=False)  # warm-up, not recorded
     for m in managers:
         m.clear_samples()
+    collections_before = [g["collections"] for g in gc.get_stats()]
     t0 = time.perf_counter()
     for r in range(rounds):
         one_round(1 / rounds, flip=bool(r % 2))
     log(f"  timed {rounds} rounds in {time.perf_counter() - t0:.1f} s")
+    # Python's cyclic garbage collector runs during the timed calls like it would in a server; a
+    # full (generation 2) collection walks every tracked object, the managers' included.
+    collections = [g["collections"] - before for g, before in zip(gc.get_stats(), collections_before)]
+    t0 = perf_ns()
+    gc.collect()
+    gc_info = {"collections_during_timing": collections, "tracked_objects": len(gc.get_objects()),
+               "full_collection_ms": (perf_ns() - t0) / 1e6}
     for m in managers:
         m.mgr.check_invariants()
 
@@ -267,47 +286,102 @@ def run_inprocess(live_counts: tuple[int, int], reps: int, step_reps: int, round
         a, b = summarize(small.samples[row]), summarize(large.samples[row])
         results[row] = {str(small.live): a, str(large.live): b,
                         "ratio_p50": b["p50_us"] / a["p50_us"], "ratio_p99": b["p99_us"] / a["p99_us"]}
-    return results
+    return {"operations": results, "gc": gc_info}
 
 
 # ---- part 3: Step round trips over gRPC -----------------------------------------------------------
+@dataclass
+class Server:
+    address: str
+    # One row per Step served: (operations, handler ns, decode ns, manager ns, encode ns);
+    # filled in when a subprocess server exits (see ``serve_timed``), empty otherwise.
+    step_rows: list[list[int]] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def manager_server(config: ManagerConfig, mode: str) -> Iterator[str]:
-    """A block manager server on 127.0.0.1; yields its address."""
+def manager_server(config: ManagerConfig, mode: str) -> Iterator[Server]:
+    """A block manager server on 127.0.0.1, stopped on exit."""
     if mode == "inprocess":
         server, port, service, _ = create_server(config, "127.0.0.1:0")
         server.start()
         try:
-            yield f"127.0.0.1:{port}"
+            yield Server(f"127.0.0.1:{port}")
         finally:
             server.stop(0).wait()
             service.close()
         return
-    cmd = [sys.executable, "-m", "kvpager.manager", "--port", "0", "--grace", "1",
-           "--block-size", str(config.block_size), "--num-gpu-blocks", str(config.num_gpu_blocks),
-           "--num-cpu-blocks", str(config.num_cpu_blocks)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+)", line)
-        if match is None:
-            raise RuntimeError(f"the manager did not start: {line!r} (exit code {proc.poll()})")
-        yield match.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryDirectory(prefix="manager_bench-") as tmp:
+        timings_path = os.path.join(tmp, "step_timings.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve-timed", timings_path,
+               "--port", "0", "--grace", "1", "--block-size", str(config.block_size),
+               "--num-gpu-blocks", str(config.num_gpu_blocks), "--num-cpu-blocks", str(config.num_cpu_blocks)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            line = proc.stdout.readline()
+            match = re.search(r"listening on (\S+)", line)
+            if match is None:
+                raise RuntimeError(f"the manager did not start: {line!r} (exit code {proc.poll()})")
+            server = Server(match.group(1))
+            yield server
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if os.path.exists(timings_path):
+            with open(timings_path) as f:
+                server.step_rows = json.load(f)
+
+
+def serve_timed(timings_path: str, server_argv: list[str]) -> int:
+    """The benchmark's server process: the main() of ``python -m kvpager.manager`` itself, with the
+    Step handler and its three stages (wire.step_ops, BlockManager.step, wire.step_pb) wrapped
+    by timers. On exit it writes one row per Step to ``timings_path`` (see ``Server.step_rows``)."""
+    from kvpager.manager import __main__ as manager_main
+    from kvpager.manager import service as service_mod
+
+    rows: list[list[int]] = []
+    stage_ns: dict[str, int] = {}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            t0 = perf_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stage_ns[name] = perf_ns() - t0
+        return wrapper
+
+    # The servicer calls these through the module and the class, so the wrappers are seen.
+    wire.step_ops = timed("decode", wire.step_ops)
+    wire.step_pb = timed("encode", wire.step_pb)
+    BlockManager.step = timed("manager", BlockManager.step)
+    handler = service_mod.BlockManagerService.Step
+
+    def timed_handler(self, request, context):
+        stage_ns.clear()
+        t0 = perf_ns()
+        reply = handler(self, request, context)
+        rows.append([len(request.operations), perf_ns() - t0,
+                     stage_ns.get("decode", 0), stage_ns.get("manager", 0), stage_ns.get("encode", 0)])
+        return reply
+
+    service_mod.BlockManagerService.Step = timed_handler
+    code = manager_main.main(server_argv)
+    with open(timings_path, "w") as f:
+        json.dump(rows, f)
+    return code
 
 
 class DecodeBatches:
     """Sequences to append to, one set per Step size, each sequence with a GRPC_PROMPT-token prompt.
 
     ``requests[n]`` is the StepRequest appending one token to each of the n sequences of set n
-    (built once; the client sends the same bytes every round). ``refill_steps()`` gives the
-    StepRequests that free and re-allocate every sequence, for when contexts got long."""
+    (built once; the client sends the same bytes every round). ``allocate_steps()`` gives the
+    StepRequests that allocate every sequence (freeing it first when ``free_first``), to start
+    over once contexts got long."""
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
         self.sizes = sizes
@@ -334,13 +408,16 @@ class DecodeBatches:
         return [pb.StepRequest(operations=ops[i:i + 512], all_or_nothing=True) for i in range(0, len(ops), 512)]
 
 
+SERVER_STAGES = ("handler", "wire.step_ops", "BlockManager.step", "wire.step_pb")
+
+
 def run_grpc(sizes: tuple[int, ...], reps: int, warmup: int, mode: str, seed: int, log) -> dict:
     batches = DecodeBatches(sizes)
     config = ManagerConfig(block_size=BLOCK_SIZE, num_gpu_blocks=batches.pool_blocks(), num_cpu_blocks=16)
     kinds = ["ping"] + [f"step{n}" for n in sizes]
     samples: dict[str, list[int]] = {k: [] for k in kinds}
     rng = random.Random(seed)
-    with manager_server(config, mode) as target, BlockManagerClient(target, timeout=60) as client:
+    with manager_server(config, mode) as server, BlockManagerClient(server.address, timeout=60) as client:
         client.wait_ready(timeout=30)
         stub = client.stub
 
@@ -352,6 +429,7 @@ def run_grpc(sizes: tuple[int, ...], reps: int, warmup: int, mode: str, seed: in
 
         send_all(batches.allocate_steps(free_first=False))
         calls = {"ping": lambda: stub.Ping(pb.PingRequest(), timeout=60)}
+        batch_sizes = {f"step{n}": n for n in sizes}
         for n in sizes:
             calls[f"step{n}"] = lambda request=batches.requests[n]: stub.Step(request, timeout=60)
         for n in sizes:  # every append of the first Step of each size succeeds
@@ -370,18 +448,23 @@ def run_grpc(sizes: tuple[int, ...], reps: int, warmup: int, mode: str, seed: in
                 end = perf_ns()
                 if r > warmup:
                     samples[kind].append(end - start)
-                if kind != "ping" and len(reply.batch.seq_ids) != int(kind[4:]):
+                if kind in batch_sizes and len(reply.batch.seq_ids) != batch_sizes[kind]:
                     raise RuntimeError(f"{kind}: an append failed: {[x.message for x in reply.results if x.code][:1]}")
         log(f"  {warmup + reps} rounds of {len(kinds)} calls in {time.perf_counter() - t0:.1f} s ({mode} server)")
         sizes_bytes = {f"step{n}": {"request_bytes": batches.requests[n].ByteSize(),
                                     "response_bytes": calls[f"step{n}"]().ByteSize()} for n in sizes}
 
+    server_rows = server.step_rows  # complete now that the server has exited
     ping = summarize(samples["ping"])
     results = {"ping": ping}
     for n in sizes:
         s = summarize(samples[f"step{n}"])
         s["ratio_p50_vs_ping"] = s["p50_us"] / ping["p50_us"]
         s.update(sizes_bytes[f"step{n}"])
+        rows = [row[1:] for row in server_rows if row[0] == n]  # warm-up rounds included: p50 only
+        if rows:
+            s["server_p50_us"] = {name: percentile(sorted(column), 50)
+                                  for name, column in zip(SERVER_STAGES, zip(*rows))}
         results[f"step{n}"] = s
     return results
 
@@ -517,6 +600,24 @@ def print_grpc(results: dict, sizes: tuple[int, ...]) -> None:
               f"{r['request_bytes']:>10,} {r['response_bytes']:>11,}")
 
 
+def print_server_split(results: dict, sizes: tuple[int, ...]) -> None:
+    if not all("server_p50_us" in results[f"step{n}"] for n in sizes):
+        return
+    print("\nWhere the Step round trip goes, p50 µs (handler stages timed inside the server during the run above)")
+    print(f"{'':<44}" + "".join(f"{f'Step({n})':>12}" for n in sizes))
+    rows = [("server: wire.step_ops (decode)", lambda r: r["server_p50_us"]["wire.step_ops"]),
+            ("server: BlockManager.step", lambda r: r["server_p50_us"]["BlockManager.step"]),
+            ("server: wire.step_pb (encode)", lambda r: r["server_p50_us"]["wire.step_pb"]),
+            ("server: rest of the handler (p50 difference)", lambda r: r["server_p50_us"]["handler"] - sum(
+                r["server_p50_us"][k] for k in SERVER_STAGES[1:])),
+            ("server handler in all", lambda r: r["server_p50_us"]["handler"]),
+            ("outside the handler: gRPC + protobuf", lambda r: r["p50_us"] - r["server_p50_us"]["handler"]),
+            ("round trip", lambda r: r["p50_us"])]
+    for name, value in rows:
+        print(f"{name:<44}" + "".join(f"{value(results[f'step{n}']):>12.0f}" for n in sizes))
+    print(f"{'(Ping round trip)':<44}" + "".join(f"{results['ping']['p50_us']:>12.0f}" for _ in sizes))
+
+
 def print_breakdown(breakdown: dict, grpc_results: dict | None, sizes: tuple[int, ...]) -> None:
     print("\nStep path without gRPC, p50 µs per stage (in this process)")
     print(f"{'stage':<30}" + "".join(f"{f'Step({n})':>12}" for n in sizes))
@@ -536,20 +637,23 @@ def print_breakdown(breakdown: dict, grpc_results: dict | None, sizes: tuple[int
 @dataclass
 class Settings:
     live: tuple[int, int] = (1_000, 100_000)
-    reps: int = 20_000        # samples per in-process row (each manager)
-    step_reps: int = 400      # samples of the in-process Step row
-    rounds: int = 10
-    grpc_reps: int = 1_000    # round trips per gRPC call kind
-    grpc_warmup: int = 30
-    breakdown_reps: int = 200
+    reps: int = 5_000         # samples per in-process row and manager
+    step_reps: int = 100      # samples of the in-process Step row
+    rounds: int = 10          # the in-process samples are taken in this many alternating rounds
+    grpc_reps: int = 300      # round trips per gRPC call kind
+    grpc_warmup: int = 20
+    breakdown_reps: int = 100
     sizes: tuple[int, ...] = GRPC_SIZES
 
 
-QUICK = Settings(live=(1_000, 10_000), reps=1_000, step_reps=20, rounds=4, grpc_reps=40, grpc_warmup=5,
-                 breakdown_reps=20)
+QUICK = Settings(live=(1_000, 10_000), reps=500, step_reps=10, rounds=2, grpc_reps=30, grpc_warmup=3,
+                 breakdown_reps=10)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-timed"]:  # the server subprocess of part 3 (internal)
+        return serve_timed(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -574,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    report = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
+    report = {"command": " ".join(["benchmarks/manager_bench.py"] + argv),
               "machine": machine(), "load_average_start": load_average(),
               "settings": dataclasses.asdict(settings)}
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, Python "
@@ -585,11 +689,19 @@ def main(argv: list[str] | None = None) -> int:
     if "inprocess" in parts:
         log("in process:")
         report["inprocess"] = run_inprocess(settings.live, settings.reps, settings.step_reps, settings.rounds, log)
-        print_inprocess(report["inprocess"], settings.live)
+        print_inprocess(report["inprocess"]["operations"], settings.live)
+        over = [row for row, r in report["inprocess"]["operations"].items() if r["ratio_p50"] > SCALING_TARGET]
+        print(f"scaling target (ratio <= {SCALING_TARGET} at p50): "
+              f"{'met by every operation' if not over else 'NOT met by ' + ', '.join(over)}")
+        gc_info = report["inprocess"]["gc"]
+        print(f"garbage collections (gen 0/1/2) while timing: {'/'.join(map(str, gc_info['collections_during_timing']))}; "
+              f"a full collection with both managers alive ({gc_info['tracked_objects']:,} tracked objects) "
+              f"takes {gc_info['full_collection_ms']:.0f} ms")
     if "grpc" in parts:
         log("over gRPC:")
         report["grpc"] = run_grpc(settings.sizes, settings.grpc_reps, settings.grpc_warmup, args.server, args.seed, log)
         print_grpc(report["grpc"], settings.sizes)
+        print_server_split(report["grpc"], settings.sizes)
         if 256 in settings.sizes:
             ratio = report["grpc"]["step256"]["ratio_p50_vs_ping"]
             report["grpc"]["step256_target_met"] = ratio <= STEP_TARGET
