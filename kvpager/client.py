@@ -58,6 +58,18 @@ def append_op(seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0) -
     return pb.Operation(append=pb.AppendRequest(seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens))
 
 
+def append_batch_op(seq_ids: Sequence[str], token_ids: Sequence[int] = ()) -> pb.Operation:
+    """One token to each sequence (a decode step); failures come back per sequence."""
+    return pb.Operation(append_batch=pb.AppendBatchRequest(seq_ids=seq_ids, token_ids=token_ids))
+
+
+def batch_failures(result: pb.OperationResult) -> list[tuple[int, errors.ManagerError]]:
+    """(index, typed error) of each append of an append_batch result that failed."""
+    r = result.append_batch
+    return [(i, error_for(_CODE_NAMES.get(code, "UNKNOWN"), message))
+            for i, code, message in zip(r.failed_indices, r.failed_codes, r.failed_messages)]
+
+
 def fork_op(parent_seq_id: str, child_seq_id: str) -> pb.Operation:
     return pb.Operation(fork=pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id))
 

@@ -35,9 +35,12 @@ from .errors import (
     ResourceExhausted,
 )
 from .journal import Journal
-from .operations import AllocateOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp
+from .operations import (
+    AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp,
+)
 from .plan import (
     AllocateResult,
+    AppendBatchResult,
     AppendResult,
     BatchTables,
     BlockMapping,
@@ -73,6 +76,9 @@ class _StepState:
     # GPU blocks the step writes (new K/V slots, copy and swap-in targets); swapping one of
     # them out in the same step would copy it before it is written, so that is refused.
     written: set[int] = field(default_factory=set)
+    # The subset that gets the K/V of the step's new tokens (after the plan's copies run); a
+    # copy-on-write from one of them would copy it before it is written, so that is refused.
+    computed: set[int] = field(default_factory=set)
     # Running sequences touched, in first-touch order -> slots of the tokens to compute.
     touched: dict[str, list[int]] = field(default_factory=dict)
 
@@ -91,12 +97,14 @@ class BlockManager:
         self.counters = Counters()
         self.steps = 0
         self._step: Optional[_StepState] = None
+        self._all_or_nothing = False
         # Called with each step's plan before the step commits (the service sends it to the
         # workers); raising rolls the step back. None when no worker is attached.
         self.dispatch: Optional[Callable[[ExecutionPlan], None]] = None
         self._apply = {
             AllocateOp: self._allocate,
             AppendOp: self._append,
+            AppendBatchOp: self._append_batch,
             ForkOp: self._fork,
             FreeOp: self._free,
             SwapOutOp: self._swap_out,
@@ -145,6 +153,7 @@ class BlockManager:
         saved = dataclasses.replace(self.counters)
         journal = self._journal
         self._step = state
+        self._all_or_nothing = all_or_nothing
         self.gpu.hold_releases()
         self.cpu.hold_releases()
         outcomes: list[OperationOutcome] = []
@@ -284,6 +293,7 @@ class BlockManager:
             self.counters.prefix_hit_tokens += cached
         if self._step is not None:
             self._step.written.update(block_ids[len(hits):])
+            self._step.computed.update(block_ids[len(hits):])
             self._step.touched[op.seq_id] = slots[cached:]
         return AllocateResult(op.seq_id, list(block_ids), slots, cached)
 
@@ -300,6 +310,10 @@ class BlockManager:
         if total > gpu.num_blocks:
             raise OutOfRange(f"append to {op.seq_id!r}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
         cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
+        if cow and self._step is not None and table[-1] in self._step.computed:
+            raise FailedPrecondition(
+                f"append to {op.seq_id!r}: its last block is shared and gets K/V in this step; copy-on-write "
+                f"would copy it before it is written; append in a later step")
         need = total - len(table) + cow
         if need > gpu.num_available:
             raise ResourceExhausted(
@@ -331,8 +345,28 @@ class BlockManager:
             step = self._step
             step.plan.blocks_to_copy.extend(copies)
             step.written.update(table[n // B:total])
+            step.computed.update(table[n // B:total])
             step.touched.setdefault(op.seq_id, []).extend(slots)
         return AppendResult(op.seq_id, slots, new_ids, copies, n + k)
+
+    def _append_batch(self, op: AppendBatchOp) -> AppendBatchResult:
+        """One Append per sequence, each atomic on its own (the whole batch, if all-or-nothing)."""
+        tokens = op.token_ids
+        if tokens is not None and len(tokens) != len(op.seq_ids):
+            raise InvalidArgument(
+                f"append batch: {len(tokens)} token ids for {len(op.seq_ids)} sequences; give one per sequence")
+        result = AppendBatchResult()
+        journal, append = self._journal, self._append
+        for i, seq_id in enumerate(op.seq_ids):
+            mark = journal.mark()
+            try:
+                append(AppendOp(seq_id, None, 1) if tokens is None else AppendOp(seq_id, (tokens[i],)))
+            except ManagerError as err:
+                if self._all_or_nothing:
+                    raise
+                journal.rollback_to(mark)
+                result.failures.append((i, err))
+        return result
 
     def _fork(self, op: ForkOp) -> ForkResult:
         parent = self._get_running(op.parent_seq_id, "fork")
@@ -349,6 +383,10 @@ class BlockManager:
 
     def _free(self, op: FreeOp) -> FreeResult:
         seq = self._get(op.seq_id)
+        if self._step is not None and self._step.touched.get(op.seq_id):
+            # Its tokens would not be computed, yet a fork or a prefix hit may share their blocks.
+            raise FailedPrecondition(
+                f"free: sequence {op.seq_id!r} has tokens to compute in this step; free it in a later step")
         pool = self.gpu if seq.tier == GPU else self.cpu
         released = 0
         for b in reversed(seq.block_ids):  # tail first, so the LRU evicts a prefix's tail first

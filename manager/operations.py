@@ -23,6 +23,14 @@ class AppendOp:
 
 
 @dataclass(slots=True)
+class AppendBatchOp:
+    """One token to each sequence (a decode step): one Append per sequence, each on its own."""
+
+    seq_ids: Sequence[str]
+    token_ids: Optional[Sequence[int]] = None  # one per sequence, or None when unknown
+
+
+@dataclass(slots=True)
 class ForkOp:
     parent_seq_id: str
     child_seq_id: str
@@ -50,4 +58,4 @@ class RejectedOp:
     reason: str
 
 
-Operation = Union[AllocateOp, AppendOp, ForkOp, FreeOp, SwapOutOp, SwapInOp, RejectedOp]
+Operation = Union[AllocateOp, AppendOp, AppendBatchOp, ForkOp, FreeOp, SwapOutOp, SwapInOp, RejectedOp]

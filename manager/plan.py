@@ -49,6 +49,13 @@ class AppendResult:
 
 
 @dataclass(slots=True)
+class AppendBatchResult:
+    """The appends of a batch that failed: (index into its seq_ids, error), in order."""
+
+    failures: list[tuple[int, ManagerError]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ForkResult:
     child_seq_id: str
     block_ids: list[int]
@@ -66,7 +73,7 @@ class SwapResult:
     num_blocks_reused: int = 0  # swap-in: blocks found in the GPU prefix cache, not copied
 
 
-Result = Union[AllocateResult, AppendResult, ForkResult, FreeResult, SwapResult]
+Result = Union[AllocateResult, AppendResult, AppendBatchResult, ForkResult, FreeResult, SwapResult]
 
 
 @dataclass(slots=True)

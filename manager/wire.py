@@ -8,9 +8,12 @@ from __future__ import annotations
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2
 
-from .operations import AllocateOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp
+from .operations import (
+    AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp,
+)
 from .plan import (
     AllocateResult,
+    AppendBatchResult,
     AppendResult,
     BatchTables,
     BlockMapping,
@@ -38,6 +41,10 @@ def append_op(m: pb.AppendRequest) -> AppendOp:
     return AppendOp(m.seq_id, list(m.token_ids) or None, m.num_tokens)
 
 
+def append_batch_op(m: pb.AppendBatchRequest) -> AppendBatchOp:
+    return AppendBatchOp(list(m.seq_ids), list(m.token_ids) or None)
+
+
 def fork_op(m: pb.ForkRequest) -> ForkOp:
     return ForkOp(m.parent_seq_id, m.child_seq_id)
 
@@ -55,7 +62,7 @@ def swap_in_op(m: pb.SwapInRequest) -> SwapInOp:
 
 
 _OP_DECODERS = {
-    "allocate": allocate_op, "append": append_op, "fork": fork_op,
+    "allocate": allocate_op, "append": append_op, "append_batch": append_batch_op, "fork": fork_op,
     "free": free_op, "swap_out": swap_out_op, "swap_in": swap_in_op,
 }
 
@@ -68,7 +75,7 @@ def step_ops(request: pb.StepRequest) -> list[Operation]:
             ops.append(RejectedOp(f"operation {i} sets none of {', '.join(_OP_DECODERS)}"))
             continue
         inner = getattr(operation, kind)
-        if inner.request_id:
+        if kind != "append_batch" and inner.request_id:
             ops.append(RejectedOp(
                 f"operation {i} ({kind}) carries request_id {inner.request_id!r}; inside a Step only the "
                 "StepRequest's request_id is used: leave it empty"))
@@ -78,71 +85,121 @@ def step_ops(request: pb.StepRequest) -> list[Operation]:
 
 
 # ---- results -> responses ------------------------------------------------------------------------
-def mapping_pb(m: BlockMapping) -> plan_pb2.BlockMapping:
-    return plan_pb2.BlockMapping(src=m.src, dst=m.dst)
+# The _fill_* functions write into a message in place (cheaper than building and copying
+# sub-messages, which matters for a Step of hundreds of operations).
+def _fill_mapping(m: plan_pb2.BlockMapping, mapping: BlockMapping) -> None:
+    m.src.extend(mapping.src)
+    m.dst.extend(mapping.dst)
 
 
-def allocate_pb(r: AllocateResult) -> pb.AllocateResponse:
-    return pb.AllocateResponse(seq_id=r.seq_id, block_ids=r.block_ids, slot_mapping=r.slot_mapping,
-                               num_cached_tokens=r.num_cached_tokens)
+def _fill_allocate(m: pb.AllocateResponse, r: AllocateResult) -> None:
+    m.seq_id = r.seq_id
+    m.block_ids.extend(r.block_ids)
+    m.slot_mapping.extend(r.slot_mapping)
+    m.num_cached_tokens = r.num_cached_tokens
 
 
-def append_pb(r: AppendResult) -> pb.AppendResponse:
-    return pb.AppendResponse(seq_id=r.seq_id, slot_mapping=r.slot_mapping, new_block_ids=r.new_block_ids,
-                             copies=mapping_pb(r.copies), num_tokens=r.num_tokens)
+def _fill_append(m: pb.AppendResponse, r: AppendResult) -> None:
+    m.seq_id = r.seq_id
+    m.slot_mapping.extend(r.slot_mapping)
+    m.new_block_ids.extend(r.new_block_ids)
+    if r.copies.src:
+        _fill_mapping(m.copies, r.copies)
+    m.num_tokens = r.num_tokens
 
 
-def fork_pb(r: ForkResult) -> pb.ForkResponse:
-    return pb.ForkResponse(child_seq_id=r.child_seq_id, block_ids=r.block_ids)
+def _fill_append_batch(m: pb.AppendBatchResponse, r: AppendBatchResult) -> None:
+    m.SetInParent()  # present even when nothing failed
+    for index, err in r.failures:
+        m.failed_indices.append(index)
+        m.failed_codes.append(STATUS_CODES.get(err.code, 2))
+        m.failed_messages.append(str(err))
 
 
-def free_pb(r: FreeResult) -> pb.FreeResponse:
-    return pb.FreeResponse(seq_id=r.seq_id, num_blocks_released=r.num_blocks_released)
+def _fill_fork(m: pb.ForkResponse, r: ForkResult) -> None:
+    m.child_seq_id = r.child_seq_id
+    m.block_ids.extend(r.block_ids)
 
 
-def swap_out_pb(r: SwapResult) -> pb.SwapOutResponse:
-    return pb.SwapOutResponse(mapping=mapping_pb(r.mapping))
+def _fill_free(m: pb.FreeResponse, r: FreeResult) -> None:
+    m.seq_id = r.seq_id
+    m.num_blocks_released = r.num_blocks_released
+    m.SetInParent()
 
 
-def swap_in_pb(r: SwapResult) -> pb.SwapInResponse:
-    return pb.SwapInResponse(mapping=mapping_pb(r.mapping), num_blocks_reused=r.num_blocks_reused)
+def _fill_swap_out(m: pb.SwapOutResponse, r: SwapResult) -> None:
+    m.SetInParent()
+    _fill_mapping(m.mapping, r.mapping)
+
+
+def _fill_swap_in(m: pb.SwapInResponse, r: SwapResult) -> None:
+    _fill_swap_out(m, r)
+    m.num_blocks_reused = r.num_blocks_reused
+
+
+def _single(message_type, fill):
+    def encode(result):
+        m = message_type()
+        fill(m, result)
+        return m
+    return encode
+
+
+allocate_pb = _single(pb.AllocateResponse, _fill_allocate)
+append_pb = _single(pb.AppendResponse, _fill_append)
+fork_pb = _single(pb.ForkResponse, _fill_fork)
+free_pb = _single(pb.FreeResponse, _fill_free)
+swap_out_pb = _single(pb.SwapOutResponse, _fill_swap_out)
+swap_in_pb = _single(pb.SwapInResponse, _fill_swap_in)
 
 
 def plan_pb(p: ExecutionPlan) -> plan_pb2.ExecutionPlan:
-    return plan_pb2.ExecutionPlan(
-        step_id=p.step_id,
-        blocks_to_swap_out=mapping_pb(p.blocks_to_swap_out),
-        blocks_to_swap_in=mapping_pb(p.blocks_to_swap_in),
-        blocks_to_copy=mapping_pb(p.blocks_to_copy),
-    )
+    m = plan_pb2.ExecutionPlan()
+    _fill_plan(m, p)
+    return m
 
 
-def batch_pb(b: BatchTables) -> pb.BatchTables:
-    return pb.BatchTables(
-        seq_ids=b.seq_ids, context_lens=b.context_lens, query_lens=b.query_lens, slot_mapping=b.slot_mapping,
-        max_blocks=b.max_blocks, block_tables=b.block_tables, kv_indptr=b.kv_indptr, kv_indices=b.kv_indices,
-        kv_last_page_len=b.kv_last_page_len,
-    )
+def _fill_plan(m: plan_pb2.ExecutionPlan, p: ExecutionPlan) -> None:
+    m.step_id = p.step_id
+    _fill_mapping(m.blocks_to_swap_out, p.blocks_to_swap_out)
+    _fill_mapping(m.blocks_to_swap_in, p.blocks_to_swap_in)
+    _fill_mapping(m.blocks_to_copy, p.blocks_to_copy)
 
 
-_RESULT_FIELDS = {
-    AllocateOp: ("allocate", allocate_pb), AppendOp: ("append", append_pb), ForkOp: ("fork", fork_pb),
-    FreeOp: ("free", free_pb), SwapOutOp: ("swap_out", swap_out_pb), SwapInOp: ("swap_in", swap_in_pb),
+def _fill_batch(m: pb.BatchTables, b: BatchTables) -> None:
+    m.seq_ids.extend(b.seq_ids)
+    m.context_lens.extend(b.context_lens)
+    m.query_lens.extend(b.query_lens)
+    m.slot_mapping.extend(b.slot_mapping)
+    m.max_blocks = b.max_blocks
+    m.block_tables.extend(b.block_tables)
+    m.kv_indptr.extend(b.kv_indptr)
+    m.kv_indices.extend(b.kv_indices)
+    m.kv_last_page_len.extend(b.kv_last_page_len)
+
+
+_RESULT_FILLERS = {
+    AllocateOp: ("allocate", _fill_allocate), AppendOp: ("append", _fill_append),
+    AppendBatchOp: ("append_batch", _fill_append_batch), ForkOp: ("fork", _fill_fork),
+    FreeOp: ("free", _fill_free), SwapOutOp: ("swap_out", _fill_swap_out), SwapInOp: ("swap_in", _fill_swap_in),
 }
 
 
 def step_pb(ops: list[Operation], r: StepResult) -> pb.StepResponse:
-    results = []
-    for op, outcome in zip(ops, r.outcomes):
-        if outcome.error is not None:
-            err = outcome.error
-            results.append(pb.OperationResult(code=STATUS_CODES.get(err.code, 2), message=str(err)))
-        else:
-            name, encode = _RESULT_FIELDS[type(op)]
-            results.append(pb.OperationResult(**{name: encode(outcome.result)}))
-    return pb.StepResponse(step_id=r.step_id, results=results, applied=r.applied, plan=plan_pb(r.plan),
-                           batch=batch_pb(r.batch), gpu_blocks_available=r.gpu_blocks_available,
+    resp = pb.StepResponse(step_id=r.step_id, applied=r.applied, gpu_blocks_available=r.gpu_blocks_available,
                            cpu_blocks_available=r.cpu_blocks_available)
+    results = resp.results
+    for op, outcome in zip(ops, r.outcomes):
+        res = results.add()
+        if outcome.error is not None:
+            res.code = STATUS_CODES.get(outcome.error.code, 2)
+            res.message = str(outcome.error)
+        else:
+            name, fill = _RESULT_FILLERS[type(op)]
+            fill(getattr(res, name), outcome.result)
+    _fill_plan(resp.plan, r.plan)
+    _fill_batch(resp.batch, r.batch)
+    return resp
 
 
 def block_table_pb(seq: Sequence) -> pb.GetBlockTableResponse:

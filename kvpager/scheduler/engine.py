@@ -90,9 +90,9 @@ class Scheduler:
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
         self._to_free.clear()
-        for group in self.running:
-            for seq in group.unfinished():
-                add(C.append_op(seq.seq_id, [seq.next_token]), None)
+        decoding = [seq for group in self.running for seq in group.unfinished()]
+        if decoding:
+            add(C.append_batch_op([s.seq_id for s in decoding], [s.next_token for s in decoding]), self._appended)
         room = self._available - self._reserve - self._append_need()
         while self.swapped and self._blocks(self.swapped[0]) <= room:
             group = self.swapped.popleft()
@@ -113,12 +113,12 @@ class Scheduler:
                 add(C.fork_op(parent.seq_id, child.seq_id), None)
 
         reply = self._step(ops)
-        for op, result, handler in zip(ops, reply.results, handlers):
+        for result, handler in zip(reply.results, handlers):
             err = C.result_error(result)
             if handler is not None:
-                handler(err)
-            elif err is not None and not isinstance(err, errors.ResourceExhausted):
-                raise err  # an append, fork or free the scheduler believed valid
+                handler(result, err)
+            elif err is not None:
+                raise err  # a fork or free the scheduler believed valid
         return self._compute(reply.batch)
 
     def _compute(self, batch: pb.BatchTables) -> bool:
@@ -153,8 +153,17 @@ class Scheduler:
         return True
 
     # ---- results of operations -------------------------------------------------------------------------
+    @staticmethod
+    def _appended(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
+        # A sequence whose append found no room simply waits (preemption makes room).
+        for _, failure in C.batch_failures(result):
+            if not isinstance(failure, errors.ResourceExhausted):
+                raise failure
+        if err is not None:
+            raise err
+
     def _admitted(self, group: Group):
-        def handle(err: Optional[errors.ManagerError]) -> None:
+        def handle(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
             if err is None:
                 self.running.append(group)
             elif isinstance(err, errors.ResourceExhausted):
@@ -164,7 +173,7 @@ class Scheduler:
         return handle
 
     def _swapped_in(self, group: Group):
-        def handle(err: Optional[errors.ManagerError]) -> None:
+        def handle(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
             if err is None:
                 self.running.append(group)
             elif isinstance(err, errors.ResourceExhausted):

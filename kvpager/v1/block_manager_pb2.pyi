@@ -133,21 +133,41 @@ class SwapInResponse(_message.Message):
     num_blocks_reused: int
     def __init__(self, mapping: _Optional[_Union[_plan_pb2.BlockMapping, _Mapping]] = ..., num_blocks_reused: _Optional[int] = ...) -> None: ...
 
+class AppendBatchRequest(_message.Message):
+    __slots__ = ("seq_ids", "token_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AppendBatchResponse(_message.Message):
+    __slots__ = ("failed_indices", "failed_codes", "failed_messages")
+    FAILED_INDICES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_CODES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    failed_indices: _containers.RepeatedScalarFieldContainer[int]
+    failed_codes: _containers.RepeatedScalarFieldContainer[int]
+    failed_messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, failed_indices: _Optional[_Iterable[int]] = ..., failed_codes: _Optional[_Iterable[int]] = ..., failed_messages: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Operation(_message.Message):
-    __slots__ = ("allocate", "append", "fork", "free", "swap_out", "swap_in")
+    __slots__ = ("allocate", "append", "fork", "free", "swap_out", "swap_in", "append_batch")
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     FORK_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     allocate: AllocateRequest
     append: AppendRequest
     fork: ForkRequest
     free: FreeRequest
     swap_out: SwapOutRequest
     swap_in: SwapInRequest
-    def __init__(self, allocate: _Optional[_Union[AllocateRequest, _Mapping]] = ..., append: _Optional[_Union[AppendRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., free: _Optional[_Union[FreeRequest, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutRequest, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInRequest, _Mapping]] = ...) -> None: ...
+    append_batch: AppendBatchRequest
+    def __init__(self, allocate: _Optional[_Union[AllocateRequest, _Mapping]] = ..., append: _Optional[_Union[AppendRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., free: _Optional[_Union[FreeRequest, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutRequest, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInRequest, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("request_id", "operations", "all_or_nothing")
@@ -160,7 +180,7 @@ class StepRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., operations: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., all_or_nothing: _Optional[bool] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("code", "message", "allocate", "append", "fork", "free", "swap_out", "swap_in")
+    __slots__ = ("code", "message", "allocate", "append", "fork", "free", "swap_out", "swap_in", "append_batch")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +189,7 @@ class OperationResult(_message.Message):
     FREE_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     allocate: AllocateResponse
@@ -177,7 +198,8 @@ class OperationResult(_message.Message):
     free: FreeResponse
     swap_out: SwapOutResponse
     swap_in: SwapInResponse
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., allocate: _Optional[_Union[AllocateResponse, _Mapping]] = ..., append: _Optional[_Union[AppendResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., free: _Optional[_Union[FreeResponse, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutResponse, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInResponse, _Mapping]] = ...) -> None: ...
+    append_batch: AppendBatchResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., allocate: _Optional[_Union[AllocateResponse, _Mapping]] = ..., append: _Optional[_Union[AppendResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., free: _Optional[_Union[FreeResponse, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutResponse, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInResponse, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchResponse, _Mapping]] = ...) -> None: ...
 
 class BatchTables(_message.Message):
     __slots__ = ("seq_ids", "context_lens", "query_lens", "slot_mapping", "max_blocks", "block_tables", "kv_indptr", "kv_indices", "kv_last_page_len")

@@ -344,3 +344,23 @@ def test_server_keeps_serving_after_errors(served):
             client.append("ghost", num_tokens=1)
     client.ping()
     assert client.allocate("a", num_tokens=1).block_ids[0] == 0
+
+
+def test_append_batch_reports_only_failures_and_merges_slots(served):
+    client, _ = served
+    client.allocate("a", num_tokens=3)
+    client.allocate("b", num_tokens=4)
+    client.fork("b", "c")  # b and c share a full block: appends start a new block each
+    client.allocate("s", num_tokens=2)
+    client.swap_out(["s"])
+    r = client.step([C.append_batch_op(["a", "nope", "b", "s", "c"], [10, 11, 12, 13, 14])])
+    failures = C.batch_failures(r.results[0])
+    assert [(i, type(e)) for i, e in failures] == [(1, errors.NotFound), (3, errors.FailedPrecondition)]
+    assert list(r.batch.seq_ids) == ["a", "b", "c"] and list(r.batch.query_lens) == [1, 1, 1]
+    assert list(r.batch.context_lens) == [4, 5, 5]
+    assert list(r.batch.slot_mapping) == [3, 3 * 4, 4 * 4]
+    r = client.step([C.append_batch_op(["a", "nope"], [1, 2])], all_or_nothing=True)
+    assert not r.applied and [res.code for res in r.results] == [5]
+    assert client.get_block_table("a").num_tokens == 4
+    r = client.step([C.append_batch_op(["a", "b"], [1])])
+    assert r.results[0].code == 3  # one token id per sequence, or none
