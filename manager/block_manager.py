@@ -301,23 +301,54 @@ class BlockManager:
         seq = self._get_running(op.seq_id, "append to")
         tokens = op.token_ids or None
         k = self._count(tokens, op.num_tokens, "append")
+        slots, new_ids, copies = self._grow(seq, tokens, k)
+        return AppendResult(op.seq_id, slots, new_ids, copies, seq.num_tokens)
+
+    def _append_batch(self, op: AppendBatchOp) -> AppendBatchResult:
+        """One token to each sequence, each append atomic on its own (all of them, if the step is
+        all-or-nothing). The decode hot path: no per-append request or result objects."""
+        tokens = op.token_ids
+        if tokens is not None and len(tokens) != len(op.seq_ids):
+            raise InvalidArgument(
+                f"append batch: {len(tokens)} token ids for {len(op.seq_ids)} sequences; give one per sequence")
+        if tokens is not None and tokens and min(tokens) < 0:
+            raise InvalidArgument("append batch: token ids must be >= 0")
+        result = AppendBatchResult()
+        journal, grow, get = self._journal, self._grow, self._get_running
+        for i, seq_id in enumerate(op.seq_ids):
+            mark = journal.mark()
+            try:
+                grow(get(seq_id, "append to"), None if tokens is None else (tokens[i],), 1)
+            except ManagerError as err:
+                if self._all_or_nothing:
+                    raise
+                journal.rollback_to(mark)
+                result.failures.append((i, err))
+        return result
+
+    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int) -> tuple[list[int], list[int], BlockMapping]:
+        """Add k tokens to a running sequence: check room, then copy a shared partial last block
+        (copy-on-write) and take new blocks. Returns the new tokens' slots, the blocks added and
+        the copy. O(k + new blocks)."""
         n, B, gpu = seq.num_tokens, self.block_size, self.gpu
+        seq_id = seq.seq_id
         if n + k > self.config.max_seq_len:
             raise InvalidArgument(
-                f"append to {op.seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
+                f"append to {seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
         table = seq.block_ids
         total = -(-(n + k) // B)
         if total > gpu.num_blocks:
-            raise OutOfRange(f"append to {op.seq_id!r}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+            raise OutOfRange(f"append to {seq_id!r}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+        step = self._step
         cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
-        if cow and self._step is not None and table[-1] in self._step.computed:
+        if cow and step is not None and table[-1] in step.computed:
             raise FailedPrecondition(
-                f"append to {op.seq_id!r}: its last block is shared and gets K/V in this step; copy-on-write "
+                f"append to {seq_id!r}: its last block is shared and gets K/V in this step; copy-on-write "
                 f"would copy it before it is written; append in a later step")
         need = total - len(table) + cow
         if need > gpu.num_available:
             raise ResourceExhausted(
-                f"append to {op.seq_id!r}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+                f"append to {seq_id!r}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
 
         self.seqs.save(seq)
         copies = BlockMapping()
@@ -330,43 +361,26 @@ class BlockManager:
             table[-1] = private
             gpu.decref(shared)
             new_ids.append(private)
+            self.counters.cow_copies += 1
         while len(table) < total:
             bid = gpu.allocate()
             table.append(bid)
             new_ids.append(bid)
-        for i in range(n // B, total):
+        first = n // B
+        for i in range(first, total):
             gpu.fill(table[i], min(B, n + k - i * B))
         seq.num_tokens = n + k
         self._hash_new_tokens(seq, tokens, n)
 
         slots = self._slots(table, n, n + k)
-        self.counters.cow_copies += cow
-        if self._step is not None:
-            step = self._step
-            step.plan.blocks_to_copy.extend(copies)
-            step.written.update(table[n // B:total])
-            step.computed.update(table[n // B:total])
-            step.touched.setdefault(op.seq_id, []).extend(slots)
-        return AppendResult(op.seq_id, slots, new_ids, copies, n + k)
-
-    def _append_batch(self, op: AppendBatchOp) -> AppendBatchResult:
-        """One Append per sequence, each atomic on its own (the whole batch, if all-or-nothing)."""
-        tokens = op.token_ids
-        if tokens is not None and len(tokens) != len(op.seq_ids):
-            raise InvalidArgument(
-                f"append batch: {len(tokens)} token ids for {len(op.seq_ids)} sequences; give one per sequence")
-        result = AppendBatchResult()
-        journal, append = self._journal, self._append
-        for i, seq_id in enumerate(op.seq_ids):
-            mark = journal.mark()
-            try:
-                append(AppendOp(seq_id, None, 1) if tokens is None else AppendOp(seq_id, (tokens[i],)))
-            except ManagerError as err:
-                if self._all_or_nothing:
-                    raise
-                journal.rollback_to(mark)
-                result.failures.append((i, err))
-        return result
+        if step is not None:
+            if cow:
+                step.plan.blocks_to_copy.extend(copies)
+            for i in range(first, total):
+                step.written.add(table[i])
+                step.computed.add(table[i])
+            step.touched.setdefault(seq_id, []).extend(slots)
+        return slots, new_ids, copies
 
     def _fork(self, op: ForkOp) -> ForkResult:
         parent = self._get_running(op.parent_seq_id, "fork")
@@ -505,13 +519,16 @@ class BlockManager:
             seq.pending_tokens = seq.last_hash = None
             return
         B = self.block_size
-        pending.extend(tokens)
-        full = start // B
-        while len(pending) >= B:
-            seq.last_hash = chain_hash(seq.last_hash, pending[:B])
+        pending.extend(tokens)  # only ever extended in place, so the journal restores it by truncation
+        if len(pending) < B:
+            return
+        full, i = start // B, 0
+        while len(pending) - i >= B:
+            seq.last_hash = chain_hash(seq.last_hash, pending[i:i + B])
             self.gpu.register(seq.block_ids[full], seq.last_hash)
-            del pending[:B]
+            i += B
             full += 1
+        seq.pending_tokens = pending[i:]
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         B = self.block_size

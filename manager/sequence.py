@@ -1,9 +1,9 @@
 """The sequence table: each live sequence's block table, length, tier and prefix-hash state.
 
 O(1) lookup, add and remove by id (a dict). Mutations go through ``SequenceTable`` so that
-the journal can undo them; ``save`` snapshots what an operation may change in O(block
-size), never copying the block table (operations only append to it, replace its last
-entry, or replace the whole list).
+the journal can undo them; ``save`` snapshots what an operation may change in O(1), never
+copying the block table or the pending tokens (operations only append to them, replace the
+table's last entry, or replace either list whole).
 """
 
 from __future__ import annotations
@@ -72,14 +72,15 @@ class SequenceTable:
     def save(self, seq: Sequence) -> None:
         """Snapshot the fields an operation may change, before it changes them."""
         if self._journal.active:
-            table = seq.block_ids
-            pending = list(seq.pending_tokens) if seq.pending_tokens is not None else None
+            table, pending = seq.block_ids, seq.pending_tokens
             self._journal.record(
                 self._restore, seq, table, len(table), table[-1] if table else None,
-                seq.num_tokens, seq.tier, seq.last_hash, pending,
+                seq.num_tokens, seq.tier, seq.last_hash, pending, len(pending) if pending is not None else 0,
             )
 
-    def _restore(self, seq, table, length, last, num_tokens, tier, last_hash, pending) -> None:
+    def _restore(self, seq, table, length, last, num_tokens, tier, last_hash, pending, pending_len) -> None:
+        # Operations only append to a table or replace its last entry or the whole list, and
+        # only extend pending_tokens in place (or replace it): truncation undoes them.
         del table[length:]
         if length:
             table[-1] = last
@@ -87,6 +88,8 @@ class SequenceTable:
         seq.num_tokens = num_tokens
         self.set_tier(seq, tier)
         seq.last_hash = last_hash
+        if pending is not None:
+            del pending[pending_len:]
         seq.pending_tokens = pending
 
     def _undo_add(self, seq: Sequence) -> None:
