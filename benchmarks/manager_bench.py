@@ -388,8 +388,7 @@ class DecodeBatches:
         self.ids = {n: [f"step{n}-{i}" for i in range(n)] for n in sizes}
         self._tag = 0
         self.requests = {
-            n: pb.StepRequest(operations=[pb.Operation(append=pb.AppendRequest(seq_id=sid, token_ids=[7]))
-                                          for sid in ids])
+            n: decode_step(ids)
             for n, ids in self.ids.items()
         }
 
@@ -408,6 +407,17 @@ class DecodeBatches:
         return [pb.StepRequest(operations=ops[i:i + 512], all_or_nothing=True) for i in range(0, len(ops), 512)]
 
 
+def decode_step(seq_ids: list[str]) -> pb.StepRequest:
+    """A decode step as a scheduler sends it: one AppendBatch with a token for each sequence.
+    (With --per-op-appends: one Append operation per sequence instead.)"""
+    if PER_OP_APPENDS:
+        return pb.StepRequest(operations=[pb.Operation(append=pb.AppendRequest(seq_id=sid, token_ids=[7]))
+                                          for sid in seq_ids])
+    return pb.StepRequest(operations=[pb.Operation(append_batch=pb.AppendBatchRequest(
+        seq_ids=seq_ids, token_ids=[7] * len(seq_ids)))])
+
+
+PER_OP_APPENDS = False
 SERVER_STAGES = ("handler", "wire.step_ops", "BlockManager.step", "wire.step_pb")
 
 
@@ -529,7 +539,7 @@ def run_breakdown(sizes: tuple[int, ...], reps: int) -> dict:
         for n in sizes:
             ids = path.batches.ids[n]
             t0 = perf_ns()  # what a scheduler pays to build the request (not part of the round trip)
-            pb.StepRequest(operations=[pb.Operation(append=pb.AppendRequest(seq_id=sid, token_ids=[7])) for sid in ids])
+            decode_step(ids)
             t1 = perf_ns()
             times = path.staged(n)
             if r >= 5:
@@ -668,7 +678,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-reps", type=int, help="round trips per gRPC call kind")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of the server's Step(256) path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-op-appends", action="store_true",
+                        help="send a decode step as one Append operation per sequence instead of one AppendBatch")
     args = parser.parse_args(argv)
+    global PER_OP_APPENDS
+    PER_OP_APPENDS = args.per_op_appends
 
     overrides = {"live": tuple(args.live) if args.live else None, "reps": args.reps, "grpc_reps": args.grpc_reps}
     settings = dataclasses.replace(QUICK if args.quick else Settings(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
 
     server, port, service, health_servicer = create_server(config, f"{args.host}:{args.port}")
+    # The pools are hundreds of thousands of long-lived objects: keep the collector from
+    # rescanning them (a full collection would otherwise stall every RPC for ~0.1-0.4 s), and
+    # collect the young generation less often (each Step allocates thousands of short-lived ones).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
     stop = threading.Event()
 
     def on_signal(signum, _frame):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from itertools import accumulate, chain
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
@@ -302,7 +303,7 @@ class BlockManager:
         tokens = op.token_ids or None
         k = self._count(tokens, op.num_tokens, "append")
         slots, new_ids, copies = self._grow(seq, tokens, k)
-        return AppendResult(op.seq_id, slots, new_ids, copies, seq.num_tokens)
+        return AppendResult(op.seq_id, slots, new_ids, copies or BlockMapping(), seq.num_tokens)
 
     def _append_batch(self, op: AppendBatchOp) -> AppendBatchResult:
         """One token to each sequence, each append atomic on its own (all of them, if the step is
@@ -314,11 +315,14 @@ class BlockManager:
         if tokens is not None and tokens and min(tokens) < 0:
             raise InvalidArgument("append batch: token ids must be >= 0")
         result = AppendBatchResult()
-        journal, grow, get = self._journal, self._grow, self._get_running
+        journal, grow, lookup = self._journal, self._grow, self.seqs.get
         for i, seq_id in enumerate(op.seq_ids):
             mark = journal.mark()
             try:
-                grow(get(seq_id, "append to"), None if tokens is None else (tokens[i],), 1)
+                seq = lookup(seq_id)
+                if seq is None or seq.tier != GPU:
+                    seq = self._get_running(seq_id, "append to")  # raises the precise error
+                grow(seq, None if tokens is None else (tokens[i],), 1)
             except ManagerError as err:
                 if self._all_or_nothing:
                     raise
@@ -326,12 +330,15 @@ class BlockManager:
                 result.failures.append((i, err))
         return result
 
-    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int) -> tuple[list[int], list[int], BlockMapping]:
+    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int):
         """Add k tokens to a running sequence: check room, then copy a shared partial last block
         (copy-on-write) and take new blocks. Returns the new tokens' slots, the blocks added and
-        the copy. O(k + new blocks)."""
+        the copy (None when there is none). O(k + new blocks)."""
         n, B, gpu = seq.num_tokens, self.block_size, self.gpu
         seq_id = seq.seq_id
+        offset = n % B
+        if k == 1 and offset and gpu.blocks[seq.block_ids[-1]].ref_count == 1 and n < self.config.max_seq_len:
+            return self._grow_in_place(seq, tokens, n, offset)
         if n + k > self.config.max_seq_len:
             raise InvalidArgument(
                 f"append to {seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
@@ -351,7 +358,7 @@ class BlockManager:
                 f"append to {seq_id!r}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
 
         self.seqs.save(seq)
-        copies = BlockMapping()
+        copies = BlockMapping() if cow else None
         new_ids: list[int] = []
         if cow:
             shared = table[-1]
@@ -381,6 +388,43 @@ class BlockManager:
                 step.computed.add(table[i])
             step.touched.setdefault(seq_id, []).extend(slots)
         return slots, new_ids, copies
+
+    def _grow_in_place(self, seq: Sequence, tokens: Optional[Seq[int]], n: int, offset: int):
+        """The common decode case of ``_grow``: one token into a private, partly filled last block.
+        No block is taken and nothing is copied, so nothing can fail; one journal entry undoes it."""
+        last = seq.block_ids[-1]
+        pending = seq.pending_tokens
+        self._journal.record(self._undo_grow_in_place, seq, last, n, pending,
+                             0 if pending is None else len(pending), seq.last_hash)
+        self.gpu.add_filled(last, 1)
+        seq.num_tokens = n + 1
+        if pending is not None:
+            if tokens is None:
+                seq.pending_tokens = seq.last_hash = None
+            elif offset + 1 < self.block_size:
+                pending.append(tokens[0])
+            else:
+                self._hash_new_tokens(seq, tokens, n)  # the block is full now: register its hash
+        slot = last * self.block_size + offset
+        step = self._step
+        if step is not None:
+            step.written.add(last)
+            step.computed.add(last)
+            touched = step.touched.get(seq.seq_id)
+            if touched is None:
+                step.touched[seq.seq_id] = [slot]
+            else:
+                touched.append(slot)
+        return [slot], [], None
+
+    def _undo_grow_in_place(self, seq: Sequence, last: int, n: int, pending: Optional[list[int]],
+                            pending_len: int, last_hash: Optional[bytes]) -> None:
+        self.gpu.add_filled(last, -1)
+        seq.num_tokens = n
+        if pending is not None:
+            del pending[pending_len:]
+        seq.pending_tokens = pending
+        seq.last_hash = last_hash
 
     def _fork(self, op: ForkOp) -> ForkResult:
         parent = self._get_running(op.parent_seq_id, "fork")
@@ -580,25 +624,32 @@ class BlockManager:
         return [self._get(s) for s in seq_ids]
 
     def _batch(self, touched: dict[str, list[int]]) -> BatchTables:
-        out = BatchTables()
+        """Block tables of the touched sequences, padded and CSR. O(their blocks)."""
         B = self.block_size
-        rows = []
-        for seq_id, slots in touched.items():
-            seq = self.seqs.get(seq_id)
-            table = seq.block_ids
-            out.seq_ids.append(seq_id)
-            out.context_lens.append(seq.num_tokens)
-            out.query_lens.append(len(slots))
-            out.slot_mapping.extend(slots)
-            out.kv_indices.extend(table)
-            out.kv_indptr.append(len(out.kv_indices))
-            out.kv_last_page_len.append(seq.num_tokens - (len(table) - 1) * B)
-            rows.append(table)
-        out.max_blocks = max((len(t) for t in rows), default=0)
-        for table in rows:
-            out.block_tables.extend(table)
-            out.block_tables.extend([0] * (out.max_blocks - len(table)))
-        return out
+        get = self.seqs.get
+        seqs = [get(seq_id) for seq_id in touched]
+        tables = [seq.block_ids for seq in seqs]
+        lengths = [len(t) for t in tables]
+        max_blocks = max(lengths, default=0)
+        padded: list[int] = []
+        zeros = [0] * max_blocks
+        for table, length in zip(tables, lengths):
+            padded += table
+            padded += zeros[:max_blocks - length]
+        slots: list[int] = []
+        for query in touched.values():
+            slots += query
+        return BatchTables(
+            seq_ids=list(touched),
+            context_lens=[seq.num_tokens for seq in seqs],
+            query_lens=[len(query) for query in touched.values()],
+            slot_mapping=slots,
+            max_blocks=max_blocks,
+            block_tables=padded,
+            kv_indptr=[0, *accumulate(lengths)],
+            kv_indices=list(chain.from_iterable(tables)),
+            kv_last_page_len=[seq.num_tokens - (length - 1) * B for seq, length in zip(seqs, lengths)],
+        )
 
     # ---- checking -----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -153,6 +153,12 @@ class BlockPool:
             self.filled_slots += num_filled - old
             self._journal.record(self._undo_fill, block, old)
 
+    def add_filled(self, block_id: int, delta: int) -> None:
+        """Adjust a USED block's fill by delta, unjournaled: for a caller that journals the
+        whole change itself (the manager's in-place append)."""
+        self.blocks[block_id].num_filled += delta
+        self.filled_slots += delta
+
     # ---- prefix cache -------------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> Optional[int]:
         return self._hash_to_block.get(block_hash)
