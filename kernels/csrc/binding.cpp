@@ -1,0 +1,324 @@
+// Torch extension over launch.cu: checks every input, fills the launchers' structs of raw
+// pointers and element strides, and launches on the current CUDA stream of the tensors' device.
+// Data-dependent checks that would need a device sync (block ids in range, context_lens within
+// the table) are not done here; the kernels guard them instead: an out-of-range block id or
+// slot is skipped (never dereferenced), and a context longer than its table row is clamped.
+#include <torch/extension.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "launch.h"
+
+// Invalid arguments raise Python's ValueError (as kernels/reference.py does). Messages are
+// concatenated as std::strings (std::to_string for numbers), not streamed: on the GPU image,
+// streaming an integer through c10::str from this extension crashed the process (seen with
+// torch 2.11+cu130), while strings were fine.
+namespace kvmsg {
+inline std::string part(const char* s) { return s; }
+inline std::string part(const std::string& s) { return s; }
+template <typename I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+std::string part(I v) { return std::to_string(v); }
+inline std::string part(double v) { return std::to_string(v); }
+inline std::string part(c10::ScalarType t) { return c10::toString(t); }
+inline std::string part(const c10::Device& d) { return d.str(); }
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s;
+  ((s += part(a)), ...);
+  return s;
+}
+}  // namespace kvmsg
+
+#define KV_CHECK(cond, ...)                                               \
+  do {                                                                    \
+    if (!(cond)) throw pybind11::value_error(kvmsg::cat(__VA_ARGS__));    \
+  } while (0)
+
+namespace {
+
+using torch::Tensor;
+
+kvpager::DType to_dtype(const Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return kvpager::kFloat32;
+    case torch::kFloat16: return kvpager::kFloat16;
+    case torch::kBFloat16: return kvpager::kBFloat16;
+    default: KV_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return kvpager::kFloat32;
+}
+
+void check_cuda(const Tensor& t, const char* what, const torch::Device& device) {
+  KV_CHECK(t.is_cuda(), what, " must be a CUDA tensor, got one on ", t.device());
+  KV_CHECK(t.device() == device, what, " is on ", t.device(), " but the other inputs on ", device);
+}
+
+// "[a, b, c]", formatted here rather than through c10's stream operators.
+std::string dims(c10::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// [num_blocks, num_heads, block_size, head_dim] with packed inner dims and a 16-byte-aligned block stride.
+void check_cache_view(const Tensor& c, const char* what) {
+  KV_CHECK(c.dim() == 4, what, " must be [num_blocks, num_kv_heads, block_size, head_dim], got ",
+                    dims(c.sizes()));
+  const int64_t B = c.size(2), D = c.size(3), es = c.element_size();
+  KV_CHECK(c.stride(3) == 1 && c.stride(2) == D && c.stride(1) == B * D, what,
+                    " must have packed inner dims (strides [*, block_size*head_dim, head_dim, 1]), got strides ",
+                    dims(c.strides()));
+  KV_CHECK(c.size(0) <= 1 || (c.stride(0) * es) % 16 == 0, what,
+                    " block stride must be a multiple of 16 bytes, got ", c.stride(0), " elements");
+  KV_CHECK(c.size(0) <= std::numeric_limits<int32_t>::max(), what, " has too many blocks");
+  KV_CHECK(aligned16(c), what, " data must be 16-byte aligned");
+}
+
+void check_cache_pair(const Tensor& k, const Tensor& v) {
+  check_cache_view(k, "k_cache");
+  check_cache_view(v, "v_cache");
+  KV_CHECK(k.sizes() == v.sizes(), "k_cache ", dims(k.sizes()), " and v_cache ", dims(v.sizes()), " differ in shape");
+  KV_CHECK(k.scalar_type() == v.scalar_type(), "k_cache is ", k.scalar_type(), ", v_cache ",
+                    v.scalar_type());
+  KV_CHECK(k.device() == v.device(), "k_cache on ", k.device(), ", v_cache on ", v.device());
+}
+
+// [n, heads, head_dim] with a contiguous last dim and 16-byte-aligned rows.
+void check_rows(const Tensor& t, const char* what) {
+  KV_CHECK(t.dim() == 3, what, " must be 3-D [n, heads, head_dim], got ", dims(t.sizes()));
+  const int64_t vec = 16 / t.element_size();
+  KV_CHECK(t.size(2) == 1 || t.stride(2) == 1, what, " must be contiguous in head_dim, got strides ",
+                    dims(t.strides()));
+  KV_CHECK((t.size(0) <= 1 || t.stride(0) % vec == 0) && (t.size(1) <= 1 || t.stride(1) % vec == 0),
+                    what, " strides ", dims(t.strides()), " must be multiples of 16 bytes");
+  KV_CHECK(aligned16(t), what, " data must be 16-byte aligned");
+}
+
+int log2_exact(int64_t x) {
+  int r = 0;
+  while ((int64_t{1} << r) < x) ++r;
+  return r;
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
+}
+
+// Validates the decode inputs and fills the size/stride/pointer fields of DecodeArgs (no plan yet).
+kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                                const Tensor& block_tables, const Tensor& context_lens, double scale) {
+  const torch::Device device = query.device();
+  check_cuda(query, "query", device);
+  check_cuda(k_cache, "k_cache", device);
+  check_cuda(v_cache, "v_cache", device);
+  check_cuda(block_tables, "block_tables", device);
+  check_cuda(context_lens, "context_lens", device);
+  to_dtype(query, "query");
+  check_cache_pair(k_cache, v_cache);
+  KV_CHECK(query.scalar_type() == k_cache.scalar_type(), "query dtype ", query.scalar_type(),
+                    " != cache dtype ", k_cache.scalar_type());
+  check_rows(query, "query");
+  KV_CHECK(k_cache.stride(0) == v_cache.stride(0), "k_cache and v_cache must share a block stride, got ",
+                    k_cache.stride(0), " and ", v_cache.stride(0));
+  const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  KV_CHECK(head_dim == k_cache.size(3), "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
+  KV_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "head_dim must be 64, 128 or 256, got ",
+                    head_dim);
+  KV_CHECK(block_size == 8 || block_size == 16 || block_size == 32, "block_size must be 8, 16 or 32, got ",
+                    block_size);
+  KV_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0, num_q_heads,
+                    " query heads are not a multiple of ", num_kv_heads, " KV heads (GQA)");
+  KV_CHECK(num_seqs <= 65535, "at most 65535 sequences per call, got ", num_seqs);
+  KV_CHECK(num_kv_heads * num_q_heads <= 65535 * 8, "too many heads");
+  KV_CHECK(block_tables.scalar_type() == torch::kInt32, "block_tables must be int32, got ",
+                    block_tables.scalar_type());
+  KV_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+                    "block_tables must be [num_seqs, max_blocks] = [", num_seqs, ", *], got ", dims(block_tables.sizes()));
+  KV_CHECK(block_tables.size(1) <= 1 || block_tables.stride(1) == 1,
+                    "block_tables must be contiguous along max_blocks, got strides ", dims(block_tables.strides()));
+  KV_CHECK(block_tables.size(1) * block_size <= std::numeric_limits<int32_t>::max() / 2,
+                    "block_tables is too wide");
+  KV_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens must be int32, got ",
+                    context_lens.scalar_type());
+  KV_CHECK(context_lens.dim() == 1 && context_lens.size(0) == num_seqs, "context_lens must be [", num_seqs,
+                    "], got ", dims(context_lens.sizes()));
+  KV_CHECK(context_lens.is_contiguous(), "context_lens must be contiguous");
+  KV_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+
+  kvpager::DecodeArgs a{};
+  a.query = query.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.context_lens = context_lens.data_ptr<int32_t>();
+  a.q_stride_seq = query.stride(0);
+  a.q_stride_head = query.stride(1);
+  a.kv_stride_block = k_cache.stride(0);
+  a.kv_stride_head = k_cache.stride(1);
+  a.table_stride = block_tables.stride(0);
+  a.num_seqs = static_cast<int>(num_seqs);
+  a.num_q_heads = static_cast<int>(num_q_heads);
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.block_size = static_cast<int>(block_size);
+  a.log2_block_size = log2_exact(block_size);
+  a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  return a;
+}
+
+void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits) {
+  KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
+                    kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
+  const cudaError_t err = kvpager::plan_paged_decode(to_dtype(query, "query"), static_cast<int>(num_splits),
+                                                     query.device().index(), a);
+  KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
+                    " (each split stages at most ", kvpager::kMaxTableEntries,
+                    " block-table entries: ask for more splits)");
+}
+
+// Returns the number of splits used (1 = unsplit path).
+int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                     Tensor context_lens, double scale, int64_t num_splits, bool poison_workspace,
+                     int64_t prefetch_steps) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale);
+  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
+  a.prefetch_steps = prefetch_steps < 0 ? kvpager::kDefaultPrefetchSteps : static_cast<int>(prefetch_steps);
+  check_cuda(out, "out", query.device());
+  KV_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must be ",
+                    dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
+  KV_CHECK(out.stride(2) == 1 || out.size(2) == 1, "out must be contiguous in head_dim");
+  a.out = out.data_ptr();
+  a.o_stride_seq = out.stride(0);
+  a.o_stride_head = out.stride(1);
+  if (a.num_seqs == 0) return 1;
+  plan(&a, query, num_splits);
+  Tensor part_out, part_ml;
+  if (a.num_splits > 1) {
+    const auto f32 = query.options().dtype(torch::kFloat32);
+    part_out = torch::empty({a.num_seqs, a.num_q_heads, a.num_splits, a.head_dim}, f32);
+    part_ml = torch::empty({a.num_seqs, a.num_q_heads, a.num_splits, 2}, f32);
+    if (poison_workspace) {
+      part_out.fill_(std::numeric_limits<float>::quiet_NaN());
+      part_ml.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+    a.part_out = part_out.data_ptr<float>();
+    a.part_ml = part_ml.data_ptr<float>();
+  }
+  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), a, at::cuda::getCurrentCUDAStream()),
+               "paged_decode launch");
+  return a.num_splits;
+}
+
+// (num_splits, partition_tokens, head_tile) that paged_decode would use for these inputs.
+std::tuple<int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                                                  Tensor context_lens, int64_t num_splits) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0);
+  plan(&a, query, num_splits);
+  return {a.num_splits, a.partition_tokens, a.head_tile};
+}
+
+void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+  const torch::Device device = k_cache.device();
+  const c10::cuda::CUDAGuard guard(device);
+  check_cuda(k_cache, "k_cache", device);
+  check_cuda(v_cache, "v_cache", device);
+  check_cuda(key, "key", device);
+  check_cuda(value, "value", device);
+  check_cuda(slot_mapping, "slot_mapping", device);
+  check_cache_pair(k_cache, v_cache);
+  KV_CHECK(key.dim() == 3 && key.sizes() == value.sizes(),
+                    "key and value must both be [num_tokens, num_kv_heads, head_dim], got ", dims(key.sizes()), " and ",
+                    dims(value.sizes()));
+  KV_CHECK(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), "key/value heads and head_dim (",
+                    key.size(1), ", ", key.size(2), ") do not match the cache's (", k_cache.size(1), ", ",
+                    k_cache.size(3), ")");
+  KV_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+                    "key/value dtype ", key.scalar_type(), "/", value.scalar_type(), " != cache dtype ",
+                    k_cache.scalar_type());
+  KV_CHECK((k_cache.size(3) * k_cache.element_size()) % 16 == 0, "head_dim * element size must be a "
+                    "multiple of 16 bytes");
+  check_rows(key, "key");
+  check_rows(value, "value");
+  KV_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping must be [",
+                    key.size(0), "], got ", dims(slot_mapping.sizes()));
+  KV_CHECK(slot_mapping.scalar_type() == torch::kInt64 || slot_mapping.scalar_type() == torch::kInt32,
+                    "slot_mapping must be int32 or int64, got ", slot_mapping.scalar_type());
+  KV_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  KV_CHECK(key.size(0) <= std::numeric_limits<int32_t>::max(), "too many tokens");
+  if (key.size(0) == 0) return;
+  kvpager::WriteKVArgs a{};
+  a.key = key.data_ptr();
+  a.value = value.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.slot_mapping = slot_mapping.data_ptr();
+  a.slot_is_int64 = slot_mapping.scalar_type() == torch::kInt64;
+  a.key_stride_tok = key.stride(0);
+  a.key_stride_head = key.stride(1);
+  a.value_stride_tok = value.stride(0);
+  a.value_stride_head = value.stride(1);
+  a.k_stride_block = k_cache.stride(0);
+  a.k_stride_head = k_cache.stride(1);
+  a.v_stride_block = v_cache.stride(0);
+  a.v_stride_head = v_cache.stride(1);
+  a.num_tokens = static_cast<int>(key.size(0));
+  a.num_heads = static_cast<int>(key.size(1));
+  a.head_dim = static_cast<int>(key.size(2));
+  a.block_size = static_cast<int>(k_cache.size(2));
+  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
+  a.elem_size = static_cast<int>(k_cache.element_size());
+  check_launch(kvpager::launch_write_kv(a, at::cuda::getCurrentCUDAStream()), "write_kv launch");
+}
+
+void copy_blocks(Tensor kv_cache, Tensor src, Tensor dst) {
+  const torch::Device device = kv_cache.device();
+  const c10::cuda::CUDAGuard guard(device);
+  check_cuda(kv_cache, "kv_cache", device);
+  check_cuda(src, "src", device);
+  check_cuda(dst, "dst", device);
+  KV_CHECK(kv_cache.dim() == 6, "kv_cache must be [num_blocks, num_layers, 2, num_kv_heads, block_size, "
+                    "head_dim], got ", dims(kv_cache.sizes()));
+  KV_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous (one chunk per block)");
+  KV_CHECK(aligned16(kv_cache), "kv_cache data must be 16-byte aligned");
+  KV_CHECK(src.dim() == 1 && src.sizes() == dst.sizes(), "src and dst must be [num_pairs], got ",
+                    dims(src.sizes()), " and ", dims(dst.sizes()));
+  KV_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64,
+                    "src and dst must be int64");
+  KV_CHECK(src.is_contiguous() && dst.is_contiguous(), "src and dst must be contiguous");
+  if (src.numel() == 0 || kv_cache.numel() == 0) return;
+  const int64_t block_bytes = kv_cache.stride(0) * kv_cache.element_size();
+  KV_CHECK(block_bytes % 16 == 0, "a block must be a multiple of 16 bytes, got ", block_bytes);
+  check_launch(kvpager::launch_copy_blocks(kv_cache.data_ptr(), kv_cache.size(0), block_bytes,
+                                           src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), src.numel(),
+                                           at::cuda::getCurrentCUDAStream()),
+               "copy_blocks launch");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvpager CUDA kernels (see kvpager.kernels.cuda for the typed wrappers)";
+  m.def("paged_decode", &paged_decode, "paged decode attention into out; returns the number of splits used",
+        py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("poison_workspace"), py::arg("prefetch_steps") = -1);
+  m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile) paged_decode would use",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("num_splits"));
+  m.def("write_kv", &write_kv, "scatter K/V into their cache slots", py::arg("key"), py::arg("value"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("copy_blocks", &copy_blocks, "copy whole blocks of a block-major cache", py::arg("kv_cache"), py::arg("src"),
+        py::arg("dst"));
+}

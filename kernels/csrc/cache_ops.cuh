@@ -1,0 +1,78 @@
+// Cache writes and copies, dtype-agnostic (they move 16-byte vectors).
+//
+// write_kv: scatter each new token's K and V ([num_heads, head_dim] each) into its slot of the
+// paged cache; a negative slot (padding) is skipped, and so is a slot past the cache.
+// copy_blocks: every copy-on-write pair of a step, every layer, in one launch over the
+// block-major cache, where one block is one contiguous chunk of block_bytes.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launch.h"
+
+namespace kvpager {
+
+constexpr int kWriteKVThreads = 128;
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;   // 16-byte vectors in flight per thread
+
+// grid: (num_tokens, ceil(num_heads * head_dim * elem_size / 16 / kWriteKVThreads));
+// block: kWriteKVThreads threads; thread i moves vector i of the token's [num_heads, head_dim]
+// K and V (consecutive threads, consecutive 16 bytes of one head's row: coalesced).
+template <typename Idx>
+__global__ void __launch_bounds__(kWriteKVThreads) write_kv_kernel(const WriteKVArgs a) {
+  const int t = blockIdx.x;
+  const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
+  const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
+  if (slot < 0 || slot >= num_slots) return;
+  const int64_t blk = slot / a.block_size;
+  const int off = static_cast<int>(slot - blk * a.block_size);
+  const int row_vecs = a.head_dim * a.elem_size / 16;
+  const int total = a.num_heads * row_vecs;
+  const int64_t es = a.elem_size;
+  const char* key = static_cast<const char*>(a.key);
+  const char* value = static_cast<const char*>(a.value);
+  char* kc = static_cast<char*>(a.k_cache);
+  char* vc = static_cast<char*>(a.v_cache);
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
+    const int h = i / row_vecs, c = i - h * row_vecs;
+    const int64_t in_byte = static_cast<int64_t>(c) * 16;
+    const int64_t k_src = (static_cast<int64_t>(t) * a.key_stride_tok + h * a.key_stride_head) * es + in_byte;
+    const int64_t v_src = (static_cast<int64_t>(t) * a.value_stride_tok + h * a.value_stride_head) * es + in_byte;
+    const int64_t k_dst =
+        (blk * a.k_stride_block + h * a.k_stride_head + static_cast<int64_t>(off) * a.head_dim) * es + in_byte;
+    const int64_t v_dst =
+        (blk * a.v_stride_block + h * a.v_stride_head + static_cast<int64_t>(off) * a.head_dim) * es + in_byte;
+    const uint4 kv = *reinterpret_cast<const uint4*>(key + k_src);
+    const uint4 vv = *reinterpret_cast<const uint4*>(value + v_src);
+    *reinterpret_cast<uint4*>(kc + k_dst) = kv;
+    *reinterpret_cast<uint4*>(vc + v_dst) = vv;
+  }
+}
+
+// grid: (num_pairs, ceil(block_vecs / (kCopyThreads * kCopyUnroll))); block: kCopyThreads
+// threads; each thread loads kCopyUnroll 16-byte vectors of the source block, then stores them.
+// A pair with an id outside [0, num_cache_blocks) is skipped.
+__global__ void __launch_bounds__(kCopyThreads)
+copy_blocks_kernel(uint4* cache, int64_t num_cache_blocks, int64_t block_vecs, const int64_t* src, const int64_t* dst) {
+  const int64_t p = blockIdx.x;
+  const int64_t s = src[p], d = dst[p];
+  if (s < 0 || s >= num_cache_blocks || d < 0 || d >= num_cache_blocks) return;
+  const uint4* from = cache + s * block_vecs;
+  uint4* to = cache + d * block_vecs;
+  const int64_t base = static_cast<int64_t>(blockIdx.y) * (kCopyThreads * kCopyUnroll) + threadIdx.x;
+  uint4 buf[kCopyUnroll];
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t i = base + u * kCopyThreads;
+    if (i < block_vecs) buf[u] = __ldcs(from + i);
+  }
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t i = base + u * kCopyThreads;
+    if (i < block_vecs) __stcs(to + i, buf[u]);
+  }
+}
+
+}  // namespace kvpager

@@ -1,0 +1,85 @@
+// Host-side interface of kvpager's CUDA kernels: plain structs of raw pointers, element
+// strides and sizes, and launchers that take a cudaStream_t. No torch types here: launch.cu
+// compiles with nvcc alone, and binding.cpp (the torch extension) checks every tensor and
+// fills these structs.
+//
+// Cache layout (see kernels/reference.py): per-layer views
+//   k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+// with the inner dims packed (head stride = block_size * head_dim, token stride = head_dim,
+// element stride 1) and any block stride (the block-major cache puts num_layers * 2 layer
+// blocks between two blocks of one layer). Strides are in ELEMENTS.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace kvpager {
+
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Limits the launchers enforce (and binding.cpp checks first, with clearer messages).
+constexpr int kMaxSplits = 256;            // split-KV partitions of one sequence
+constexpr int kMaxTableEntries = 8192;     // block-table entries one thread block stages in shared memory
+constexpr int kPartitionAlign = 64;        // a split's token count is a multiple of this (and of block_size)
+constexpr int kMinPartitionTokens = 1024;      // automatic splits are at least this long ...
+constexpr int kMinPartitionTokensSmall = 256;  // ... or this, when longer ones leave SMs without blocks
+constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmarks/kernels.py sweeps it)
+
+struct DecodeArgs {
+  void* out;                       // [num_seqs, num_q_heads, head_dim], query dtype
+  const void* query;               // [num_seqs, num_q_heads, head_dim], inner dim contiguous
+  const void* k_cache;             // [num_cache_blocks, num_kv_heads, block_size, head_dim] view
+  const void* v_cache;             // same shape and strides as k_cache
+  const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq], inner dim contiguous
+  const int32_t* context_lens;     // [num_seqs]
+  float* part_out;                 // [num_seqs, num_q_heads, num_splits, head_dim] fp32 (split path only)
+  float* part_ml;                  // [num_seqs, num_q_heads, num_splits, 2] fp32: (max, sum), log2 domain
+  int64_t q_stride_seq, q_stride_head;
+  int64_t o_stride_seq, o_stride_head;
+  int64_t kv_stride_block;         // elements between two blocks (K and V views share it)
+  int64_t kv_stride_head;          // = block_size * head_dim
+  int64_t table_stride;            // elements between two block-table rows
+  int num_seqs, num_q_heads, num_kv_heads, head_dim;
+  int block_size, log2_block_size, max_blocks_per_seq, num_cache_blocks;
+  float scale_log2;                // softmax scale * log2(e): scores are kept in the log2 domain
+  int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
+  // Filled by plan_paged_decode:
+  int head_tile;                   // query heads per thread block (1, 2, 4 or 8; >= the GQA group unless 8)
+  int head_chunks;                 // ceil(group / head_tile) thread blocks per KV head
+  int num_splits;                  // 1 = unsplit path (no merge kernel)
+  int partition_tokens;            // tokens per split (multiple of kPartitionAlign and of block_size)
+};
+
+// Chooses head_tile/head_chunks/num_splits/partition_tokens for `args` (sizes filled in).
+// requested_splits <= 0: automatic, from the grid size (num_seqs * num_kv_heads * head_chunks),
+// the longest possible context (max_blocks_per_seq * block_size), the SM count and the
+// kernel's occupancy; otherwise that many splits (fewer if the context is too short to give
+// each a partition). Returns cudaErrorInvalidValue for unsupported sizes.
+cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, DecodeArgs* args);
+
+// Launches the decode kernel (and, when num_splits > 1, the merge kernel) on `stream`.
+cudaError_t launch_paged_decode(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
+struct WriteKVArgs {
+  const void* key;                 // [num_tokens, num_heads, head_dim], inner dim contiguous
+  const void* value;               // same shape
+  void* k_cache;                   // [num_cache_blocks, num_heads, block_size, head_dim] view
+  void* v_cache;
+  const void* slot_mapping;        // [num_tokens] int32 or int64; negative = skip
+  int slot_is_int64;
+  int64_t key_stride_tok, key_stride_head;
+  int64_t value_stride_tok, value_stride_head;
+  int64_t k_stride_block, k_stride_head;   // token stride inside a block is head_dim
+  int64_t v_stride_block, v_stride_head;
+  int num_tokens, num_heads, head_dim, block_size, num_cache_blocks;
+  int elem_size;                   // bytes per element; head_dim * elem_size % 16 == 0
+};
+
+cudaError_t launch_write_kv(const WriteKVArgs& args, cudaStream_t stream);
+
+// Copies whole blocks of a contiguous block-major cache: cache[dst[i]] = cache[src[i]].
+// block_bytes = num_layers * 2 * num_kv_heads * block_size * head_dim * elem_size, a multiple of 16.
+cudaError_t launch_copy_blocks(void* cache, int64_t num_cache_blocks, int64_t block_bytes, const int64_t* src,
+                               const int64_t* dst, int64_t num_pairs, cudaStream_t stream);
+
+}  // namespace kvpager

@@ -1,0 +1,487 @@
+// Paged decode attention: one query token per sequence over its paged K/V cache.
+//
+// One thread block handles one (KV head, sequence, split) and up to HT query heads of that KV
+// head's GQA group, so each K/V byte of the split is read once for the whole group.
+// Work split inside the block:
+//   - a token row of D elements is read as D / VEC 16-byte vectors; LPT = min(32, D / VEC)
+//     lanes share a row ("lane group"), each lane holding VPL = D / VEC / LPT vectors of it,
+//     so a warp reads TPW = 32 / LPT rows per load instruction (e.g. bf16, D = 128: 16 lanes a
+//     row, 2 rows a warp, 512 contiguous bytes when the rows sit in one block);
+//   - every lane keeps its slice of the query for all HT heads (fp32, pre-scaled by
+//     scale * log2 e) and fp32 accumulators for the same slice of V, for all HT heads;
+//   - each iteration a warp takes U rows per lane group (U * TPW tokens); loads of the next
+//     iteration's K are issued right after the dot products and those of V right after the
+//     P*V products (software pipelining: the registers are reused, no extra buffers);
+//   - dot products are reduced across the lane group with a "reduce-scatter" butterfly: HT
+//     partial sums shrink to one per lane in log2(HT) exchange steps, so lane r ends up owning
+//     head r / (LPT / HT); that owner runs the online softmax (fp32, log2 domain) of its head,
+//     and the probabilities are broadcast back with one shuffle per head;
+//   - each lane group keeps its own online-softmax state; states are merged across lane groups
+//     by shuffles and across warps through shared memory at the end.
+// Tokens at or past the context, and tokens whose block-table entry is not a valid block id,
+// are never loaded (their score is -inf and their V is zero).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launch.h"
+
+namespace kvpager {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kDecodeWarps = 4;
+constexpr int kMergeThreads = 128;
+
+// ---------------------------------------------------------------------------------------------
+// Element types: 16 bytes of T <-> floats.
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kVec = 4;
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x);
+    f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z);
+    f[3] = __uint_as_float(u.w);
+  }
+  static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kVec = 8;
+  static __device__ __forceinline__ float2 pair(uint32_t w) {
+    __half2 h;
+    static_assert(sizeof(h) == sizeof(w), "half2 is 4 bytes");
+    memcpy(&h, &w, sizeof(w));
+    return __half22float2(h);
+  }
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    const float2 a = pair(u.x), b = pair(u.y), c = pair(u.z), d = pair(u.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+    f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+  }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kVec = 8;
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    // bf16 is the top half of an fp32: widening is a shift or a mask.
+    f[0] = __uint_as_float(u.x << 16); f[1] = __uint_as_float(u.x & 0xffff0000u);
+    f[2] = __uint_as_float(u.y << 16); f[3] = __uint_as_float(u.y & 0xffff0000u);
+    f[4] = __uint_as_float(u.z << 16); f[5] = __uint_as_float(u.z & 0xffff0000u);
+    f[6] = __uint_as_float(u.w << 16); f[7] = __uint_as_float(u.w & 0xffff0000u);
+  }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers.
+
+// 16-byte read-only streaming load, predicated: returns zeros (and touches no memory) when
+// !pred. K/V are read once per kernel, so skip L1 and ask L2 to fetch 256-byte sectors.
+__device__ __forceinline__ uint4 load_kv16(const void* ptr, bool pred) {
+  uint4 v;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// Asks L2 to fetch `bytes` (a multiple of 16, 16-byte aligned) at `ptr` ahead of the loads,
+// without registers or shared memory: the bulk-copy engine keeps many more DRAM requests in
+// flight than the warps' own loads do. Hopper only; a no-op on older GPUs.
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// exp2(x - m) with exp2(-inf - anything) = 0 (no NaN from -inf - -inf).
+__device__ __forceinline__ float exp2_diff(float x, float m) {
+  return x == -INFINITY ? 0.f : fast_exp2(x - m);
+}
+
+// One butterfly step of the reduce-scatter: CNT values per lane become CNT / 2, exchanging
+// with the lane MASK apart; the lane whose MASK bit is set keeps the upper half.
+template <int CNT, int MASK, int N>
+__device__ __forceinline__ void scatter_steps(float (&v)[N], int lane) {
+  if constexpr (CNT > 1) {
+    const bool upper = (lane & MASK) != 0;
+#pragma unroll
+    for (int i = 0; i < CNT / 2; ++i) {
+      const float send = upper ? v[i] : v[i + CNT / 2];
+      const float keep = upper ? v[i + CNT / 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(kFullMask, send, MASK);
+    }
+    scatter_steps<CNT / 2, MASK / 2, N>(v, lane);
+  }
+}
+
+// Sums v[0..HT) over the LPT lanes of a lane group (LPT a power of two >= HT). Returns, in
+// lane r of the group, the full sum of element r / (LPT / HT). log2(LPT) shuffles in all.
+template <int HT, int LPT>
+__device__ __forceinline__ float group_sum_scatter(float (&v)[HT], int lane) {
+  static_assert(HT <= LPT, "a lane group must have at least one lane per head");
+  scatter_steps<HT, LPT / 2, HT>(v, lane);
+  float s = v[0];
+#pragma unroll
+  for (int mask = LPT / (2 * HT); mask >= 1; mask >>= 1) s += __shfl_xor_sync(kFullMask, s, mask);
+  return s;
+}
+
+template <typename T, int D>
+struct DecodeShape {
+  static constexpr int VEC = Elem<T>::kVec;           // elements per 16-byte vector
+  static constexpr int ROW_VECS = D / VEC;            // vectors per token row
+  static constexpr int LPT = ROW_VECS < 32 ? ROW_VECS : 32;   // lanes per token row
+  static constexpr int VPL = ROW_VECS / LPT;          // vectors per lane per row
+  static constexpr int TPW = 32 / LPT;                // rows per warp per load
+  static constexpr int U = VPL >= 4 ? 1 : 4 / VPL;    // rows per lane group per iteration
+  static constexpr int E = VPL * VEC;                 // elements per lane
+  static constexpr int WARP_TOKENS = TPW * U;
+  static constexpr int STEP = kDecodeWarps * WARP_TOKENS;   // tokens per block iteration
+  static_assert(D % (VEC * LPT) == 0, "head_dim must split evenly over the lanes");
+  static_assert(kPartitionAlign % STEP == 0, "a partition must be whole iterations");
+};
+
+// Shared memory (dynamic) of one decode block: the block-table slice during the main loop,
+// then the per-warp partial results.
+template <int D, int HT>
+constexpr int decode_merge_smem_bytes() {
+  return kDecodeWarps * HT * D * 4 + kDecodeWarps * HT * 2 * 4;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode kernel.
+// grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps * 32 threads;
+// dynamic smem: max(partition_tokens / block_size ints, decode_merge_smem_bytes<D, HT>()).
+
+template <typename T, int D, int HT>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+paged_decode_kernel(const DecodeArgs a) {
+  using S = DecodeShape<T, D>;
+  constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
+  constexpr int NT = kDecodeWarps * 32;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_ctx;
+  int* s_table = reinterpret_cast<int*>(smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane / LPT, r = lane % LPT;
+  const int kvh = blockIdx.x / a.head_chunks, chunk = blockIdx.x % a.head_chunks;
+  const int seq = blockIdx.y, split = blockIdx.z;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int head0 = kvh * group + chunk * HT;
+  const int nheads = min(HT, group - chunk * HT);
+  const int log2b = a.log2_block_size;
+
+  if (tid == 0) {
+    const int c = a.context_lens[seq];
+    s_ctx = max(0, min(c, a.max_blocks_per_seq << log2b));
+  }
+  __syncthreads();
+  const int ctx = s_ctx;
+  const int start = split * a.partition_tokens;
+  if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
+  const int end = min(ctx, start + a.partition_tokens);
+
+  // This split's slice of the block table, once, into shared memory; invalid ids become -1.
+  const int first_blk = start >> log2b;
+  const int nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
+  const int32_t* trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
+  // Block slabs (one head's block_size rows, contiguous) go to L2 a.prefetch_steps iterations
+  // ahead of their loads; the first ones right away, while the prologue runs.
+  const T* kslab = static_cast<const T*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const T* vslab = static_cast<const T*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D * sizeof(T);
+  const int pd = a.prefetch_steps;
+  const int first_prefetched = min(nblk, (pd * S::STEP + a.block_size - 1) >> log2b);
+  for (int i = tid; i < nblk; i += NT) {
+    const int b = trow[i];
+    const bool ok = b >= 0 && b < a.num_cache_blocks;
+    s_table[i] = ok ? b : -1;
+    if (ok && i < first_prefetched) {
+      prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+    }
+  }
+
+  // Query slice for every head of the tile, pre-scaled into the log2 domain.
+  float q[HT][E];
+#pragma unroll
+  for (int g = 0; g < HT; ++g) {
+    const bool live = g < nheads;
+    const T* qp = static_cast<const T*>(a.query) + static_cast<int64_t>(seq) * a.q_stride_seq +
+                  static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      uint4 u = make_uint4(0, 0, 0, 0);
+      if (live) u = *reinterpret_cast<const uint4*>(qp + (j * LPT + r) * VEC);
+      Elem<T>::unpack(u, &q[g][j * VEC]);
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) q[g][e] *= a.scale_log2;
+  }
+  __syncthreads();   // s_table ready
+
+  float acc[HT][E];
+#pragma unroll
+  for (int g = 0; g < HT; ++g)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
+  float m_own = -INFINITY, l_own = 0.f;                 // online softmax of head r / (LPT / HT)
+  const int group_lane0 = lane & ~(LPT - 1);
+
+  const T* kbase = static_cast<const T*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
+  const T* vbase = static_cast<const T*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
+  const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
+  const int lane_tok0 = start + warp * S::WARP_TOKENS + grp;
+
+  bool valid[U];
+  int64_t off[U];
+  auto locate = [&](int it) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = lane_tok0 + it * S::STEP + u * TPW;
+      bool ok = tok < end;
+      const int blk = ok ? s_table[(tok >> log2b) - first_blk] : -1;
+      ok = ok && blk >= 0;
+      valid[u] = ok;
+      off[u] = ok ? static_cast<int64_t>(blk) * a.kv_stride_block + (tok & (a.block_size - 1)) * D : 0;
+    }
+  };
+
+  uint4 kr[U][VPL], vr[U][VPL];
+  locate(0);
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) kr[u][j] = load_kv16(kbase + off[u] + j * LPT * VEC, valid[u]);
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vbase + off[u] + j * LPT * VEC, valid[u]);
+
+  for (int it = 0; it < n_iter; ++it) {
+    if (pd > 0) {
+      // Prefetch the blocks whose first token falls in iteration it + pd: one thread per
+      // (block, K or V).
+      const int j = it + pd;
+      const int b0 = (j * S::STEP + a.block_size - 1) >> log2b;
+      const int b1 = min(nblk, ((j + 1) * S::STEP + a.block_size - 1) >> log2b);
+      const int i = b0 + (tid >> 1);
+      if (i < b1) {
+        const int b = s_table[i];
+        if (b >= 0) prefetch_l2(((tid & 1) ? vslab : kslab) + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      }
+    }
+    // Scores of this lane group's U tokens, all heads; reduce-scattered to the head owners.
+    float s[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float part[HT];
+#pragma unroll
+      for (int g = 0; g < HT; ++g) part[g] = 0.f;
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        float kf[VEC];
+        Elem<T>::unpack(kr[u][j], kf);
+#pragma unroll
+        for (int g = 0; g < HT; ++g)
+#pragma unroll
+          for (int t = 0; t < VEC; ++t) part[g] = fmaf(q[g][j * VEC + t], kf[t], part[g]);
+      }
+      s[u] = group_sum_scatter<HT, LPT>(part, lane);
+      if (!valid[u]) s[u] = -INFINITY;
+    }
+
+    // Next iteration's K, into the registers just consumed (valid/off move on to it + 1; this
+    // iteration's V is already in registers).
+    const bool more = it + 1 < n_iter;
+    if (more) {
+      locate(it + 1);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) kr[u][j] = load_kv16(kbase + off[u] + j * LPT * VEC, valid[u]);
+    }
+
+    // Online softmax of the owned head.
+    float m_new = m_own;
+#pragma unroll
+    for (int u = 0; u < U; ++u) m_new = fmaxf(m_new, s[u]);
+    const float alpha = exp2_diff(m_own, m_new);
+    float p[U];
+    float psum = 0.f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      p[u] = exp2_diff(s[u], m_new);
+      psum += p[u];
+    }
+    l_own = l_own * alpha + psum;
+    m_own = m_new;
+
+    // Rescale, then accumulate P * V for every head (probabilities broadcast from the owners).
+#pragma unroll
+    for (int g = 0; g < HT; ++g) {
+      const float ag = __shfl_sync(kFullMask, alpha, group_lane0 + g * (LPT / HT));
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= ag;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float pg[HT];
+#pragma unroll
+      for (int g = 0; g < HT; ++g) pg[g] = __shfl_sync(kFullMask, p[u], group_lane0 + g * (LPT / HT));
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        float vf[VEC];
+        Elem<T>::unpack(vr[u][j], vf);
+#pragma unroll
+        for (int g = 0; g < HT; ++g)
+#pragma unroll
+          for (int t = 0; t < VEC; ++t) acc[g][j * VEC + t] = fmaf(pg[g], vf[t], acc[g][j * VEC + t]);
+      }
+    }
+
+    // Next iteration's V.
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vbase + off[u] + j * LPT * VEC, valid[u]);
+    }
+  }
+
+  // Every head's (max, sum) in every lane, then merge the TPW lane groups of the warp.
+  float mg[HT], lg[HT];
+#pragma unroll
+  for (int g = 0; g < HT; ++g) {
+    mg[g] = __shfl_sync(kFullMask, m_own, group_lane0 + g * (LPT / HT));
+    lg[g] = __shfl_sync(kFullMask, l_own, group_lane0 + g * (LPT / HT));
+  }
+#pragma unroll
+  for (int mask = LPT; mask < 32; mask <<= 1) {
+#pragma unroll
+    for (int g = 0; g < HT; ++g) {
+      const float mo = __shfl_xor_sync(kFullMask, mg[g], mask);
+      const float lo = __shfl_xor_sync(kFullMask, lg[g], mask);
+      const float mm = fmaxf(mg[g], mo);
+      const float wa = exp2_diff(mg[g], mm), wb = exp2_diff(mo, mm);
+      lg[g] = lg[g] * wa + lo * wb;
+      mg[g] = mm;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * wa + __shfl_xor_sync(kFullMask, acc[g][e], mask) * wb;
+    }
+  }
+
+  // Across warps, through shared memory (the table slice is dead now).
+  __syncthreads();
+  float* s_acc = reinterpret_cast<float*>(smem);            // [kDecodeWarps][HT][D]
+  float* s_ml = s_acc + kDecodeWarps * HT * D;              // [kDecodeWarps][HT][2]
+  if (grp == 0) {
+#pragma unroll
+    for (int g = 0; g < HT; ++g)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j)
+#pragma unroll
+        for (int t = 0; t < VEC; ++t) s_acc[(warp * HT + g) * D + (j * LPT + r) * VEC + t] = acc[g][j * VEC + t];
+    if (r == 0) {
+#pragma unroll
+      for (int g = 0; g < HT; ++g) {
+        s_ml[(warp * HT + g) * 2] = mg[g];
+        s_ml[(warp * HT + g) * 2 + 1] = lg[g];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int idx = tid; idx < nheads * D; idx += NT) {
+    const int g = idx / D, d = idx % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_ml[(w * HT + g) * 2]);
+    float ll = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float wt = exp2_diff(s_ml[(w * HT + g) * 2], mm);
+      ll += wt * s_ml[(w * HT + g) * 2 + 1];
+      o += wt * s_acc[(w * HT + g) * D + d];
+    }
+    const float res = ll > 0.f ? o / ll : 0.f;
+    const int h = head0 + g;
+    if (a.num_splits == 1) {
+      T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
+      op[d] = Elem<T>::from_float(res);
+    } else {
+      const int64_t row = (static_cast<int64_t>(seq) * a.num_q_heads + h) * a.num_splits + split;
+      a.part_out[row * D + d] = res;
+      if (d == 0) {
+        a.part_ml[row * 2] = mm;
+        a.part_ml[row * 2 + 1] = ll;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Merge of the split-KV partials: out = sum_i w_i * o_i / sum_i w_i,
+// w_i = exp2(m_i - max_j m_j) * l_i, over the splits that hold part of the context.
+// grid: (num_q_heads, num_seqs); block: kMergeThreads threads; static smem: kMaxSplits floats.
+
+template <typename T>
+__global__ void __launch_bounds__(kMergeThreads)
+paged_decode_merge_kernel(const DecodeArgs a) {
+  __shared__ float s_w[kMaxSplits];
+  const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
+  const int c = a.context_lens[seq];
+  const int ctx = max(0, min(c, a.max_blocks_per_seq << a.log2_block_size));
+  const int nvalid = min(a.num_splits, (ctx + a.partition_tokens - 1) / a.partition_tokens);
+  const int64_t row0 = (static_cast<int64_t>(seq) * a.num_q_heads + h) * a.num_splits;
+  const float* ml = a.part_ml + row0 * 2;
+
+  float mm = -INFINITY;
+  for (int i = 0; i < nvalid; ++i) mm = fmaxf(mm, ml[2 * i]);
+  for (int i = threadIdx.x; i < nvalid; i += blockDim.x) s_w[i] = exp2_diff(ml[2 * i], mm) * ml[2 * i + 1];
+  __syncthreads();
+  float ll = 0.f;
+  for (int i = 0; i < nvalid; ++i) ll += s_w[i];
+  const float inv = ll > 0.f ? 1.f / ll : 0.f;
+
+  const float* po = a.part_out + row0 * D;
+  T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < nvalid; ++i) o = fmaf(s_w[i], po[static_cast<int64_t>(i) * D + d], o);
+    op[d] = Elem<T>::from_float(o * inv);
+  }
+}
+
+}  // namespace kvpager

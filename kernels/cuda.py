@@ -1,0 +1,208 @@
+"""kvpager's own CUDA kernels: paged decode attention, K/V writes and block copies.
+
+Same signatures and semantics as :mod:`kvpager.kernels.reference` (the oracle they are tested
+against), for CUDA tensors. The extension (``kernels/csrc``) is JIT-built with
+``torch.utils.cpp_extension`` (ninja) on first use and cached; the build directory is
+``$KVPAGER_EXT_DIR`` if set, else ``<tempdir>/kvpager_ext/<torch version>-<source hash>``,
+never inside the repository. Set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0a``) to choose the
+target; by default torch builds for the visible GPU.
+
+Cache layout (``kvpager.worker.kv_cache``): one block-major tensor
+``kv_cache[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``; attention reads a
+layer through the views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_cache[:, layer, 1]``,
+``[num_blocks, num_kv_heads, block_size, head_dim]`` with any block stride and packed inner dims
+(head stride ``block_size * head_dim``, token stride ``head_dim``, element stride 1).
+
+Supported: float32, float16 and bfloat16; head_dim 64, 128, 256; block_size 8, 16, 32; any GQA
+ratio (query heads a multiple of KV heads). Inputs are checked (device, dtype, shape, strides,
+alignment) and rejected with ``ValueError``. Data-dependent checks that would need a device
+sync are not made: block-table entries and slots outside the cache are skipped (never
+dereferenced), and a context longer than its table row is clamped to the row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "write_kv", "copy_blocks"]
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("binding.cpp", "launch.cu")
+_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh")
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+# Tests set this to fill the split-KV workspace with NaN before each launch, so that a merge
+# reading a partial that no split wrote shows up as NaN.
+_poison_workspace = False
+# The benchmark sets this to sweep the decode kernel's L2 prefetch distance (None: default).
+_prefetch_steps: int | None = None
+
+
+def _build_dir() -> Path:
+    explicit = os.environ.get("KVPAGER_EXT_DIR")
+    if explicit:
+        return Path(explicit)
+    digest = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        digest.update(name.encode())
+        digest.update((_CSRC / name).read_bytes())
+    tag = f"{torch.__version__}-{torch.version.cuda}-{digest.hexdigest()[:16]}".replace("+", "_")
+    return Path(tempfile.gettempdir()) / "kvpager_ext" / tag
+
+
+def _load() -> ModuleType:
+    global _module, _error
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise RuntimeError(_error)
+        try:
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available")
+            from torch.utils import cpp_extension
+
+            build = _build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            _module = cpp_extension.load(
+                name="kvpager_cuda_ext",
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_include_paths=[str(_CSRC)],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr"],
+                build_directory=str(build),
+                verbose=os.environ.get("KVPAGER_EXT_VERBOSE") == "1",
+            )
+        except Exception as exc:  # remember why, so available() is cheap afterwards
+            _error = f"kvpager CUDA kernels unavailable: {type(exc).__name__}: {exc}"
+            raise RuntimeError(_error) from exc
+        return _module
+
+
+def available() -> bool:
+    """True when a CUDA device is visible and the extension builds (or is cached) and loads.
+    The first call may take a minute (the JIT build); later calls are free."""
+    if _module is not None:
+        return True
+    if _error is not None or not torch.cuda.is_available():
+        return False
+    if shutil.which("ninja") is None and not _ninja_module():
+        return False
+    try:
+        _load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def load_error() -> str | None:
+    """Why the extension could not be built or loaded, if it could not."""
+    return _error
+
+
+def _ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token per sequence attending to all of its cached tokens (its own included).
+
+    query:            [num_seqs, num_q_heads, head_dim], float32/float16/bfloat16, CUDA;
+                      last dim contiguous, other strides multiples of 16 bytes
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views of the block-major
+                      cache (any block stride, equal for K and V; packed inner dims), query's dtype
+    block_tables:     [num_seqs, max_blocks] int32, padded rows (entries past a context are never read)
+    context_lens:     [num_seqs] int32, each >= 1 (a length <= 0 gives a zero output row)
+    scale:            softmax scale (usually head_dim ** -0.5)
+    num_splits:       None: chosen per call from the batch size, num_kv_heads, the longest
+                      possible context (max_blocks * block_size: no device sync) and the SM
+                      count; 1: the unsplit path; n > 1: split-KV into about n partitions
+                      (flash-decoding) and a merge kernel
+    out:              optional [num_seqs, num_q_heads, head_dim] output (query's dtype, last dim contiguous)
+    returns           [num_seqs, num_q_heads, head_dim] in query's dtype (``out`` if given)
+
+    GQA: q head h reads kv head h // (num_q_heads // num_kv_heads); one thread block serves up
+    to 8 query heads of a KV head, so K/V are read once per group of up to 8.
+    """
+    mod = _load()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    mod.paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
+                     _splits_arg(num_splits), _poison_workspace,
+                     -1 if _prefetch_steps is None else int(_prefetch_steps))
+    return out
+
+
+def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                context_lens: torch.Tensor, num_splits: int | None = None) -> tuple[int, int, int]:
+    """``(num_splits, partition_tokens, head_tile)`` that :func:`paged_decode_attention` uses for
+    these inputs: splits actually launched (1 = unsplit), tokens per split, query heads per
+    thread block."""
+    splits, partition, tile = _load().decode_plan(query, k_cache, v_cache, block_tables, context_lens,
+                                                  _splits_arg(num_splits))
+    return int(splits), int(partition), int(tile)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V into their slots, in place. A negative slot is padding and is skipped
+    (so is a slot past the cache); two tokens mapped to one slot leave either one.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype, CUDA; last dim
+                      contiguous, other strides multiples of 16 bytes (slices of a fused QKV are fine)
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views (packed inner dims)
+    slot_mapping:     [num_tokens] integer slots ``block_id * block_size + offset``; int32 and int64
+                      are used as they are, other integer dtypes are converted to int64; moved to
+                      the cache's device if elsewhere
+    """
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
+            raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
+        slot_mapping = slot_mapping.long()
+    slot_mapping = slot_mapping.to(k_cache.device).contiguous()
+    _load().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (every layer, K and V) within one block-major cache, in place:
+    ``kv_cache[dst[i]] = kv_cache[src[i]]``, all pairs in one launch.
+
+    kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], contiguous, CUDA
+    src, dst: [num_pairs] integer block ids, on any device (moved to the cache's device as int64)
+
+    Pairs must not chain (no dst is also a src, no dst repeats): pairs run in parallel. Pairs
+    naming a block outside the cache are skipped.
+    """
+    if src.dim() != 1 or src.shape != dst.shape:
+        raise ValueError(f"src and dst must be [num_pairs], got {tuple(src.shape)} and {tuple(dst.shape)}")
+    if src.numel() == 0:
+        return
+    dev = kv_cache.device
+    _load().copy_blocks(kv_cache, src.to(dev, torch.int64).contiguous(), dst.to(dev, torch.int64).contiguous())
+
+
+def _splits_arg(num_splits: int | None) -> int:
+    if num_splits is None:
+        return 0
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    return num_splits

@@ -1,0 +1,193 @@
+"""kvpager's CUDA kernels against a float64 oracle (the torch reference run in float64).
+
+Every decode case scatters fresh random K/V into one layer of a NaN-filled block-major cache
+through shuffled block tables (randperm ids), pads the tables with the id of a NaN block, and
+poisons the output and the split-KV workspace with NaN: reading past a context, dereferencing a
+padding entry, or leaving an output unwritten all show up as NaN. Contexts 1, block-1, block,
+block+1, a middling and a long one share each batch; the query is a strided slice of a fused
+QKV tensor. Both the unsplit and the split (flash-decoding) paths run, forced and automatic.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from kvpager.kernels import cuda, reference
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+LAYERS, LAYER = 2, 1
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cuda.available(), cuda.load_error()
+    cuda._poison_workspace = True
+    yield
+    cuda._poison_workspace = False
+
+
+def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed):
+    """(query, k view, v view, block_tables, context_lens) over a NaN-filled block-major cache."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in lens]
+    num_blocks = sum(need) + 3
+    cache = torch.full((num_blocks, LAYERS, 2, num_kv_heads, block_size, head_dim), float("nan"), dtype=dtype,
+                       device=DEV)
+    k_view, v_view = cache[:, LAYER, 0], cache[:, LAYER, 1]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    nan_block = perm.pop()          # never written: a padding entry that is read leaks NaN
+    width = max(need)
+    tables = []
+    for ctx, n in zip(lens, need):
+        ids = [perm.pop() for _ in range(n)]
+        pos = torch.arange(ctx)
+        slots = torch.tensor(ids)[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
+        reference.write_kv(k, v, k_view, v_view, slots.to(DEV))
+        tables.append(ids + [nan_block] * (width - n))
+    num_q_heads = num_kv_heads * group
+    fused = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
+    query = fused[:, :num_q_heads]            # strided like a slice of a fused QKV projection
+    block_tables = torch.tensor(tables, dtype=torch.int32, device=DEV)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return query, k_view, v_view, block_tables, context_lens
+
+
+def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol):
+    scale = query.shape[-1] ** -0.5
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
+    got = cuda.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits, out=out)
+    assert got is out
+    ref = reference.paged_decode_attention(query.double(), k_view.double(), v_view.double(), block_tables,
+                                           context_lens, scale)
+    assert torch.isfinite(got).all(), "unwritten or NaN outputs"
+    for i in range(query.shape[0]):
+        err = float((got[i].double() - ref[i]).norm() / ref[i].norm())
+        assert err < tol, (i, int(context_lens[i]), err)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits):
+    lens = [1, block_size - 1, block_size, block_size + 1, 333, 2100]
+    seed = zlib.crc32(repr((dtype, head_dim, block_size, group, num_splits)).encode())
+    case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
+    _check_decode(*case, num_splits, TOL[dtype])
+
+
+@pytest.mark.parametrize("group", [2, 3, 6, 16])
+def test_decode_other_gqa_ratios(group):
+    """Ratios that are not a head tile (3, 6: partly used tiles) or exceed one (16: two tiles)."""
+    case = _case(torch.bfloat16, 128, 16, 2, group, [1, 15, 16, 17, 1000], seed=group)
+    for splits in (1, 3):
+        _check_decode(*case, splits, TOL[torch.bfloat16])
+
+
+def test_decode_one_long_sequence_auto_splits_fill_the_gpu():
+    case = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=7)
+    splits, partition, tile = cuda.decode_plan(*case[:5])
+    assert splits > 8 and tile == 4 and partition * splits >= 32768
+    _check_decode(*case, None, TOL[torch.bfloat16])
+
+
+def test_decode_plan_unsplit_when_the_grid_is_large():
+    case = _case(torch.bfloat16, 128, 16, 8, 4, [40] * 256, seed=3)
+    assert cuda.decode_plan(*case[:5])[0] == 1
+    assert cuda.decode_plan(*case[:5], num_splits=1)[0] == 1
+
+
+def test_decode_out_of_range_ids_are_skipped_not_read():
+    """Table ids outside the cache are masked (their tokens skipped), never dereferenced."""
+    query, k_view, v_view, tables, lens = _case(torch.float32, 64, 16, 2, 2, [40, 40], seed=11)
+    tables[1, 1] = 1 << 20                     # sequence 1's middle block: not a cache block
+    out = cuda.paged_decode_attention(query, k_view, v_view, tables, lens, 0.125)
+    ref0 = reference.paged_decode_attention(query[:1].double(), k_view.double(), v_view.double(), tables[:1],
+                                            lens[:1], 0.125)
+    assert float((out[0].double() - ref0[0]).norm() / ref0[0].norm()) < 1e-5
+    assert torch.isfinite(out[1]).all()
+
+
+def test_decode_rejects_bad_inputs():
+    query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 2, 4, [5, 20], seed=1)
+    scale = 128 ** -0.5
+    with pytest.raises(ValueError, match="dtype"):
+        cuda.paged_decode_attention(query.half(), k_view, v_view, tables, lens, scale)
+    with pytest.raises(ValueError, match="int32"):
+        cuda.paged_decode_attention(query, k_view, v_view, tables.long(), lens, scale)
+    with pytest.raises(ValueError, match="packed"):
+        cuda.paged_decode_attention(query, k_view.transpose(1, 2), v_view.transpose(1, 2), tables, lens, scale)
+    with pytest.raises(ValueError, match="GQA"):
+        cuda.paged_decode_attention(query[:, :3], k_view, v_view, tables, lens, scale)
+    cache96 = torch.zeros(8, 1, 2, 2, 16, 96, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="head_dim must be"):
+        cuda.paged_decode_attention(torch.zeros(2, 8, 96, dtype=torch.bfloat16, device=DEV), cache96[:, 0, 0],
+                                    cache96[:, 0, 1], tables, lens, scale)
+    with pytest.raises(ValueError, match="CUDA"):
+        cuda.paged_decode_attention(query, k_view, v_view, tables, lens.cpu(), scale)
+    with pytest.raises(ValueError, match="num_seqs"):
+        cuda.paged_decode_attention(query, k_view, v_view, tables[:1], lens, scale)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 8), (128, 16), (256, 32)])
+def test_write_kv_matches_reference(dtype, head_dim, block_size, slot_dtype):
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    heads, num_blocks, tokens = 4, 37, 100
+    cache = torch.randn(num_blocks, LAYERS, 2, heads, block_size, head_dim, generator=gen).to(DEV, dtype)
+    expect = cache.clone()
+    fused = torch.randn(tokens, 3 * heads, head_dim, generator=gen).to(DEV, dtype)
+    key, value = fused[:, heads:2 * heads], fused[:, 2 * heads:]          # strided slices
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1                                                       # padding: skipped
+    slots = slots.to(DEV, slot_dtype)
+    cuda.write_kv(key, value, cache[:, LAYER, 0], cache[:, LAYER, 1], slots)
+    reference.write_kv(key, value, expect[:, LAYER, 0], expect[:, LAYER, 1], slots.long())
+    assert torch.equal(cache, expect)
+
+
+def test_write_kv_rejects_bad_inputs():
+    cache = torch.zeros(4, 1, 2, 2, 16, 64, dtype=torch.float16, device=DEV)
+    key = torch.zeros(3, 2, 64, dtype=torch.float16, device=DEV)
+    slots = torch.tensor([0, 1, 2], device=DEV)
+    with pytest.raises(ValueError, match="dtype"):
+        cuda.write_kv(key.float(), key.float(), cache[:, 0, 0], cache[:, 0, 1], slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cuda.write_kv(key, key, cache[:, 0, 0], cache[:, 0, 1], slots[:2])
+    with pytest.raises(ValueError, match="heads"):
+        cuda.write_kv(key[:, :1], key[:, :1], cache[:, 0, 0], cache[:, 0, 1], slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_copy_blocks_exact(dtype):
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(64, 3, 2, 4, 16, 128, generator=gen).to(DEV, dtype)
+    expect = cache.clone()
+    perm = torch.randperm(64, generator=gen)
+    src, dst = perm[:20], perm[20:40]                   # CPU ids: moved by the wrapper
+    cuda.copy_blocks(cache, src, dst)
+    reference.copy_blocks(expect, src, dst)
+    assert torch.equal(cache, expect)
+    cuda.copy_blocks(cache, torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
+    assert torch.equal(cache, expect)
+
+
+def test_copy_blocks_odd_block_size_tail():
+    """A block whose size is not a multiple of the per-block-tile vector count (partial tile)."""
+    cache = torch.randn(9, 1, 2, 3, 8, 64, device=DEV, dtype=torch.float16)
+    expect = cache.clone()
+    src, dst = torch.tensor([0, 3, 8]), torch.tensor([1, 4, 5])
+    cuda.copy_blocks(cache, src, dst)
+    reference.copy_blocks(expect, src, dst)
+    assert torch.equal(cache, expect)
+    assert math.prod(cache.shape[1:]) * 2 % (256 * 4 * 16) != 0
