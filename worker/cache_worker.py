@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+from kvpager.kernels import ops
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 from .kv_cache import CacheSpec, KVCache
@@ -169,4 +170,5 @@ class CacheWorker:
             worker_id=self.worker_id, device=str(cache.device), num_gpu_blocks=cache.num_gpu_blocks,
             num_cpu_blocks=cache.num_cpu_blocks, block_bytes=cache.spec.block_bytes,
             gpu_cache_bytes=cache.gpu.numel() * cache.gpu.element_size(),
-            cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(), **self._stats)
+            cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(),
+            attention_backend=ops.backend(cache.device), **self._stats)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from kvpager.kernels import reference
+from kvpager.kernels import ops
 
 
 class PlanRejected(ValueError):
@@ -71,11 +71,11 @@ class KVCache:
         self._check("swap-in", swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
         self._check("copy", copy, self.num_gpu_blocks, self.num_gpu_blocks)
         if swap_out[0]:
-            reference.swap_blocks(self.gpu, self.cpu, _ids(swap_out[0]), _ids(swap_out[1]))
+            ops.swap_blocks(self.gpu, self.cpu, _ids(swap_out[0]), _ids(swap_out[1]))
         if swap_in[0]:
-            reference.swap_blocks(self.cpu, self.gpu, _ids(swap_in[0]), _ids(swap_in[1]))
+            ops.swap_blocks(self.cpu, self.gpu, _ids(swap_in[0]), _ids(swap_in[1]))
         if copy[0]:
-            reference.copy_blocks(self.gpu, _ids(copy[0]), _ids(copy[1]))
+            ops.copy_blocks(self.gpu, _ids(copy[0]), _ids(copy[1]))
 
     @staticmethod
     def _check(what: str, pairs: tuple[Sequence[int], Sequence[int]], src_blocks: int, dst_blocks: int) -> None:

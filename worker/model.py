@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kvpager.kernels import reference
+from kvpager.kernels import ops
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +127,10 @@ class Llama:
 
         def attend(layer: int, q, k, v):
             k_cache, v_cache = layer_cache(layer)
-            reference.write_kv(k, v, k_cache, v_cache, slots)
+            ops.write_kv(k, v, k_cache, v_cache, slots)
             if decode_only:
-                return reference.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale)
-            return reference.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale)
+                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale)
+            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale)
 
         hidden = self._run_layers(tokens, positions, attend)
         last = starts[1:].long() - 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpager.v1 import plan_pb2 as kvpager_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpager/v1/worker.proto\x12\nkvpager.v1\x1a\x15kvpager/v1/plan.proto\"=\n\x12\x45xecutePlanRequest\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.kvpager.v1.ExecutionPlan\":\n\x13\x45xecutePlanResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x01\"\x17\n\x15GetMemoryStatsRequest\"\xa9\x02\n\x11WorkerMemoryStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0enum_gpu_blocks\x18\x03 \x01(\x05\x12\x16\n\x0enum_cpu_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fgpu_cache_bytes\x18\x06 \x01(\x03\x12\x17\n\x0f\x63pu_cache_bytes\x18\x07 \x01(\x03\x12\x14\n\x0clast_step_id\x18\x08 \x01(\x04\x12\x16\n\x0eplans_executed\x18\t \x01(\x03\x12\x1a\n\x12\x62locks_swapped_out\x18\n \x01(\x03\x12\x19\n\x11\x62locks_swapped_in\x18\x0b \x01(\x03\x12\x15\n\rblocks_copied\x18\x0c \x01(\x03\x32\xb1\x01\n\x0b\x43\x61\x63heWorker\x12N\n\x0b\x45xecutePlan\x12\x1e.kvpager.v1.ExecutePlanRequest\x1a\x1f.kvpager.v1.ExecutePlanResponse\x12R\n\x0eGetMemoryStats\x12!.kvpager.v1.GetMemoryStatsRequest\x1a\x1d.kvpager.v1.WorkerMemoryStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvpager/v1/worker.proto\x12\nkvpager.v1\x1a\x15kvpager/v1/plan.proto\"=\n\x12\x45xecutePlanRequest\x12\'\n\x04plan\x18\x01 \x01(\x0b\x32\x19.kvpager.v1.ExecutionPlan\":\n\x13\x45xecutePlanResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x01\"\x17\n\x15GetMemoryStatsRequest\"\xc4\x02\n\x11WorkerMemoryStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0enum_gpu_blocks\x18\x03 \x01(\x05\x12\x16\n\x0enum_cpu_blocks\x18\x04 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x03\x12\x17\n\x0fgpu_cache_bytes\x18\x06 \x01(\x03\x12\x17\n\x0f\x63pu_cache_bytes\x18\x07 \x01(\x03\x12\x14\n\x0clast_step_id\x18\x08 \x01(\x04\x12\x16\n\x0eplans_executed\x18\t \x01(\x03\x12\x1a\n\x12\x62locks_swapped_out\x18\n \x01(\x03\x12\x19\n\x11\x62locks_swapped_in\x18\x0b \x01(\x03\x12\x15\n\rblocks_copied\x18\x0c \x01(\x03\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t2\xb1\x01\n\x0b\x43\x61\x63heWorker\x12N\n\x0b\x45xecutePlan\x12\x1e.kvpager.v1.ExecutePlanRequest\x1a\x1f.kvpager.v1.ExecutePlanResponse\x12R\n\x0eGetMemoryStats\x12!.kvpager.v1.GetMemoryStatsRequest\x1a\x1d.kvpager.v1.WorkerMemoryStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,7 +39,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMEMORYSTATSREQUEST']._serialized_start=185
   _globals['_GETMEMORYSTATSREQUEST']._serialized_end=208
   _globals['_WORKERMEMORYSTATS']._serialized_start=211
-  _globals['_WORKERMEMORYSTATS']._serialized_end=508
-  _globals['_CACHEWORKER']._serialized_start=511
-  _globals['_CACHEWORKER']._serialized_end=688
+  _globals['_WORKERMEMORYSTATS']._serialized_end=535
+  _globals['_CACHEWORKER']._serialized_start=538
+  _globals['_CACHEWORKER']._serialized_end=715
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class GetMemoryStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerMemoryStats(_message.Message):
-    __slots__ = ("worker_id", "device", "num_gpu_blocks", "num_cpu_blocks", "block_bytes", "gpu_cache_bytes", "cpu_cache_bytes", "last_step_id", "plans_executed", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied")
+    __slots__ = ("worker_id", "device", "num_gpu_blocks", "num_cpu_blocks", "block_bytes", "gpu_cache_bytes", "cpu_cache_bytes", "last_step_id", "plans_executed", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied", "attention_backend")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class WorkerMemoryStats(_message.Message):
     BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_COPIED_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     num_gpu_blocks: int
@@ -50,4 +51,5 @@ class WorkerMemoryStats(_message.Message):
     blocks_swapped_out: int
     blocks_swapped_in: int
     blocks_copied: int
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., cpu_cache_bytes: _Optional[int] = ..., last_step_id: _Optional[int] = ..., plans_executed: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., blocks_copied: _Optional[int] = ...) -> None: ...
+    attention_backend: str
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., gpu_cache_bytes: _Optional[int] = ..., cpu_cache_bytes: _Optional[int] = ..., last_step_id: _Optional[int] = ..., plans_executed: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., blocks_copied: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...

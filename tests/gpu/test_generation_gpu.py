@@ -34,7 +34,7 @@ def test_ray_gpu_workers_match_contiguous_reference(ray_gpu_cluster):
         group = RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=True)
         try:
             mem = group.memory_stats()[0]
-            assert mem.device.startswith("cuda")
+            assert mem.device.startswith("cuda") and mem.attention_backend == "cuda"  # our kernels
             scheduler, stats = check_against_reference(client, service, group, make_requests(24, 5))
             assert scheduler.stats.preemptions > 0 and stats.blocks_swapped_in > 0 and stats.cow_copies > 0
         finally:

@@ -81,6 +81,7 @@ def test_generation_matches_contiguous_cache_in_process():
             assert stats.cow_copies > 0 and stats.prefix_hit_tokens > 0
             mem = worker.memory_stats()
             assert mem.blocks_copied == stats.cow_copies and mem.blocks_swapped_out == stats.blocks_swapped_out
+            assert mem.attention_backend == "reference"  # a CPU cache
         finally:
             worker.stop()
 

@@ -1,0 +1,50 @@
+"""The kernels the worker calls: our CUDA kernels for tensors on a CUDA device when the
+extension builds, the torch reference everywhere else (and for what has no CUDA kernel yet:
+prefill attention, which runs the reference's batched torch code on the GPU, and swaps).
+
+Same signatures and semantics as ``kvpager.kernels.reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def _cuda(tensor: torch.Tensor):
+    if tensor.device.type != "cuda":
+        return None
+    from . import cuda  # imported lazily: it needs no GPU to import, but builds on first use
+
+    return cuda if cuda.available() else None
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    impl = _cuda(k_cache) or reference
+    impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    impl = _cuda(query) or reference
+    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+    return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                             query_start_loc, scale)
+
+
+def copy_blocks(kv_cache, src, dst) -> None:
+    impl = _cuda(kv_cache) if kv_cache.is_contiguous() else None
+    (impl or reference).copy_blocks(kv_cache, src, dst)
+
+
+def swap_blocks(src_cache, dst_cache, src, dst) -> None:
+    reference.swap_blocks(src_cache, dst_cache, src, dst)
+
+
+def backend(device: torch.device | str) -> str:
+    """Which implementation runs the decode kernels on this device: "cuda" or "reference"."""
+    device = torch.device(device)
+    return "cuda" if _cuda(torch.empty(0, device=device)) is not None else "reference"
