@@ -92,6 +92,17 @@ def _load() -> ModuleType:
         return _module
 
 
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel is built for this head dim, block size and dtype."""
+    return (k_cache.shape[3] in HEAD_DIMS and k_cache.shape[2] in BLOCK_SIZES and query.dtype in DTYPES
+            and query.dtype == k_cache.dtype)
+
+
 def available() -> bool:
     """True when a CUDA device is visible and the extension builds (or is cached) and loads.
     The first call may take a minute (the JIT build); later calls are free."""

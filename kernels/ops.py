@@ -26,7 +26,9 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    impl = _cuda(query) or reference
+    impl = _cuda(query)
+    if impl is None or not impl.supports_decode(query, k_cache):  # other head dims, block sizes: reference
+        impl = reference
     return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -44,7 +46,7 @@ def swap_blocks(src_cache, dst_cache, src, dst) -> None:
     reference.swap_blocks(src_cache, dst_cache, src, dst)
 
 
-def backend(device: torch.device | str) -> str:
-    """Which implementation runs the decode kernels on this device: "cuda" or "reference"."""
-    device = torch.device(device)
-    return "cuda" if _cuda(torch.empty(0, device=device)) is not None else "reference"
+def backend(k_cache: torch.Tensor) -> str:
+    """Which implementation runs decode attention over this (per-layer) cache: "cuda" or "reference"."""
+    impl = _cuda(k_cache)
+    return "cuda" if impl is not None and impl.supports_decode(k_cache, k_cache) else "reference"

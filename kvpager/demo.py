@@ -28,6 +28,9 @@ from kvpager.worker.model import Llama, ModelConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=16,
                     intermediate_size=256, seed=7)
+# On GPUs: a head dim our CUDA decode kernel is built for (64, 128 or 256).
+GPU_MODEL = ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
+                        intermediate_size=512, seed=7)
 
 
 def make_requests(count: int, seed: int) -> list[tuple[int, Request]]:
@@ -68,9 +71,9 @@ class Progress:
             print(file=sys.stderr)
 
 
-def start_workers(target: str, block_size: int, gpu_blocks: int, use_ray: bool):
+def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: int, use_ray: bool):
     """Two tensor-parallel workers as Ray actors (GPU ones when there are GPUs), or one in-process."""
-    config = WorkerConfig(model=MODEL, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=4 * gpu_blocks,
+    config = WorkerConfig(model=model, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=4 * gpu_blocks,
                           manager_address=target)
     if not use_ray:
         worker = CacheWorker(config)
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
     client = C.BlockManagerClient(f"127.0.0.1:{port}")
-    runner, stop_workers, kind = start_workers(client.target, args.block_size, args.gpu_blocks, not args.no_ray)
+    model = GPU_MODEL if torch.cuda.is_available() else MODEL
+    runner, stop_workers, kind = start_workers(model, client.target, args.block_size, args.gpu_blocks, not args.no_ray)
     try:
         arrivals = make_requests(args.requests, args.seed)
         progress = Progress(len(arrivals), args.quiet)
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
 
         requests = [r for _, r in arrivals]
-        expected = generate_contiguous(Llama(MODEL), requests)
+        expected = generate_contiguous(Llama(model), requests)
         matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
         final = client.get_stats()
         with service.lock:

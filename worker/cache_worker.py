@@ -171,4 +171,4 @@ class CacheWorker:
             num_cpu_blocks=cache.num_cpu_blocks, block_bytes=cache.spec.block_bytes,
             gpu_cache_bytes=cache.gpu.numel() * cache.gpu.element_size(),
             cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(),
-            attention_backend=ops.backend(cache.device), **self._stats)
+            attention_backend=ops.backend(cache.layer(0)[0]), **self._stats)

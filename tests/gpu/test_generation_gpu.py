@@ -20,22 +20,24 @@ def ray_gpu_cluster():
 
 
 def test_ray_gpu_workers_match_contiguous_reference(ray_gpu_cluster):
-    from kvpager.scheduler.reference import generate_contiguous
     from kvpager.worker.cache_worker import WorkerConfig
-    from kvpager.worker.model import Llama
+    from kvpager.worker.model import ModelConfig
     from kvpager.worker.ray_group import RayWorkerGroup
 
-    from ..integration.test_generation import MODEL, BLOCK, check_against_reference, make_requests, manager_sized_by_workers
+    from ..integration.test_generation import check_against_reference, make_requests, manager_sized_by_workers
 
+    # Head dim 64 and block size 8: shapes our CUDA decode kernel is built for.
+    model = ModelConfig(num_layers=2, hidden_size=128, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        intermediate_size=256, vocab_size=128, seed=3)
     tp = min(2, torch.cuda.device_count())
-    with manager_sized_by_workers() as (client, service):
-        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+    with manager_sized_by_workers(block_size=8) as (client, service):
+        config = WorkerConfig(model=model, block_size=8, num_gpu_blocks=24, num_cpu_blocks=64,
                               manager_address=client.target)
         group = RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=True)
         try:
             mem = group.memory_stats()[0]
             assert mem.device.startswith("cuda") and mem.attention_backend == "cuda"  # our kernels
-            scheduler, stats = check_against_reference(client, service, group, make_requests(24, 5))
+            scheduler, stats = check_against_reference(client, service, group, make_requests(24, 5), model, 8)
             assert scheduler.stats.preemptions > 0 and stats.blocks_swapped_in > 0 and stats.cow_copies > 0
         finally:
             group.stop()

@@ -42,8 +42,8 @@ def make_requests(count: int, seed: int) -> list[Request]:
 
 
 @contextlib.contextmanager
-def manager_sized_by_workers(heartbeat_timeout: float = 5.0):
-    config = ManagerConfig(block_size=BLOCK, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.0,
+def manager_sized_by_workers(heartbeat_timeout: float = 5.0, block_size: int = BLOCK):
+    config = ManagerConfig(block_size=block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.0,
                            worker_heartbeat_timeout=heartbeat_timeout)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
@@ -56,10 +56,10 @@ def manager_sized_by_workers(heartbeat_timeout: float = 5.0):
         service.close()
 
 
-def check_against_reference(client, service, runner, requests):
-    scheduler = Scheduler(client, runner, block_size=BLOCK)
+def check_against_reference(client, service, runner, requests, model: ModelConfig = MODEL, block_size: int = BLOCK):
+    scheduler = Scheduler(client, runner, block_size=block_size)
     outputs = scheduler.run(requests)
-    expected = generate_contiguous(Llama(MODEL), requests)
+    expected = generate_contiguous(Llama(model), requests)
     for request in requests:
         assert outputs[request.request_id].samples == expected[request.request_id], request.request_id
     with service.lock:
