@@ -315,14 +315,22 @@ class BlockManager:
         if tokens is not None and tokens and min(tokens) < 0:
             raise InvalidArgument("append batch: token ids must be >= 0")
         result = AppendBatchResult()
-        journal, grow, lookup = self._journal, self._grow, self.seqs.get
+        journal, grow, in_place, lookup = self._journal, self._grow, self._grow_in_place, self.seqs.get
+        B, blocks, limit = self.block_size, self.gpu.blocks, self.config.max_seq_len
         for i, seq_id in enumerate(op.seq_ids):
+            token = None if tokens is None else tokens[i]
+            seq = lookup(seq_id)
+            if seq is not None and seq.tier == GPU:  # _grow's fast path, tested inline: the hot loop
+                n = seq.num_tokens
+                offset = n % B
+                if offset and n < limit and blocks[seq.block_ids[-1]].ref_count == 1:
+                    in_place(seq, token, n, offset)
+                    continue
             mark = journal.mark()
             try:
-                seq = lookup(seq_id)
                 if seq is None or seq.tier != GPU:
                     seq = self._get_running(seq_id, "append to")  # raises the precise error
-                grow(seq, None if tokens is None else (tokens[i],), 1)
+                grow(seq, None if token is None else (token,), 1)
             except ManagerError as err:
                 if self._all_or_nothing:
                     raise
@@ -338,7 +346,8 @@ class BlockManager:
         seq_id = seq.seq_id
         offset = n % B
         if k == 1 and offset and gpu.blocks[seq.block_ids[-1]].ref_count == 1 and n < self.config.max_seq_len:
-            return self._grow_in_place(seq, tokens, n, offset)
+            slot = self._grow_in_place(seq, None if tokens is None else tokens[0], n, offset)
+            return [slot], [], None
         if n + k > self.config.max_seq_len:
             raise InvalidArgument(
                 f"append to {seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
@@ -389,9 +398,10 @@ class BlockManager:
             step.touched.setdefault(seq_id, []).extend(slots)
         return slots, new_ids, copies
 
-    def _grow_in_place(self, seq: Sequence, tokens: Optional[Seq[int]], n: int, offset: int):
+    def _grow_in_place(self, seq: Sequence, token: Optional[int], n: int, offset: int) -> int:
         """The common decode case of ``_grow``: one token into a private, partly filled last block.
-        No block is taken and nothing is copied, so nothing can fail; one journal entry undoes it."""
+        No block is taken and nothing is copied, so nothing can fail; one journal entry undoes it.
+        Returns the token's slot."""
         last = seq.block_ids[-1]
         pending = seq.pending_tokens
         self._journal.record(self._undo_grow_in_place, seq, last, n, pending,
@@ -399,12 +409,12 @@ class BlockManager:
         self.gpu.add_filled(last, 1)
         seq.num_tokens = n + 1
         if pending is not None:
-            if tokens is None:
+            if token is None:
                 seq.pending_tokens = seq.last_hash = None
             elif offset + 1 < self.block_size:
-                pending.append(tokens[0])
+                pending.append(token)
             else:
-                self._hash_new_tokens(seq, tokens, n)  # the block is full now: register its hash
+                self._hash_new_tokens(seq, (token,), n)  # the block is full now: register its hash
         slot = last * self.block_size + offset
         step = self._step
         if step is not None:
@@ -415,7 +425,7 @@ class BlockManager:
                 step.touched[seq.seq_id] = [slot]
             else:
                 touched.append(slot)
-        return [slot], [], None
+        return slot
 
     def _undo_grow_in_place(self, seq: Sequence, last: int, n: int, pending: Optional[list[int]],
                             pending_len: int, last_hash: Optional[bytes]) -> None:
