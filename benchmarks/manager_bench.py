@@ -76,7 +76,7 @@ from google.protobuf.internal import api_implementation
 from kvpager.client import BlockManagerClient, allocate_op, free_op
 from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager import wire
-from kvpager.manager.operations import AllocateOp, AppendOp
+from kvpager.manager.operations import AllocateOp, AppendBatchOp
 from kvpager.manager.service import create_server
 from kvpager.v1 import block_manager_pb2 as pb
 
@@ -221,13 +221,13 @@ class LiveManager:
     def time_steps(self, count: int) -> None:
         out = self.samples[STEP_ROW]
         for _ in range(count):
-            indices = [self._next_live() for _ in range(STEP_APPENDS)]
-            ops = [AppendOp(self.ids[i], [self.lengths[i]]) for i in indices]
+            indices = list(dict.fromkeys(self._next_live() for _ in range(STEP_APPENDS)))
+            op = AppendBatchOp([self.ids[i] for i in indices], [self.lengths[i] for i in indices])
             t0 = perf_ns()
-            result = self.mgr.step(ops)
+            result = self.mgr.step([op])
             t1 = perf_ns()
             out.append(t1 - t0)
-            assert all(o.error is None for o in result.outcomes), "an append of the step failed"
+            assert not result.outcomes[0].result.failures, "an append of the step failed"
             for i in indices:
                 self._grew(i)
 
