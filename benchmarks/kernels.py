@@ -13,19 +13,39 @@ block table then SDPA (the gather counted). Also the 32q/8kv over 8q/8kv time ra
 (K/V read once per group: near 1 means grouping works), copy_blocks bandwidth, and each config's
 split count and max relative error against gather+SDPA.
 
+Also (issue 4, second part): swaps of 1,024 scattered 2 MiB blocks (32 layers x 2 x 8 heads x 16 x
+128 bf16) device<->pinned host in each mode of ``cuda.swap_blocks`` (copy-engine DMA per run,
+one cudaMemcpyBatchAsync, zero-copy kernel over mapped host memory) and the reference's staged
+path, against one contiguous pinned copy of the same bytes measured in the same run, plus the
+swap overlapped with compute on another stream; write_kv bandwidth (64K tokens x 8 heads x 128
+bf16 into random slots; bytes = K,V read + written); torch FlexAttention decode over the same
+block tables; and the prefill fallback (the reference's batched torch prefill on the GPU)
+against SDPA over contiguous K/V.
+
+Build variants of the decode kernel (the knobs at the top of kernels/csrc/paged_decode.cuh),
+each built in its own directory and timed in its own process, with ``--variants``:
+     python benchmarks/kernels.py --variants "base=;rows8=-DKVPAGER_DECODE_ROWS=8"
+
 Run: python benchmarks/kernels.py            (needs CUDA; builds the extension on first use)
+     python benchmarks/kernels.py --only swap,write_kv,flex,prefill,copy   (a subset)
      python benchmarks/kernels.py --smoke    (one small call of every kernel, e.g. under compute-sanitizer)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
 
 import torch
 import torch.nn.functional as F
 
-from kvpager.kernels import cuda
+from kvpager.kernels import cuda, reference
 
 HQ, HKV, D, B, LAYERS = 32, 8, 128, 16, 2
 DTYPE = torch.bfloat16
@@ -93,7 +113,7 @@ def bench(ceiling: float) -> None:
         k, v = cache[:, 0, 0], cache[:, 0, 1]
         nbytes = 2 * batch * ctx * HKV * D * q.element_size()
         out = torch.empty_like(q)
-        splits, partition, _ = cuda.decode_plan(q, k, v, tables, lens)
+        splits, partition, _, _ = cuda.decode_plan(q, k, v, tables, lens)
         t_ours = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
         t_again = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
         sweep_pd = {}
@@ -144,6 +164,57 @@ def bench(ceiling: float) -> None:
         print(f"{batch:>5} x {ctx:<6} again {t_again * 1e6:7.1f} us | {pd} | {sp}")
 
 
+def bench_decode_quick(ceiling: float) -> None:
+    """Our decode kernel alone at every config: the planner's pick (splits, loads in flight per
+    lane), then every forced (loads, splits) pair, in GB/s."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch, ctx in CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
+        out = torch.empty_like(q)
+        splits, _, _, loads = cuda.decode_plan(q, k, v, tables, lens)
+        t = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        print(f"{batch:>5} x {ctx:<6} planned loads {loads} splits {splits:>3}: {t * 1e6:7.1f} us "
+              f"{nbytes / t / 1e9:6,.0f} GB/s {100 * nbytes / t / ceiling:5.1f}%")
+        for forced_loads in (2, 4):
+            cuda._loads = forced_loads
+            sweep = {}
+            for n in SPLIT_SWEEP + (64, 128):
+                if cuda.decode_plan(q, k, v, tables, lens, n)[0] == n:
+                    sweep[n] = nbytes / timed(
+                        lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, n, out=out), 7)
+            cuda._loads = None
+            best = max(sweep, key=sweep.get)
+            print(f"{'':14} loads {forced_loads}: best s{best} {100 * sweep[best] / ceiling:5.1f}% | " +
+                  " ".join(f"s{n}={100 * g / ceiling:.1f}" for n, g in sweep.items()))
+        t = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        print(f"{'':14} planned, timed again after the sweeps: {100 * nbytes / t / ceiling:5.1f}%")
+        del q, cache, k, v
+        torch.cuda.empty_cache()
+
+
+def run_variants(spec: str) -> None:
+    """Build each ``name=nvcc flags`` variant (in parallel, separate build directories), then
+    time each with ``--only quick`` in its own process."""
+    variants = [item.split("=", 1) for item in spec.split(";") if item.strip()]
+    envs = {}
+    for name, flags in variants:
+        env = dict(os.environ, KVPAGER_EXT_CUDA_FLAGS=flags.strip(),
+                   KVPAGER_EXT_DIR=os.path.join(tempfile.gettempdir(), f"kvpager_variant_{name.strip()}"))
+        envs[name.strip()] = env
+    build = "from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()"
+    procs = {name: subprocess.Popen([sys.executable, "-c", build], env=env) for name, env in envs.items()}
+    built = {name: p.wait() == 0 for name, p in procs.items()}
+    for name, env in envs.items():
+        print(f"\n=== variant {name}: {env['KVPAGER_EXT_CUDA_FLAGS'] or '(defaults)'}", flush=True)
+        if built[name]:
+            subprocess.run([sys.executable, __file__, "--only", "quick"], env=env, check=False)
+        else:
+            print("build failed")
+
+
 def gqa_ratio(batch: int = 64, ctx: int = 4096) -> None:
     scale = D ** -0.5
     times = {}
@@ -171,8 +242,237 @@ def bench_copy_blocks(ceiling: float) -> None:
           f"{t_torch * 1e3:.2f} ms {moved / t_torch / 1e9:,.0f} GB/s")
 
 
+SWAP_LAYERS, SWAP_MOVED = 32, 1024
+
+
+def bench_swap() -> None:
+    """Swap of SWAP_MOVED scattered 2 MiB blocks each way, every mode, against the pinned-copy ceiling."""
+    shape = (SWAP_LAYERS, 2, HKV, B, D)
+    gpu = torch.randn(2 * SWAP_MOVED, *shape, dtype=DTYPE, device="cuda")
+    cpu = torch.empty(SWAP_MOVED, *shape, dtype=DTYPE).pin_memory()
+    dev_stage = torch.empty(SWAP_MOVED, *shape, dtype=DTYPE, device="cuda")
+    host_stage = torch.empty(SWAP_MOVED, *shape, dtype=DTYPE).pin_memory()
+    nbytes = host_stage.numel() * host_stage.element_size()
+    gen = torch.Generator().manual_seed(0)
+    gpu_ids = torch.randperm(2 * SWAP_MOVED, generator=gen)[:SWAP_MOVED]
+    cpu_ids = torch.randperm(SWAP_MOVED, generator=gen)
+    reps = 5
+    res = {}
+    res["ceiling: one pinned copy"] = (timed(lambda: host_stage.copy_(dev_stage, non_blocking=True), reps),
+                                       timed(lambda: dev_stage.copy_(host_stage, non_blocking=True), reps))
+    side = torch.cuda.Stream()
+
+    def on_side(fn):        # the batch API refuses the legacy default stream: time it on a side stream
+        def run():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+        return run
+
+    for mode in cuda.SWAP_MODES:
+        try:
+            out = timed(on_side(lambda: cuda.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode=mode)), reps)
+            back = timed(on_side(lambda: cuda.swap_blocks(cpu, gpu, cpu_ids, gpu_ids, mode=mode)), reps)
+            res[f"ours, {mode}"] = (out, back)
+        except Exception as exc:  # report and go on
+            print(f"swap mode {mode} failed: {type(exc).__name__}: {exc}")
+    # Correctness of what was timed: the last swap-in put cpu back where it came from.
+    expect = gpu[gpu_ids.cuda()].cpu()
+    cuda.swap_blocks(gpu, cpu, gpu_ids, cpu_ids)
+    torch.cuda.synchronize()
+    exact = torch.equal(cpu[cpu_ids], expect)
+    res["reference (staged, host index_copy_)"] = (
+        timed(lambda: reference.swap_blocks(gpu, cpu, gpu_ids, cpu_ids), 2, 1),
+        timed(lambda: reference.swap_blocks(cpu, gpu, cpu_ids, gpu_ids), 2, 1))
+    ceil_out, ceil_in = (nbytes / t for t in res["ceiling: one pinned copy"])
+    print(f"\nswap: {SWAP_MOVED} scattered blocks of {nbytes // SWAP_MOVED >> 20} MiB ({nbytes / 2**30:.1f} GiB), "
+          f"bf16; median of {reps}; ours exact: {exact}")
+    print(f"{'path':40} {'GPU->CPU ms':>11} {'GB/s':>6} {'% ceil':>6} | {'CPU->GPU ms':>11} {'GB/s':>6} {'% ceil':>6}")
+    for name, (t_out, t_in) in res.items():
+        print(f"{name:40} {t_out * 1e3:>11.2f} {nbytes / t_out / 1e9:>6.1f} {100 * nbytes / t_out / ceil_out:>5.1f}% | "
+              f"{t_in * 1e3:>11.2f} {nbytes / t_in / 1e9:>6.1f} {100 * nbytes / t_in / ceil_in:>5.1f}%")
+
+    # Overlap: a compute load (bf16 matmuls) on the default stream with a swap-out on a side stream.
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+
+    def compute():
+        for _ in range(40):
+            a @ a
+
+    t_compute = timed(compute, 3)
+    print(f"overlap: matmul load alone {t_compute * 1e3:.1f} ms; with a concurrent swap-out (side stream):")
+    for mode in cuda.SWAP_MODES:
+        def both():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                cuda.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode=mode)
+            compute()
+            torch.cuda.current_stream().wait_stream(side)
+        try:
+            t_both = timed(both, 3)
+            print(f"  {mode:7} both {t_both * 1e3:7.1f} ms (swap alone {res[f'ours, {mode}'][0] * 1e3:.1f} ms, "
+                  f"serial sum {(t_compute + res[f'ours, {mode}'][0]) * 1e3:.1f} ms)")
+        except Exception as exc:
+            print(f"  {mode} overlap failed: {type(exc).__name__}: {exc}")
+    del gpu, cpu, dev_stage, host_stage, a
+    torch.cuda.empty_cache()
+
+
+def bench_write_kv(ceiling: float) -> None:
+    tokens, blocks = 65536, 8192
+    cache = torch.zeros(blocks, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda")
+    k, v = cache[:, 1, 0], cache[:, 1, 1]
+    key = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    value = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    slots = torch.randperm(blocks * B, device="cuda")[:tokens]
+    moved = 4 * key.numel() * key.element_size()          # K and V, read and written
+    t_ours = timed(lambda: cuda.write_kv(key, value, k, v, slots))
+    t_ref = timed(lambda: reference.write_kv(key, value, k, v, slots))
+    ok = torch.equal(k[slots // B, :, slots % B], key) and torch.equal(v[slots // B, :, slots % B], value)
+    small = key[:256], value[:256], slots[:256]
+    t_small = timed(lambda: cuda.write_kv(small[0], small[1], k, v, small[2]))
+    print(f"\nwrite_kv: {tokens} tokens x {HKV} heads x {D} bf16 into random slots ({moved >> 20} MiB moved): "
+          f"ours {t_ours * 1e6:.1f} us {moved / t_ours / 1e9:,.0f} GB/s ({100 * moved / t_ours / ceiling:.1f}% of "
+          f"the copy ceiling), torch reference (index_put) {t_ref * 1e6:.1f} us {moved / t_ref / 1e9:,.0f} GB/s; "
+          f"exact: {ok}; a decode step's 256 tokens: {t_small * 1e6:.1f} us")
+    del cache, k, v, key, value
+    torch.cuda.empty_cache()
+
+
+FLEX_CONFIGS = [(8, 4096), (64, 4096), (32, 16384)]
+
+
+def bench_flex() -> None:
+    """torch FlexAttention decode over the same paged K/V and block tables.
+
+    FlexAttention takes K/V as [batch, heads, seq, dim] strided tensors, so it cannot address the
+    block-major cache (a layer's token stride inside a block and its block stride do not combine
+    into one seq stride). It runs over the same blocks laid out per layer ([1, kv_heads,
+    num_blocks * block, dim], vLLM's layout, copied outside the timing) with the block tables as
+    its BlockMask's kv indices (one block-mask column = one 16-token page, every page full):
+    paged, gather-free, the way torch's PagedAttention helper maps logical to physical pages."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except Exception as exc:
+        print(f"\nflex: not importable: {type(exc).__name__}: {exc}")
+        return
+    scale = D ** -0.5
+    flex = torch.compile(flex_attention, dynamic=False)
+    print(f"\nFlexAttention decode (torch {torch.__version__}, compiled), same shapes and block tables:")
+    for batch, ctx in FLEX_CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        nblocks = cache.shape[0]
+        out = torch.empty_like(q)
+        t_ours = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        kp = k.permute(1, 0, 2, 3).reshape(1, HKV, nblocks * B, D)
+        vp = v.permute(1, 0, 2, 3).reshape(1, HKV, nblocks * B, D)
+        del cache, k, v
+        nblk = ctx // B
+        i32 = dict(dtype=torch.int32, device="cuda")
+        # kv_indices rows are as wide as the physical cache (nblocks columns, zero-padded): the
+        # mask's dense forms index columns by physical page id (as PagedAttention does).
+        full_idx = torch.zeros(batch, 1, 1, nblocks, **i32)
+        full_idx[:, 0, 0, :nblk] = tables
+        mask = BlockMask.from_kv_blocks(torch.zeros(batch, 1, 1, **i32), torch.zeros(batch, 1, 1, nblocks, **i32),
+                                        torch.full((batch, 1, 1), nblk, **i32), full_idx,
+                                        BLOCK_SIZE=(128, B), mask_mod=None, seq_lengths=(1, nblocks * B),
+                                        compute_q_blocks=False)
+        q4 = q.view(batch, HQ, 1, D)
+        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
+        done = False
+        for opts in (None, {"BLOCK_N": B}, {"BLOCK_N": B, "FORCE_USE_FLEX_ATTENTION": True}):
+            try:
+                t0 = time.perf_counter()
+                res = flex(q4, kp, vp, block_mask=mask, scale=scale, enable_gqa=True, kernel_options=opts)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                t_flex = timed(lambda: flex(q4, kp, vp, block_mask=mask, scale=scale, enable_gqa=True,
+                                            kernel_options=opts))
+                ref = out.float()
+                err = float(((res.view(batch, HQ, D).float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+                print(f"{batch:>5} x {ctx:<6} ours {t_ours * 1e6:8.1f} us {nbytes / t_ours / 1e9:6,.0f} GB/s | flex "
+                      f"{t_flex * 1e6:8.1f} us {nbytes / t_flex / 1e9:6,.0f} GB/s (kernel_options={opts}, first call "
+                      f"{compile_s:.1f} s) | flex/ours time {t_flex / t_ours:.2f}x | max rel diff {err:.2e}")
+                done = True
+                break
+            except Exception as exc:
+                msg = str(exc).strip().splitlines()
+                print(f"{batch:>5} x {ctx:<6} flex with kernel_options={opts} failed: {type(exc).__name__}: "
+                      f"{msg[0][:300] if msg else ''}")
+        if not done:
+            print(f"{batch:>5} x {ctx:<6} ours {t_ours * 1e6:8.1f} us; flex did not run")
+        # For scale: flex without paging, over contiguous per-sequence K/V (no block mask).
+        kc = kp.view(HKV, -1, B, D)[:, tables.long()].permute(1, 0, 2, 3, 4).reshape(batch, HKV, ctx, D)
+        vc = vp.view(HKV, -1, B, D)[:, tables.long()].permute(1, 0, 2, 3, 4).reshape(batch, HKV, ctx, D)
+        try:
+            flex(q4, kc, vc, scale=scale, enable_gqa=True)
+            t_c = timed(lambda: flex(q4, kc, vc, scale=scale, enable_gqa=True))
+            print(f"{'':14} flex over contiguous K/V (not paged): {t_c * 1e6:8.1f} us {nbytes / t_c / 1e9:6,.0f} GB/s")
+        except Exception as exc:
+            print(f"{'':14} flex over contiguous K/V failed: {type(exc).__name__}: {str(exc)[:200]}")
+        del kc, vc
+        del q, kp, vp, mask
+        torch.cuda.empty_cache()
+
+
+def bench_prefill() -> None:
+    """The worker's prefill on CUDA (kernels/prefill.py: gather + SDPA per (query, context) shape)
+    and the reference's batched torch prefill, against SDPA over contiguous K/V."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kvpager.kernels import ops
+
+    seqs, new, prefix = 8, 512, 1024
+    ctx = new + prefix
+    scale = D ** -0.5
+    q, cache, tables, _ = make_case(seqs, ctx)
+    k, v = cache[:, 0, 0], cache[:, 0, 1]
+    query = torch.randn(seqs * new, HQ, D, dtype=DTYPE, device="cuda")
+    lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
+    t_ref = timed(lambda: reference.paged_prefill_attention(query, k, v, tables, lens, starts, scale), 5)
+    t_ours = timed(lambda: ops.paged_prefill_attention(query, k, v, tables, lens, starts, scale))
+    out_ours = ops.paged_prefill_attention(query, k, v, tables, lens, starts, scale)
+    kc = gather(k, tables).contiguous()   # [seqs, HKV, ctx, D]
+    vc = gather(v, tables).contiguous()
+    q4 = query.view(seqs, new, HQ, D).transpose(1, 2)
+    bias = causal_lower_right(new, ctx)
+    sdpa = lambda: F.scaled_dot_product_attention(q4, kc, vc, attn_mask=bias, scale=scale,  # noqa: E731
+                                                  enable_gqa=True)
+    t_sdpa = timed(sdpa)
+    out_sdpa = sdpa().transpose(1, 2).reshape_as(query)
+    err = float(((out_ours.float() - out_sdpa.float()).norm(dim=-1) / out_sdpa.float().norm(dim=-1)).max())
+    flops = 4 * seqs * HQ * D * (new * prefix + new * (new + 1) / 2)
+    print(f"\nprefill: {seqs} prompts x {new} new tokens over a {prefix}-token cached prefix (bf16, 32q/8kv, d128):")
+    for name, t in (("ours (gather + SDPA, kernels/prefill.py)", t_ours), ("reference (batched torch, fp32)", t_ref),
+                    ("SDPA, contiguous K/V, lower-right causal", t_sdpa)):
+        print(f"  {name:42} {t * 1e3:7.3f} ms {flops / t / 1e12:6.0f} TFLOP/s  {t / t_sdpa:5.2f}x SDPA")
+    print(f"  ours vs SDPA max rel diff {err:.2e}")
+    # A mixed step: 8 prompts of different lengths over different cached prefixes, plus 64 decodes.
+    gen = torch.Generator().manual_seed(5)
+    news = [int(x) for x in torch.randint(64, 1024, (8,), generator=gen)]
+    prefixes = [int(x) for x in torch.randint(0, 2048, (8,), generator=gen)]
+    q_lens = news + [1] * 64
+    ctxs = [n + p for n, p in zip(news, prefixes)] + [int(x) for x in torch.randint(256, 4096, (64,), generator=gen)]
+    width = max(-(-c // B) for c in ctxs)
+    n_blocks = cache.shape[0]
+    tables = torch.randint(0, n_blocks, (len(ctxs), width), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), HQ, D, dtype=DTYPE, device="cuda")
+    t_mixed = timed(lambda: ops.paged_prefill_attention(query, k, v, tables, lens, starts, scale))
+    flops = sum(4 * HQ * D * (n * (c - n) + n * (n + 1) / 2) for n, c in zip(q_lens, ctxs))
+    print(f"  mixed step (8 prompts of 64-1023 new tokens over 0-2047 cached, + 64 decodes of 256-4095): "
+          f"ours {t_mixed * 1e3:.3f} ms ({flops / t_mixed / 1e12:.0f} TFLOP/s)")
+    del cache, k, v, kc, vc
+    torch.cuda.empty_cache()
+
+
 def smoke() -> None:
-    """Each kernel once on small inputs (split and unsplit decode, write_kv, copy_blocks)."""
+    """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
+    write_kv, copy_blocks, swaps in every mode)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dtype, d, group in ((torch.bfloat16, 128, 4), (torch.float32, 256, 8), (torch.float16, 64, 3)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
@@ -180,12 +480,19 @@ def smoke() -> None:
         tables = torch.randperm(40, device="cuda", generator=gen)[:36].view(3, 12).to(torch.int32)
         lens = torch.tensor([1, 17, 190], dtype=torch.int32, device="cuda")
         q = torch.randn(3, 2 * group, d, dtype=dtype, device="cuda", generator=gen)
-        for splits in (1, 3):
-            cuda.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits)
+        for loads in (2, 4):            # both kernel instances
+            cuda._loads = loads
+            for splits in (1, 3):
+                cuda.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits)
+        cuda._loads = None
         key = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
         slots = torch.tensor([0, -1, 17, 639, 100], device="cuda")
         cuda.write_kv(key, key, k, v, slots)
         cuda.copy_blocks(cache, torch.tensor([0, 5]), torch.tensor([7, 39]))
+        host = torch.zeros(4, *cache.shape[1:], dtype=dtype).pin_memory()
+        for mode in cuda.SWAP_MODES:
+            cuda.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode=mode)
+            cuda.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode=mode)
     torch.cuda.synchronize()
     print("smoke ok")
 
@@ -193,17 +500,33 @@ def smoke() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default="",
+                    help="comma-separated subset of decode,gqa,copy,swap,write_kv,flex,prefill (quick: decode alone)")
+    ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
     args = ap.parse_args()
+    if args.variants:
+        run_variants(args.variants)
+        return
     if not cuda.available():
         raise SystemExit(cuda.load_error() or "needs CUDA")
     if args.smoke:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
+    parts = set(filter(None, args.only.split(","))) or {"decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
     ceiling = copy_ceiling()
-    bench(ceiling)
-    gqa_ratio()
-    bench_copy_blocks(ceiling)
+    print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
+    steps = [("quick", lambda: bench_decode_quick(ceiling)), ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
+             ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
+             ("prefill", bench_prefill)]
+    for name, fn in steps:
+        if name in parts:
+            try:
+                fn()
+            except Exception:   # one part failing must not hide the others' numbers
+                print(f"\n{name} failed:")
+                traceback.print_exc()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

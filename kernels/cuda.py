@@ -1,4 +1,4 @@
-"""kvpager's own CUDA kernels: paged decode attention, K/V writes and block copies.
+"""kvpager's own CUDA kernels: paged decode attention, K/V writes, block copies and swaps.
 
 Same signatures and semantics as :mod:`kvpager.kernels.reference` (the oracle they are tested
 against), for CUDA tensors. The extension (``kernels/csrc``) is JIT-built with
@@ -32,7 +32,8 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "write_kv", "copy_blocks"]
+__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "write_kv", "copy_blocks",
+           "swap_blocks", "SWAP_MODES"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("binding.cpp", "launch.cu")
@@ -45,15 +46,23 @@ _error: str | None = None
 # Tests set this to fill the split-KV workspace with NaN before each launch, so that a merge
 # reading a partial that no split wrote shows up as NaN.
 _poison_workspace = False
-# The benchmark sets this to sweep the decode kernel's L2 prefetch distance (None: default).
+# The benchmark sets these to sweep the decode kernel's L2 prefetch distance and its loads in
+# flight per lane, 2 or 4 (None: the default distance, the planner's choice of loads).
 _prefetch_steps: int | None = None
+_loads: int | None = None
+
+
+def _extra_cuda_flags() -> list[str]:
+    """Extra nvcc flags for experiments (e.g. ``-DKVPAGER_DECODE_ROWS=8``, see paged_decode.cuh),
+    from KVPAGER_EXT_CUDA_FLAGS; part of the build cache key."""
+    return os.environ.get("KVPAGER_EXT_CUDA_FLAGS", "").split()
 
 
 def _build_dir() -> Path:
     explicit = os.environ.get("KVPAGER_EXT_DIR")
     if explicit:
         return Path(explicit)
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(_extra_cuda_flags()).encode())
     for name in _SOURCES + _HEADERS:
         digest.update(name.encode())
         digest.update((_CSRC / name).read_bytes())
@@ -82,7 +91,7 @@ def _load() -> ModuleType:
                 sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
                 extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr"],
+                extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *_extra_cuda_flags()],
                 build_directory=str(build),
                 verbose=os.environ.get("KVPAGER_EXT_VERBOSE") == "1",
             )
@@ -159,18 +168,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     mod.paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
                      _splits_arg(num_splits), _poison_workspace,
-                     -1 if _prefetch_steps is None else int(_prefetch_steps))
+                     -1 if _prefetch_steps is None else int(_prefetch_steps), int(_loads or 0))
     return out
 
 
 def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, num_splits: int | None = None) -> tuple[int, int, int]:
-    """``(num_splits, partition_tokens, head_tile)`` that :func:`paged_decode_attention` uses for
-    these inputs: splits actually launched (1 = unsplit), tokens per split, query heads per
-    thread block."""
-    splits, partition, tile = _load().decode_plan(query, k_cache, v_cache, block_tables, context_lens,
-                                                  _splits_arg(num_splits))
-    return int(splits), int(partition), int(tile)
+                context_lens: torch.Tensor, num_splits: int | None = None) -> tuple[int, int, int, int]:
+    """``(num_splits, partition_tokens, head_tile, loads)`` that :func:`paged_decode_attention`
+    uses for these inputs: splits actually launched (1 = unsplit), tokens per split, query heads
+    per thread block, 16-byte K (and V) loads in flight per lane (which kernel instance)."""
+    splits, partition, tile, loads = _load().decode_plan(query, k_cache, v_cache, block_tables, context_lens,
+                                                         _splits_arg(num_splits), int(_loads or 0))
+    return int(splits), int(partition), int(tile), int(loads)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,6 +218,48 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
         return
     dev = kv_cache.device
     _load().copy_blocks(kv_cache, src.to(dev, torch.int64).contiguous(), dst.to(dev, torch.int64).contiguous())
+
+
+SWAP_MODES = ("dma", "batch", "kernel")
+# What swap_blocks does by default. benchmarks/kernels.py measures all three (docs/performance.md):
+# on an H100 each runs at >= 90% of the pinned-copy ceiling, and only "dma" leaves concurrent
+# compute unslowed (the batch API slowed a matmul load by ~22%, the zero-copy kernel by ~63%).
+DEFAULT_SWAP_MODE = "dma"
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                mode: str | None = None) -> None:
+    """Move whole blocks between the device cache and the pinned host swap space (either
+    direction; device to device works too): ``dst_cache[dst[i]] = src_cache[src[i]]``.
+    Asynchronous: enqueued on the CURRENT stream of the device's side and returns at once;
+    the host side is complete once that stream reaches this point (an event or a sync).
+
+    src_cache, dst_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim],
+                          contiguous, same block shape and dtype; the host one pinned
+    src, dst:             [num_pairs] integer block ids, any device; destinations distinct
+    mode:                 "dma": the copy engines, one cudaMemcpyAsync per run of consecutive
+                          pairs (no SM used: overlaps compute fully); "batch": the same copies
+                          as one cudaMemcpyBatchAsync (CUDA 13; falls back to "dma" on the legacy
+                          default stream); "kernel": one zero-copy kernel whose threads read or
+                          write the mapped pinned host memory directly (uses SMs)
+
+    Pairs naming a block outside its cache are skipped.
+    """
+    mode = mode or DEFAULT_SWAP_MODE
+    if mode not in SWAP_MODES:
+        raise ValueError(f"mode must be one of {SWAP_MODES}, got {mode!r}")
+    if src.dim() != 1 or src.shape != dst.shape:
+        raise ValueError(f"src and dst must be [num_pairs], got {tuple(src.shape)} and {tuple(dst.shape)}")
+    if src.numel() == 0:
+        return
+    mod = _load()
+    if mode == "kernel":
+        dev = src_cache.device if src_cache.is_cuda else dst_cache.device
+        mod.swap_blocks_kernel(src_cache, dst_cache, src.to(dev, torch.int64, non_blocking=True).contiguous(),
+                               dst.to(dev, torch.int64, non_blocking=True).contiguous())
+    else:
+        mod.swap_blocks_dma(src_cache, dst_cache, src.to("cpu", torch.int64).contiguous(),
+                            dst.to("cpu", torch.int64).contiguous(), mode == "batch")
 
 
 def _splits_arg(num_splits: int | None) -> int:

@@ -1,6 +1,7 @@
 """The kernels the worker calls: our CUDA kernels for tensors on a CUDA device when the
-extension builds, the torch reference everywhere else (and for what has no CUDA kernel yet:
-prefill attention, which runs the reference's batched torch code on the GPU, and swaps).
+extension builds, the torch reference everywhere else. Prefill attention has no CUDA kernel of
+ours yet: on CUDA it gathers K/V and runs torch SDPA (``kernels/prefill.py``), decodes riding
+in the same step going to our decode kernel.
 
 Same signatures and semantics as ``kvpager.kernels.reference``.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import prefill, reference
 
 
 def _cuda(tensor: torch.Tensor):
@@ -32,7 +33,14 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                            host_lengths=None):
+    """``host_lengths``: optional (query_start_loc, context_lens) as host lists, sparing the CUDA
+    path a host sync per call (see ``kernels/prefill.py``)."""
+    if query.device.type == "cuda":
+        return prefill.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
+                                               query_start_loc, scale, decode=paged_decode_attention,
+                                               host_lengths=host_lengths)
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
                                              query_start_loc, scale)
 
@@ -43,6 +51,16 @@ def copy_blocks(kv_cache, src, dst) -> None:
 
 
 def swap_blocks(src_cache, dst_cache, src, dst) -> None:
+    """On CUDA (device side CUDA, host side pinned, both contiguous): our asynchronous swap on
+    the current stream (``cuda.swap_blocks``: copy engines, no host sync; the caller orders it
+    with events, see ``worker.kv_cache``). Elsewhere: the reference (synchronous for the host)."""
+    device_side = src_cache if src_cache.device.type == "cuda" else dst_cache
+    host_side = dst_cache if device_side is src_cache else src_cache
+    impl = _cuda(device_side)
+    if (impl is not None and src_cache.is_contiguous() and dst_cache.is_contiguous()
+            and (host_side.device.type == "cuda" or host_side.is_pinned())):
+        impl.swap_blocks(src_cache, dst_cache, src, dst)
+        return
     reference.swap_blocks(src_cache, dst_cache, src, dst)
 
 

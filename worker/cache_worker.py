@@ -7,8 +7,10 @@ only once Ray has assigned one. ``start()`` sizes and allocates the cache, joins
 tensor-parallel group, starts the gRPC server and registers with the manager; a daemon
 thread then sends heartbeats (registering again if the manager forgot it). Plans (from the
 gRPC thread) and model steps (from the actor's caller) are serialized by one lock; the
-manager's Step answers only after every worker executed its plan, and the scheduler runs
-the model only after Step answered, so each step's plan precedes its K/V writes.
+manager's Step answers only after every worker enqueued its plan, and the scheduler runs
+the model only after Step answered, so each step's plan precedes its K/V writes (on CUDA the
+plan runs on the cache's swap stream and the model's compute stream waits for its event
+before the first write or attention: see ``worker.kv_cache``).
 """
 
 from __future__ import annotations
@@ -148,9 +150,11 @@ class CacheWorker:
     def execute_plan(self, step_id: int, swap_out: tuple[Sequence[int], Sequence[int]],
                      swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]]) -> None:
         with self._lock:
+            # Acknowledged means ENQUEUED (on the cache's swap stream), not done: the compute
+            # stream waits for the plan's event at the model's first cache access (KVCache.layer),
+            # and the next plan's swap stream waits for the compute stream, so every ordering
+            # the plan needs holds on the device without a host sync here.
             self.cache.execute(swap_out, swap_in, copy)
-            if self.cache.device.type == "cuda":
-                torch.cuda.synchronize(self.cache.device)  # acknowledged means done
             s = self._stats
             s["plans_executed"] += 1
             s["blocks_swapped_out"] += len(swap_out[0])

@@ -6,6 +6,24 @@ so a swap or a copy-on-write moves one chunk per block instead of one per layer;
 reads per-layer views ``[num_blocks, num_kv_heads, block_size, head_dim]`` whose block stride
 is ``num_layers * 2`` times a layer's block. Heads before tokens (HND) keep one head's tokens
 of a block contiguous (block_size * head_dim elements), which is what a decode kernel reads.
+
+On CUDA a plan runs asynchronously on the cache's own swap stream, ordered by events:
+
+- the swap stream first waits for everything already queued on the compute stream (the
+  previous step's K/V writes to a block being swapped out, its attention over a block that
+  a swap-in or copy now overwrites);
+- then, in stream order, swap-out (GPU→pinned CPU), swap-in (pinned CPU→GPU) and the
+  copy-on-write copies: a CPU block written by a swap-out is complete before any later
+  swap-in reads it, and a GPU block freed by a swap-out is read before a swap-in or copy
+  of the same or a later plan rewrites it;
+- an event recorded after the plan is waited on by the compute stream at the step's first
+  access to the cache (``layer()``, which the model calls right before its first K/V write
+  and attention), so the model's embedding and first projections overlap the swap, and no
+  write of the step can reach a block before the swap-out reading it has finished.
+
+``execute`` returns once the work is enqueued. The host must call ``synchronize()`` before it
+reads ``cpu`` itself (tests do); nothing in the serving path reads it from the host. On the
+CPU the plan runs synchronously through the reference.
 """
 
 from __future__ import annotations
@@ -48,6 +66,9 @@ class KVCache:
         # Pinned host memory lets swaps run as asynchronous DMA; only possible with CUDA.
         pin = self.device.type == "cuda"
         self.cpu = torch.zeros(spec.shape(num_cpu_blocks), dtype=spec.dtype, pin_memory=pin)
+        self._swap_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ready: torch.cuda.Event | None = None   # recorded on the swap stream after the last plan
+        self._waited: set[int] = set()                 # compute streams that already waited on it
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -58,18 +79,54 @@ class KVCache:
         return self.cpu.shape[0]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer: two views ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+        """K and V of one layer: two views ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+        On CUDA, the current stream first waits for the last plan's swaps and copies."""
+        self.wait()
         return self.gpu[:, index, 0], self.gpu[:, index, 1]
+
+    def wait(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Make ``stream`` (default: the current stream of the cache's device) wait, on the
+        device, for the last executed plan. No host sync; a no-op on the CPU or when done."""
+        ready = self._ready
+        if ready is None:
+            return
+        stream = stream or torch.cuda.current_stream(self.device)
+        key = stream.cuda_stream
+        if key not in self._waited:
+            stream.wait_event(ready)
+            self._waited.add(key)
+
+    def synchronize(self) -> None:
+        """Block the host until every executed plan has finished (e.g. before reading ``cpu``)."""
+        if self._swap_stream is not None:
+            self._swap_stream.synchronize()
 
     def execute(self, swap_out: tuple[Sequence[int], Sequence[int]], swap_in: tuple[Sequence[int], Sequence[int]],
                 copy: tuple[Sequence[int], Sequence[int]]) -> None:
         """Run one step's plan in the order that keeps data right: swap-out (GPU→CPU) before a
         released block is reused, swap-in (CPU→GPU), then copy-on-write copies (GPU→GPU),
         all before the step writes new K/V. Each argument is a (src, dst) pair of id lists.
-        The whole plan is checked first; a bad one is rejected without touching memory."""
+        The whole plan is checked first; a bad one is rejected without touching memory.
+        On CUDA it is enqueued on the swap stream and this returns at once (see the module
+        docstring for the ordering); on the CPU it has finished when this returns."""
         self._check("swap-out", swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check("swap-in", swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
         self._check("copy", copy, self.num_gpu_blocks, self.num_gpu_blocks)
+        if not (swap_out[0] or swap_in[0] or copy[0]):
+            return
+        if self._swap_stream is None:
+            self._run(swap_out, swap_in, copy)
+            return
+        with torch.cuda.device(self.device):
+            swap = self._swap_stream
+            swap.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(swap):
+                self._run(swap_out, swap_in, copy)
+                ready = torch.cuda.Event()
+                ready.record(swap)
+        self._ready, self._waited = ready, set()
+
+    def _run(self, swap_out, swap_in, copy) -> None:
         if swap_out[0]:
             ops.swap_blocks(self.gpu, self.cpu, _ids(swap_out[0]), _ids(swap_out[1]))
         if swap_in[0]:

@@ -130,7 +130,8 @@ class Llama:
             ops.write_kv(k, v, k_cache, v_cache, slots)
             if decode_only:
                 return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale)
-            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale)
+            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale,
+                                               host_lengths=(inp.query_start_loc, inp.context_lens))
 
         hidden = self._run_layers(tokens, positions, attend)
         last = starts[1:].long() - 1

@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -177,9 +178,11 @@ kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, cons
   return a;
 }
 
-void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits) {
+void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits, int64_t loads) {
   KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
                     kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
+  KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: automatic), got ", loads);
+  a->requested_loads = static_cast<int>(loads);
   const cudaError_t err = kvpager::plan_paged_decode(to_dtype(query, "query"), static_cast<int>(num_splits),
                                                      query.device().index(), a);
   KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
@@ -190,7 +193,7 @@ void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits) {
 // Returns the number of splits used (1 = unsplit path).
 int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                      Tensor context_lens, double scale, int64_t num_splits, bool poison_workspace,
-                     int64_t prefetch_steps) {
+                     int64_t prefetch_steps, int64_t loads) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale);
   KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
@@ -203,7 +206,7 @@ int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, T
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
   if (a.num_seqs == 0) return 1;
-  plan(&a, query, num_splits);
+  plan(&a, query, num_splits, loads);
   Tensor part_out, part_ml;
   if (a.num_splits > 1) {
     const auto f32 = query.options().dtype(torch::kFloat32);
@@ -221,13 +224,14 @@ int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, T
   return a.num_splits;
 }
 
-// (num_splits, partition_tokens, head_tile) that paged_decode would use for these inputs.
-std::tuple<int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
-                                                  Tensor context_lens, int64_t num_splits) {
+// (num_splits, partition_tokens, head_tile, loads) that paged_decode would use for these inputs.
+std::tuple<int64_t, int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor k_cache, Tensor v_cache,
+                                                           Tensor block_tables, Tensor context_lens,
+                                                           int64_t num_splits, int64_t loads) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0);
-  plan(&a, query, num_splits);
-  return {a.num_splits, a.partition_tokens, a.head_tile};
+  plan(&a, query, num_splits, loads);
+  return {a.num_splits, a.partition_tokens, a.head_tile, a.loads};
 }
 
 void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
@@ -307,18 +311,90 @@ void copy_blocks(Tensor kv_cache, Tensor src, Tensor dst) {
                "copy_blocks launch");
 }
 
+// The block-major caches of a swap: contiguous, same block shape and dtype, 16-byte aligned.
+int64_t check_swap_caches(const Tensor& src_cache, const Tensor& dst_cache) {
+  KV_CHECK(src_cache.dim() == 6 && dst_cache.dim() == 6, "caches must be [num_blocks, num_layers, 2, num_kv_heads, "
+           "block_size, head_dim], got ", dims(src_cache.sizes()), " and ", dims(dst_cache.sizes()));
+  KV_CHECK(src_cache.sizes().slice(1) == dst_cache.sizes().slice(1) && src_cache.scalar_type() == dst_cache.scalar_type(),
+           "caches differ beyond num_blocks: ", dims(src_cache.sizes()), " ", src_cache.scalar_type(), " vs ",
+           dims(dst_cache.sizes()), " ", dst_cache.scalar_type());
+  KV_CHECK(src_cache.is_contiguous() && dst_cache.is_contiguous(), "caches must be contiguous (one chunk per block)");
+  KV_CHECK(aligned16(src_cache) && aligned16(dst_cache), "cache data must be 16-byte aligned");
+  KV_CHECK(src_cache.is_cuda() || dst_cache.is_cuda(), "one of the caches must be on a CUDA device");
+  for (const Tensor* t : {&src_cache, &dst_cache})
+    KV_CHECK(t->is_cuda() || t->is_pinned(), "a host-side cache must be in pinned memory");
+  const int64_t block_elems = src_cache.numel() / std::max<int64_t>(src_cache.size(0), 1);
+  return block_elems * src_cache.element_size();
+}
+
+torch::Device swap_device(const Tensor& src_cache, const Tensor& dst_cache) {
+  if (src_cache.is_cuda() && dst_cache.is_cuda())
+    KV_CHECK(src_cache.device() == dst_cache.device(), "caches on two devices: ", src_cache.device(), " and ",
+             dst_cache.device());
+  return src_cache.is_cuda() ? src_cache.device() : dst_cache.device();
+}
+
+// DMA swap on the current stream: ids are CPU int64 tensors (the launcher reads them on the host).
+void swap_blocks_dma(Tensor src_cache, Tensor dst_cache, Tensor src, Tensor dst, bool use_batch) {
+  const int64_t block_bytes = check_swap_caches(src_cache, dst_cache);
+  const c10::cuda::CUDAGuard guard(swap_device(src_cache, dst_cache));
+  KV_CHECK(src.device().is_cpu() && dst.device().is_cpu(), "src and dst ids must be CPU tensors");
+  KV_CHECK(src.dim() == 1 && src.sizes() == dst.sizes(), "src and dst must be [num_pairs], got ", dims(src.sizes()),
+           " and ", dims(dst.sizes()));
+  KV_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.is_contiguous() &&
+           dst.is_contiguous(), "src and dst must be contiguous int64");
+  if (src.numel() == 0 || block_bytes == 0) return;
+  check_launch(kvpager::launch_swap_dma(dst_cache.data_ptr(), dst_cache.size(0), src_cache.data_ptr(), src_cache.size(0),
+                                        block_bytes, src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), src.numel(),
+                                        use_batch, at::cuda::getCurrentCUDAStream()),
+               "swap_blocks (dma)");
+}
+
+void* device_view(const Tensor& t) {
+  if (t.is_cuda()) return t.data_ptr();
+  void* p = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&p, t.data_ptr(), 0);
+  KV_CHECK(err == cudaSuccess && p != nullptr, "pinned host cache is not mapped into the device's address space: ",
+           cudaGetErrorString(err));
+  return p;
+}
+
+// Zero-copy swap kernel on the current stream: ids are int64 tensors on the CUDA device.
+void swap_blocks_kernel(Tensor src_cache, Tensor dst_cache, Tensor src, Tensor dst) {
+  const int64_t block_bytes = check_swap_caches(src_cache, dst_cache);
+  const torch::Device device = swap_device(src_cache, dst_cache);
+  const c10::cuda::CUDAGuard guard(device);
+  check_cuda(src, "src", device);
+  check_cuda(dst, "dst", device);
+  KV_CHECK(src.dim() == 1 && src.sizes() == dst.sizes(), "src and dst must be [num_pairs], got ", dims(src.sizes()),
+           " and ", dims(dst.sizes()));
+  KV_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.is_contiguous() &&
+           dst.is_contiguous(), "src and dst must be contiguous int64");
+  KV_CHECK(block_bytes % 16 == 0, "a block must be a multiple of 16 bytes, got ", block_bytes);
+  if (src.numel() == 0 || block_bytes == 0) return;
+  check_launch(kvpager::launch_swap_kernel(device_view(dst_cache), dst_cache.size(0), device_view(src_cache),
+                                           src_cache.size(0), block_bytes, src.data_ptr<int64_t>(),
+                                           dst.data_ptr<int64_t>(), src.numel(), at::cuda::getCurrentCUDAStream()),
+               "swap_blocks (kernel)");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpager CUDA kernels (see kvpager.kernels.cuda for the typed wrappers)";
   m.def("paged_decode", &paged_decode, "paged decode attention into out; returns the number of splits used",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("poison_workspace"), py::arg("prefetch_steps") = -1);
-  m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile) paged_decode would use",
+        py::arg("context_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("poison_workspace"),
+        py::arg("prefetch_steps") = -1, py::arg("loads") = 0);
+  m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile, loads) paged_decode would use",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("num_splits"));
+        py::arg("num_splits"), py::arg("loads") = 0);
   m.def("write_kv", &write_kv, "scatter K/V into their cache slots", py::arg("key"), py::arg("value"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &copy_blocks, "copy whole blocks of a block-major cache", py::arg("kv_cache"), py::arg("src"),
         py::arg("dst"));
+  m.def("swap_blocks_dma", &swap_blocks_dma, "swap whole blocks with the copy engines (ids on the host)",
+        py::arg("src_cache"), py::arg("dst_cache"), py::arg("src"), py::arg("dst"), py::arg("use_batch"));
+  m.def("swap_blocks_kernel", &swap_blocks_kernel, "swap whole blocks with a zero-copy kernel (ids on the device)",
+        py::arg("src_cache"), py::arg("dst_cache"), py::arg("src"), py::arg("dst"));
 }

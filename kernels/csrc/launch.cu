@@ -1,8 +1,11 @@
 // Launchers: raw pointers, element strides, sizes and a cudaStream_t in; no torch here.
-// Instantiates the decode kernel for fp32/fp16/bf16 x head_dim 64/128/256 x head tile 1/2/4/8.
+// Instantiates the decode kernel for fp32/fp16/bf16 x head_dim 64/128/256 x head tile 1/2/4/8 x
+// 2/4 loads in flight.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cache_ops.cuh"
 #include "launch.h"
@@ -11,40 +14,50 @@
 namespace kvpager {
 namespace {
 
-template <typename T_, int D_, int HT_>
+template <typename T_, int D_, int HT_, int LOADS_>
 struct DecodeCfg {
   using T = T_;
   static constexpr int D = D_;
   static constexpr int HT = HT_;
+  static constexpr int LOADS = LOADS_;
 };
 
+template <typename T, int D, int HT, typename F>
+bool dispatch_loads(int loads, F&& f) {
+  switch (loads) {
+    case 2: f(DecodeCfg<T, D, HT, 2>{}); return true;
+    case 4: f(DecodeCfg<T, D, HT, 4>{}); return true;
+    default: return false;
+  }
+}
+
 template <typename T, int D, typename F>
-bool dispatch_tile(int head_tile, F&& f) {
+bool dispatch_tile(int head_tile, int loads, F&& f) {
   switch (head_tile) {
-    case 1: f(DecodeCfg<T, D, 1>{}); return true;
-    case 2: f(DecodeCfg<T, D, 2>{}); return true;
-    case 4: f(DecodeCfg<T, D, 4>{}); return true;
-    case 8: f(DecodeCfg<T, D, 8>{}); return true;
+    case 1: return dispatch_loads<T, D, 1>(loads, f);
+    case 2: return dispatch_loads<T, D, 2>(loads, f);
+    case 4: return dispatch_loads<T, D, 4>(loads, f);
+    case 8: return dispatch_loads<T, D, 8>(loads, f);
     default: return false;
   }
 }
 
 template <typename T, typename F>
-bool dispatch_dim(int head_dim, int head_tile, F&& f) {
+bool dispatch_dim(int head_dim, int head_tile, int loads, F&& f) {
   switch (head_dim) {
-    case 64: return dispatch_tile<T, 64>(head_tile, f);
-    case 128: return dispatch_tile<T, 128>(head_tile, f);
-    case 256: return dispatch_tile<T, 256>(head_tile, f);
+    case 64: return dispatch_tile<T, 64>(head_tile, loads, f);
+    case 128: return dispatch_tile<T, 128>(head_tile, loads, f);
+    case 256: return dispatch_tile<T, 256>(head_tile, loads, f);
     default: return false;
   }
 }
 
 template <typename F>
-bool dispatch_decode(DType dtype, int head_dim, int head_tile, F&& f) {
+bool dispatch_decode(DType dtype, int head_dim, int head_tile, int loads, F&& f) {
   switch (dtype) {
-    case kFloat32: return dispatch_dim<float>(head_dim, head_tile, f);
-    case kFloat16: return dispatch_dim<__half>(head_dim, head_tile, f);
-    case kBFloat16: return dispatch_dim<__nv_bfloat16>(head_dim, head_tile, f);
+    case kFloat32: return dispatch_dim<float>(head_dim, head_tile, loads, f);
+    case kFloat16: return dispatch_dim<__half>(head_dim, head_tile, loads, f);
+    case kBFloat16: return dispatch_dim<__nv_bfloat16>(head_dim, head_tile, loads, f);
     default: return false;
   }
 }
@@ -66,73 +79,129 @@ int decode_smem_bytes(int partition_tokens, int block_size) {
   return std::max(table, decode_merge_smem_bytes<Cfg::D, Cfg::HT>());
 }
 
+// Resident decode blocks per SM for this kernel instance (1 if the query fails). Cached: the
+// occupancy query costs microseconds of host time, as much as a small decode kernel takes.
+int decode_occupancy(DType dtype, int head_dim, int head_tile, int loads, int device) {
+  constexpr int kDevices = 16;
+  static std::atomic<int> cache[kDevices][3][3][4][2];   // [device][dtype][dim][tile][loads]; 0 = unknown
+  const int dim_i = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
+  const int tile_i = head_tile == 1 ? 0 : head_tile == 2 ? 1 : head_tile == 4 ? 2 : 3;
+  const bool cacheable = device >= 0 && device < kDevices && dtype >= 0 && dtype < 3;
+  std::atomic<int>* slot = cacheable ? &cache[device][dtype][dim_i][tile_i][loads == 2 ? 0 : 1] : nullptr;
+  if (slot != nullptr && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
+  int occupancy = 1;
+  dispatch_decode(dtype, head_dim, head_tile, loads, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    const int smem = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &occupancy, paged_decode_kernel<typename Cfg::T, Cfg::D, Cfg::HT, Cfg::LOADS>, kDecodeWarps * 32,
+            smem) != cudaSuccess)
+      occupancy = 1;
+  });
+  occupancy = std::max(occupancy, 1);
+  if (slot != nullptr) slot->store(occupancy, std::memory_order_relaxed);
+  return occupancy;
+}
+
+int64_t partition_for(int64_t max_ctx, int splits) {
+  return static_cast<int64_t>(ceil_div(ceil_div(max_ctx, splits), kPartitionAlign)) * kPartitionAlign;
+}
+
+// The share of the launched waves' block slots that hold a block: blocks / (ceil(waves) * slots).
+double wave_fill(int64_t blocks, int64_t slots) {
+  const int64_t waves = (blocks + slots - 1) / slots;
+  return static_cast<double>(blocks) / static_cast<double>(waves * slots);
+}
+
+// Split count for the many-loads kernel (the older heuristic, measured on an H100 with
+// benchmarks/kernels.py sweeps): long splits beat short ones (each split pays a prologue, an
+// epilogue and merge traffic), a grid under one wave is fine once it gives every SM about two
+// blocks, and a grid over one wave wants a nearly full last wave. So: the fewest splits giving
+// >= 2.5 waves of resident blocks with the last >= 90% full; failing that, among the split
+// counts giving >= 1.9 blocks per SM, the best-filled last wave (a grid of at most one wave
+// counts as full), fewest splits on ties.
+int splits_for_few_blocks(int64_t units, int64_t slots, int64_t sms, int max_s, int64_t max_ctx) {
+  const int64_t want_blocks = (19 * sms + 9) / 10;
+  int best = max_s;
+  double best_fill = -1.0;
+  for (int s = 1; s <= max_s; ++s) {
+    const int64_t blocks = units * ceil_div(max_ctx, partition_for(max_ctx, s));
+    const double waves = static_cast<double>(blocks) / static_cast<double>(slots);
+    const double fill = waves <= 1.0 ? 1.0 : wave_fill(blocks, slots);
+    if (waves >= 2.5 && fill >= 0.9) return s;
+    if (blocks >= want_blocks && fill > best_fill + 1e-9) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
+// Split count for the few-loads kernel, which needs full waves (it has no loads to spare for
+// an idle SM): the fewest splits whose grid fills at least one wave with >= 90% of its slots
+// used, without cutting sequences into splits shorter than kMinPartitionTokensFewLoads (short
+// splits cost more in prologue, epilogue and merge than the extra warps win: on an H100,
+// 32 x 2048 ran at 78% of the copy ceiling with 2 loads and 2 splits of 1,024, 81% with 4 loads
+// unsplit); 0 when no split count qualifies.
+int splits_for_full_waves(int64_t units, int64_t slots, int max_s, int64_t max_ctx) {
+  for (int s = 1; s <= max_s; ++s) {
+    const int64_t partition = partition_for(max_ctx, s);
+    if (s > 1 && partition < kMinPartitionTokensFewLoads) break;
+    const int64_t blocks = units * ceil_div(max_ctx, partition);
+    if (blocks * 10 >= slots * 9 && wave_fill(blocks, slots) >= 0.9) return s;
+  }
+  return 0;
+}
+
 }  // namespace
 
 cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, DecodeArgs* a) {
   if (a->num_kv_heads <= 0 || a->num_q_heads % a->num_kv_heads != 0 || a->block_size <= 0 ||
-      (a->block_size & (a->block_size - 1)) != 0 || a->block_size > kPartitionAlign)
+      (a->block_size & (a->block_size - 1)) != 0 || a->block_size > kPartitionAlign ||
+      (a->requested_loads != 0 && a->requested_loads != 2 && a->requested_loads != 4))
     return cudaErrorInvalidValue;
   const int group = a->num_q_heads / a->num_kv_heads;
   a->head_tile = group >= 8 ? 8 : group > 2 ? 4 : group;   // 1, 2, 4 or 8
   a->head_chunks = ceil_div(group, a->head_tile);
+  if (!dispatch_decode(dtype, a->head_dim, a->head_tile, 4, [](auto) {})) return cudaErrorInvalidValue;
   const int64_t max_ctx = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int64_t max_partition = static_cast<int64_t>(kMaxTableEntries) * a->block_size;
+  a->loads = a->requested_loads != 0 ? a->requested_loads : 4;
   if (max_ctx <= 0) {
     a->num_splits = 1;
     a->partition_tokens = kPartitionAlign;
     return cudaSuccess;
   }
+  // Two kernel instances: 4 loads in flight per lane (more registers, fewer resident blocks)
+  // keeps small grids fed; 2 loads (more resident warps) reads faster once the grid fills
+  // whole waves. benchmarks/kernels.py --only quick sweeps both.
+  const int64_t units = static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->head_chunks;
+  const int64_t sms = sm_count(device);
+  const int64_t slots2 = sms * decode_occupancy(dtype, a->head_dim, a->head_tile, 2, device);
+  int max_s = std::max(1, ceil_div(max_ctx, kMinPartitionTokens));
+  if (units * max_s < (19 * sms + 9) / 10) max_s = std::max(max_s, ceil_div(max_ctx, kMinPartitionTokensSmall));
+  max_s = std::min(max_s, kMaxSplits);
   int splits;
   if (requested_splits > 0) {
     splits = requested_splits;
-  } else {
-    int occupancy = 1;
-    const bool ok = dispatch_decode(dtype, a->head_dim, a->head_tile, [&](auto cfg) {
-      using Cfg = decltype(cfg);
-      const int smem = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, paged_decode_kernel<typename Cfg::T, Cfg::D, Cfg::HT>,
-                                                        kDecodeWarps * 32, smem) != cudaSuccess)
-        occupancy = 1;
-    });
-    if (!ok) return cudaErrorInvalidValue;
-    occupancy = std::max(occupancy, 1);
-    const int64_t units = static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->head_chunks;
-    const int64_t slots = static_cast<int64_t>(sm_count(device)) * occupancy;
-    // Measured on an H100 (benchmarks/kernels.py sweeps): long splits beat short ones (each
-    // split pays a prologue, an epilogue and merge traffic), a grid under one wave is fine once
-    // it gives every SM about two blocks, and a grid over one wave wants a nearly full last wave.
-    // So: the fewest splits giving >= 2.5 waves of resident blocks with the last >= 90% full;
-    // failing that, among the split counts giving >= 1.9 blocks per SM, the best-filled last
-    // wave (a grid of at most one wave counts as full), fewest splits on ties. Splits stay
-    // >= kMinPartitionTokens long unless that leaves fewer than 1.9 blocks per SM.
-    const int64_t sms = sm_count(device);
-    const int64_t want_blocks = (19 * sms + 9) / 10;
-    int max_s = std::max(1, ceil_div(max_ctx, kMinPartitionTokens));
-    if (units * max_s < want_blocks) max_s = std::max(max_s, ceil_div(max_ctx, kMinPartitionTokensSmall));
-    max_s = std::min(max_s, kMaxSplits);
-    splits = 0;
-    int best = max_s;
-    double best_fill = -1.0;
-    for (int s = 1; s <= max_s; ++s) {
-      const int64_t part = static_cast<int64_t>(ceil_div(ceil_div(max_ctx, s), kPartitionAlign)) * kPartitionAlign;
-      const int64_t blocks = units * ceil_div(max_ctx, part);
-      const double waves = static_cast<double>(blocks) / static_cast<double>(slots);
-      const double fill = waves <= 1.0 ? 1.0 : waves / std::ceil(waves);
-      if (waves >= 2.5 && fill >= 0.9) {
-        splits = s;
-        break;
-      }
-      if (blocks >= want_blocks && fill > best_fill + 1e-9) {
-        best = s;
-        best_fill = fill;
-      }
+    if (a->requested_loads == 0) {
+      const int64_t blocks = units * ceil_div(max_ctx, partition_for(max_ctx, splits));
+      a->loads = blocks * 10 >= slots2 * 9 ? 2 : 4;
     }
-    if (splits == 0) splits = best;
+  } else {
+    const int full = a->requested_loads == 4 ? 0 : splits_for_full_waves(units, slots2, max_s, max_ctx);
+    if (a->requested_loads == 2 || (a->requested_loads == 0 && full > 0)) {
+      a->loads = 2;
+      splits = full > 0 ? full : max_s;
+    } else {
+      a->loads = 4;
+      const int64_t slots4 = sms * decode_occupancy(dtype, a->head_dim, a->head_tile, 4, device);
+      splits = splits_for_few_blocks(units, slots4, sms, max_s, max_ctx);
+    }
     splits = std::max(splits, ceil_div(max_ctx, max_partition));   // the table slice must fit
     splits = std::min(splits, kMaxSplits);
   }
-  int64_t partition = ceil_div(max_ctx, splits);
-  partition = ceil_div(partition, kPartitionAlign) * static_cast<int64_t>(kPartitionAlign);
+  int64_t partition = partition_for(max_ctx, splits);
   if (partition > max_partition || splits > kMaxSplits) return cudaErrorInvalidValue;
   a->partition_tokens = static_cast<int>(partition);
   a->num_splits = ceil_div(max_ctx, partition);
@@ -146,13 +215,13 @@ cudaError_t launch_paged_decode(DType dtype, const DecodeArgs& a, cudaStream_t s
       (a.num_splits > 1 && (a.part_out == nullptr || a.part_ml == nullptr)))
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
-  const bool ok = dispatch_decode(dtype, a.head_dim, a.head_tile, [&](auto cfg) {
+  const bool ok = dispatch_decode(dtype, a.head_dim, a.head_tile, a.loads, [&](auto cfg) {
     using Cfg = decltype(cfg);
     using T = typename Cfg::T;
     const int smem = decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
     // grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps warps.
     const dim3 grid(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
-    paged_decode_kernel<T, Cfg::D, Cfg::HT><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
+    paged_decode_kernel<T, Cfg::D, Cfg::HT, Cfg::LOADS><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
     err = cudaGetLastError();
     if (err != cudaSuccess || a.num_splits == 1) return;
     // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
@@ -186,6 +255,76 @@ cudaError_t launch_copy_blocks(void* cache, int64_t num_cache_blocks, int64_t bl
   const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
   copy_blocks_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint4*>(cache), num_cache_blocks, block_vecs, src,
                                                         dst);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_swap_dma(void* dst, int64_t num_dst_blocks, const void* src, int64_t num_src_blocks,
+                            int64_t block_bytes, const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                            bool use_batch, cudaStream_t stream) {
+  if (num_pairs <= 0) return cudaSuccess;
+  if (block_bytes <= 0) return cudaErrorInvalidValue;
+  char* to = static_cast<char*>(dst);
+  const char* from = static_cast<const char*>(src);
+  auto valid = [&](int64_t i) {
+    return src_ids[i] >= 0 && src_ids[i] < num_src_blocks && dst_ids[i] >= 0 && dst_ids[i] < num_dst_blocks;
+  };
+  // Runs of consecutive pairs become one copy each.
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  dsts.reserve(num_pairs);
+  srcs.reserve(num_pairs);
+  sizes.reserve(num_pairs);
+  for (int64_t i = 0; i < num_pairs;) {
+    if (!valid(i)) {
+      ++i;
+      continue;
+    }
+    int64_t run = 1;
+    while (i + run < num_pairs && valid(i + run) && src_ids[i + run] == src_ids[i] + run &&
+           dst_ids[i + run] == dst_ids[i] + run)
+      ++run;
+    dsts.push_back(to + dst_ids[i] * block_bytes);
+    srcs.push_back(from + src_ids[i] * block_bytes);
+    sizes.push_back(static_cast<size_t>(run * block_bytes));
+    i += run;
+  }
+  if (dsts.empty()) return cudaSuccess;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+  if (use_batch && dsts.size() > 1 && stream != nullptr && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+    // (Not on the legacy default stream: the batch API refuses it.)
+    // One attribute for every copy: the runtime infers the direction from the pointers (UVA)
+    // and may run the copies in any order (they never overlap: destinations are distinct).
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    return cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1, stream);
+  }
+#else
+  (void)use_batch;
+#endif
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const cudaError_t err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t launch_swap_kernel(void* dst, int64_t num_dst_blocks, const void* src, int64_t num_src_blocks,
+                               int64_t block_bytes, const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                               cudaStream_t stream) {
+  if (num_pairs == 0) return cudaSuccess;
+  if (block_bytes % 16 != 0 || num_pairs > 0x7fffffff || reinterpret_cast<uintptr_t>(dst) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    return cudaErrorInvalidValue;
+  const int64_t block_vecs = block_bytes / 16;
+  const int64_t tiles = (block_vecs + kCopyThreads * kCopyUnroll - 1) / (kCopyThreads * kCopyUnroll);
+  if (tiles > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
+  swap_blocks_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint4*>(dst), num_dst_blocks,
+                                                        static_cast<const uint4*>(src), num_src_blocks, block_vecs,
+                                                        src_ids, dst_ids);
   return cudaGetLastError();
 }
 

@@ -23,6 +23,7 @@ constexpr int kMaxTableEntries = 8192;     // block-table entries one thread blo
 constexpr int kPartitionAlign = 64;        // a split's token count is a multiple of this (and of block_size)
 constexpr int kMinPartitionTokens = 1024;      // automatic splits are at least this long ...
 constexpr int kMinPartitionTokensSmall = 256;  // ... or this, when longer ones leave SMs without blocks
+constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
 constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmarks/kernels.py sweeps it)
 
 struct DecodeArgs {
@@ -43,14 +44,16 @@ struct DecodeArgs {
   int block_size, log2_block_size, max_blocks_per_seq, num_cache_blocks;
   float scale_log2;                // softmax scale * log2(e): scores are kept in the log2 domain
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
+  int requested_loads;             // 0: the planner picks; 2 or 4: that kernel instance (benchmarks)
   // Filled by plan_paged_decode:
+  int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8; >= the GQA group unless 8)
   int head_chunks;                 // ceil(group / head_tile) thread blocks per KV head
   int num_splits;                  // 1 = unsplit path (no merge kernel)
   int partition_tokens;            // tokens per split (multiple of kPartitionAlign and of block_size)
 };
 
-// Chooses head_tile/head_chunks/num_splits/partition_tokens for `args` (sizes filled in).
+// Chooses head_tile/head_chunks/loads/num_splits/partition_tokens for `args` (sizes filled in).
 // requested_splits <= 0: automatic, from the grid size (num_seqs * num_kv_heads * head_chunks),
 // the longest possible context (max_blocks_per_seq * block_size), the SM count and the
 // kernel's occupancy; otherwise that many splits (fewer if the context is too short to give
@@ -81,5 +84,24 @@ cudaError_t launch_write_kv(const WriteKVArgs& args, cudaStream_t stream);
 // block_bytes = num_layers * 2 * num_kv_heads * block_size * head_dim * elem_size, a multiple of 16.
 cudaError_t launch_copy_blocks(void* cache, int64_t num_cache_blocks, int64_t block_bytes, const int64_t* src,
                                const int64_t* dst, int64_t num_pairs, cudaStream_t stream);
+
+// Swaps (kernels/cuda.py swap_blocks): whole blocks between two contiguous block-major buffers
+// of equal block_bytes, dst[dst_ids[i]] = src[src_ids[i]], one side on the device and the other
+// in pinned host memory (or both on the device).
+//
+// DMA: the copy engines move each run of consecutive pairs (src and dst ids both ascending by
+// one) as one cudaMemcpyAsync, or the whole list as one cudaMemcpyBatchAsync where the runtime
+// has it (use_batch). The ids are HOST arrays; pairs outside [0, num_*_blocks) are skipped.
+// No SM is used, so the copies overlap compute kernels fully.
+cudaError_t launch_swap_dma(void* dst, int64_t num_dst_blocks, const void* src, int64_t num_src_blocks,
+                            int64_t block_bytes, const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                            bool use_batch, cudaStream_t stream);
+
+// Zero-copy kernel: dst/src are DEVICE-accessible pointers (for the host side, the pointer
+// cudaHostGetDevicePointer gives for pinned memory); the ids are DEVICE arrays.
+// block_bytes must be a multiple of 16 and both bases 16-byte aligned.
+cudaError_t launch_swap_kernel(void* dst, int64_t num_dst_blocks, const void* src, int64_t num_src_blocks,
+                               int64_t block_bytes, const int64_t* src_ids, const int64_t* dst_ids, int64_t num_pairs,
+                               cudaStream_t stream);
 
 }  // namespace kvpager

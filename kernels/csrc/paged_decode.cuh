@@ -31,8 +31,18 @@
 
 namespace kvpager {
 
+// Tuning knobs fixed at build time (benchmarks/kernels.py --variants rebuilds with others):
+// warps per thread block, and the minimum resident blocks per SM asked of the register
+// allocator. (Rows in flight, the third knob, is a template parameter the planner picks.)
+#ifndef KVPAGER_DECODE_WARPS
+#define KVPAGER_DECODE_WARPS 4
+#endif
+#ifndef KVPAGER_DECODE_MIN_BLOCKS
+#define KVPAGER_DECODE_MIN_BLOCKS 1
+#endif
+
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kDecodeWarps = 4;
+constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
 
 // ---------------------------------------------------------------------------------------------
@@ -155,14 +165,19 @@ __device__ __forceinline__ float group_sum_scatter(float (&v)[HT], int lane) {
   return s;
 }
 
-template <typename T, int D>
+// LOADS: 16-byte loads of K (and as many of V) each lane has in flight per iteration, i.e.
+// U = LOADS / VPL token rows per lane group. Fewer: fewer registers, more resident warps; more:
+// more bytes in flight per warp. The planner picks per call (launch.cu).
+template <typename T, int D, int LOADS>
 struct DecodeShape {
   static constexpr int VEC = Elem<T>::kVec;           // elements per 16-byte vector
   static constexpr int ROW_VECS = D / VEC;            // vectors per token row
   static constexpr int LPT = ROW_VECS < 32 ? ROW_VECS : 32;   // lanes per token row
   static constexpr int VPL = ROW_VECS / LPT;          // vectors per lane per row
   static constexpr int TPW = 32 / LPT;                // rows per warp per load
-  static constexpr int U = VPL >= 4 ? 1 : 4 / VPL;    // rows per lane group per iteration
+  static constexpr int U_WANT = VPL >= LOADS ? 1 : LOADS / VPL;
+  static constexpr int U_MAX = kPartitionAlign / (kDecodeWarps * TPW);   // whole iterations per partition
+  static constexpr int U = U_WANT < U_MAX ? U_WANT : U_MAX;   // rows per lane group per iteration
   static constexpr int E = VPL * VEC;                 // elements per lane
   static constexpr int WARP_TOKENS = TPW * U;
   static constexpr int STEP = kDecodeWarps * WARP_TOKENS;   // tokens per block iteration
@@ -182,10 +197,10 @@ constexpr int decode_merge_smem_bytes() {
 // grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps * 32 threads;
 // dynamic smem: max(partition_tokens / block_size ints, decode_merge_smem_bytes<D, HT>()).
 
-template <typename T, int D, int HT>
-__global__ void __launch_bounds__(kDecodeWarps * 32)
+template <typename T, int D, int HT, int LOADS>
+__global__ void __launch_bounds__(kDecodeWarps * 32, KVPAGER_DECODE_MIN_BLOCKS)
 paged_decode_kernel(const DecodeArgs a) {
-  using S = DecodeShape<T, D>;
+  using S = DecodeShape<T, D, LOADS>;
   constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
   constexpr int NT = kDecodeWarps * 32;
 

@@ -73,16 +73,35 @@ def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits,
         assert err < tol, (i, int(context_lens[i]), err)
 
 
+@pytest.fixture(params=[None, 2, 4], ids=["loads-auto", "loads2", "loads4"])
+def loads(request):
+    """Both kernel instances (2 or 4 loads in flight per lane), forced, and the planner's pick."""
+    cuda._loads = request.param
+    yield request.param
+    cuda._loads = None
+
+
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
-def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits):
+def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, loads):
     lens = [1, block_size - 1, block_size, block_size + 1, 333, 2100]
-    seed = zlib.crc32(repr((dtype, head_dim, block_size, group, num_splits)).encode())
+    seed = zlib.crc32(repr((dtype, head_dim, block_size, group, num_splits, loads)).encode())
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
+    if loads is not None:
+        assert cuda.decode_plan(*case[:5], num_splits)[3] == loads
     _check_decode(*case, num_splits, TOL[dtype])
+
+
+def test_decode_planner_picks_few_loads_for_full_waves_and_many_for_small_grids():
+    small = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=11)
+    assert cuda.decode_plan(*small[:5])[3] == 4
+    full = _case(torch.bfloat16, 128, 16, 8, 4, [1024] * 128, seed=12)
+    splits, _, _, loads = cuda.decode_plan(*full[:5])
+    assert loads == 2
+    _check_decode(*full, None, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("group", [2, 3, 6, 16])
@@ -95,7 +114,7 @@ def test_decode_other_gqa_ratios(group):
 
 def test_decode_one_long_sequence_auto_splits_fill_the_gpu():
     case = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=7)
-    splits, partition, tile = cuda.decode_plan(*case[:5])
+    splits, partition, tile, _ = cuda.decode_plan(*case[:5])
     assert splits > 8 and tile == 4 and partition * splits >= 32768
     _check_decode(*case, None, TOL[torch.bfloat16])
 

@@ -13,6 +13,7 @@ import zlib
 import pytest
 import torch
 
+from kvpager.kernels import prefill as sdpa_prefill
 from kvpager.kernels.reference import (copy_blocks, paged_decode_attention, paged_prefill_attention, swap_blocks,
                                        write_kv)
 
@@ -112,7 +113,9 @@ def test_decode_matches_reference(dtype, group, head_dim, block_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 64)])
-def test_prefill_matches_reference(dtype, group, block_size, head_dim):
+@pytest.mark.parametrize("impl", [paged_prefill_attention, sdpa_prefill.paged_prefill_attention],
+                         ids=["reference", "sdpa"])
+def test_prefill_matches_reference(dtype, group, block_size, head_dim, impl):
     gen = seeded("prefill", dtype, group, block_size)
     b = block_size
     # (context_len, query_len): no prefix (q == ctx), a cached prefix (q < ctx), q == 1.
@@ -123,8 +126,8 @@ def test_prefill_matches_reference(dtype, group, block_size, head_dim):
     queries = [torch.randn(q, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype) for _, q in cases]
     starts = torch.tensor([0] + [q for _, q in cases], dtype=torch.int32).cumsum(0).to(torch.int32)
     scale = head_dim ** -0.5
-    out = paged_prefill_attention(torch.cat(queries), paged.k_cache, paged.v_cache, paged.block_tables,
-                                  paged.context_lens, starts, scale)
+    out = impl(torch.cat(queries), paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, starts,
+               scale)
     assert out.shape == (int(starts[-1]), NUM_KV_HEADS * group, head_dim) and out.dtype == dtype
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
@@ -146,13 +149,15 @@ def test_prefill_of_one_token_per_sequence_is_decode():
     assert torch.equal(decode, prefill)
 
 
-def test_prefill_skips_a_sequence_with_no_new_tokens():
+@pytest.mark.parametrize("impl", [paged_prefill_attention, sdpa_prefill.paged_prefill_attention],
+                         ids=["reference", "sdpa"])
+def test_prefill_skips_a_sequence_with_no_new_tokens(impl):
     gen = torch.Generator().manual_seed(8)
     paged = Paged([5, 9, 12], 8, 64, torch.float32, gen)
     queries = [torch.randn(n, 2, 64, generator=gen) for n in (2, 0, 4)]
     starts = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
-    out = paged_prefill_attention(torch.cat(queries), paged.k_cache, paged.v_cache, paged.block_tables,
-                                  paged.context_lens, starts, 0.125)
+    out = impl(torch.cat(queries), paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, starts,
+               0.125)
     assert rel_err(out, reference_attention(queries, paged, 0.125)) < TOL[torch.float32]
 
 
@@ -296,3 +301,27 @@ def _decode(**over):
 def test_bad_inputs_raise_value_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_sdpa_prefill_with_host_lengths_and_a_strided_query_matches_reference():
+    """The worker's form: lengths passed as host lists (no sync), query a slice of a fused QKV."""
+    gen = seeded("sdpa host lengths")
+    cases = [(40, 40), (9, 1), (33, 17), (33, 17), (5, 1), (70, 6)]     # (context, new tokens)
+    paged = Paged([c for c, _ in cases], 16, 64, torch.float32, gen)
+    fused = torch.randn(sum(q for _, q in cases), NUM_KV_HEADS * 6, 64, generator=gen)
+    query = fused[:, :NUM_KV_HEADS * 4]
+    assert not query.is_contiguous()
+    starts = [0]
+    for _, q in cases:
+        starts.append(starts[-1] + q)
+    lens = [c for c, _ in cases]
+    out = sdpa_prefill.paged_prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                               paged.context_lens, torch.tensor(starts, dtype=torch.int32), 0.125,
+                                               host_lengths=(starts, lens))
+    ref = paged_prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens,
+                                  torch.tensor(starts, dtype=torch.int32), 0.125)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    with pytest.raises(ValueError):
+        sdpa_prefill.paged_prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                             paged.context_lens, torch.tensor(starts, dtype=torch.int32), 0.125,
+                                             host_lengths=(starts[:-1], lens))

@@ -1,0 +1,104 @@
+"""Paged prefill attention through torch SDPA: the fast path on CUDA until kvpager has its own
+prefill kernel (issue 4 allows a measured, documented torch fallback for prefill).
+
+Same signature and semantics as ``reference.paged_prefill_attention``. Sequences with one query
+(decodes riding in a mixed step) go to paged decode attention in one batch; the others are
+grouped by (query length, context length), and each group gathers its K/V over the block
+tables into ``[n, num_kv_heads, context, head_dim]`` and runs one SDPA call (flash attention on
+CUDA, GQA without repeating K/V) with a bottom-right causal mask: query j of a q-token chunk
+over c cached tokens sits at position c - q + j and sees positions <= its own, the cached
+prefix included.
+
+Cost: one host sync for the lengths, unless the caller passes them (``host_lengths``: the
+worker's model has them as lists, so a step's layers never sync); per group one gather of its K/V (2 * c * kv_heads *
+head_dim elements per sequence, small against the attention's 4 * q * c * q_heads * head_dim
+FLOPs for prompts of more than a few dozen tokens) and one SDPA launch. docs/performance.md
+has the numbers against SDPA on a contiguous cache.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from . import reference
+
+DecodeFn = Callable[..., torch.Tensor]
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, decode: DecodeFn = reference.paged_decode_attention,
+                            host_lengths: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+    """``decode`` runs the one-query sequences (``paged_decode_attention``'s signature);
+    ``host_lengths``, if given, is (query_start_loc, context_lens) as host integers, equal to the
+    tensors (saves the host sync)."""
+    reference._check_caches(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = reference._check_query(query, k_cache)
+    num_seqs = context_lens.shape[0]
+    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must be [num_seqs, max_blocks] and [num_seqs]")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if host_lengths is None:   # the one host sync: every length, for the checks and the grouping
+        lengths = torch.cat([query_start_loc.to("cpu", torch.int64), context_lens.to("cpu", torch.int64)]).tolist()
+        starts, ctx = lengths[:num_seqs + 1], lengths[num_seqs + 1:]
+    else:
+        starts, ctx = [int(x) for x in host_lengths[0]], [int(x) for x in host_lengths[1]]
+        if len(starts) != num_seqs + 1 or len(ctx) != num_seqs:
+            raise ValueError(f"host_lengths must hold {num_seqs + 1} query starts and {num_seqs} context lengths")
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens) < 0:
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}")
+    if any(q > c for q, c in zip(q_lens, ctx)):
+        raise ValueError("a sequence has more queries than context tokens")
+    block_size = k_cache.shape[2]
+    if max(ctx) > block_tables.shape[1] * block_size:
+        raise ValueError(f"context of {max(ctx)} tokens exceeds the {block_tables.shape[1]} blocks of block_tables")
+
+    dev = query.device
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, (q, c) in enumerate(zip(q_lens, ctx)):
+        if q > 0:
+            groups[(q, c)].append(i)
+
+    singles = sorted(i for (q, _), seqs in groups.items() if q == 1 for i in seqs)
+    if singles:
+        seqs, rows = _index(singles, dev), _index([starts[i] for i in singles], dev)
+        out[rows] = decode(query[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale)
+
+    for (q, c), seqs_list in groups.items():
+        if q == 1:
+            continue
+        n = len(seqs_list)
+        seqs = _index(seqs_list, dev)
+        rows = _index([r for i in seqs_list for r in range(starts[i], starts[i] + q)], dev)
+        n_blocks = -(-c // block_size)
+        tables = block_tables[seqs, :n_blocks].to(dev, torch.int64)      # every entry inside the context
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:                  # [n, Hkv, c, D]
+            x = cache[tables].transpose(1, 2)                             # [n, Hkv, n_blocks, B, D]
+            return x.reshape(n, x.shape[1], n_blocks * block_size, head_dim)[:, :, :c]
+
+        qs = query[rows].reshape(n, q, num_q_heads, head_dim).transpose(1, 2)   # [n, Hq, q, D]
+        mask = None if q == c else causal_lower_right(q, c)
+        res = F.scaled_dot_product_attention(qs, gather(k_cache), gather(v_cache), attn_mask=mask,
+                                             is_causal=q == c, scale=scale,
+                                             enable_gqa=num_q_heads != k_cache.shape[1])
+        out[rows] = res.transpose(1, 2).reshape(n * q, num_q_heads, head_dim)
+    return out
+
+
+def _index(ids: list[int], device: torch.device) -> slice | torch.Tensor:
+    """ids as an index: a slice (a view, no copy, no transfer) when they are consecutive."""
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, device=device)
