@@ -80,13 +80,17 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             continue
         n = len(seqs_list)
         seqs = _index(seqs_list, dev)
-        rows = _index([r for i in seqs_list for r in range(starts[i], starts[i] + q)], dev)
+        if isinstance(seqs, slice):      # consecutive sequences: their rows are one run too
+            rows = slice(starts[seqs_list[0]], starts[seqs_list[-1]] + q)
+        else:
+            rows = (torch.tensor([starts[i] for i in seqs_list])[:, None] + torch.arange(q)).flatten().to(dev)
         n_blocks = -(-c // block_size)
-        tables = block_tables[seqs, :n_blocks].to(dev, torch.int64)      # every entry inside the context
+        tables = block_tables[seqs, :n_blocks].to(dev, torch.int64).flatten()   # all inside the context
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:                  # [n, Hkv, c, D]
-            x = cache[tables].transpose(1, 2)                             # [n, Hkv, n_blocks, B, D]
-            return x.reshape(n, x.shape[1], n_blocks * block_size, head_dim)[:, :, :c]
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            """[n, Hkv, c, D] (a strided view of one gathered copy, heads outermost)."""
+            x = cache.transpose(0, 1).index_select(1, tables)            # [Hkv, n * n_blocks, B, D]
+            return x.view(x.shape[0], n, n_blocks * block_size, head_dim).transpose(0, 1)[:, :, :c]
 
         qs = query[rows].reshape(n, q, num_q_heads, head_dim).transpose(1, 2)   # [n, Hq, q, D]
         mask = None if q == c else causal_lower_right(q, c)

@@ -21,9 +21,10 @@ def test_mixed_prefill_step_matches_float64(dtype, group, block_size, head_dim):
     gen = seeded("gpu prefill", dtype, group, block_size, head_dim)
     b = block_size
     # (context, new tokens): whole prompts, prompts over a cached prefix, decodes (1 new token),
-    # two sequences of one shape (batched in one SDPA call), and a long one.
-    cases = [(1, 1), (b - 1, b - 1), (b + 1, 1), (5 * b + 2, 2 * b + 5), (5 * b + 2, 2 * b + 5), (3 * b, 1),
-             (2 * b, b), (40 * b + 7, 9 * b)]
+    # two pairs of sequences of one shape (each pair one SDPA call; one pair adjacent, one not),
+    # and a long one.
+    cases = [(1, 1), (b - 1, b - 1), (b + 1, 1), (5 * b + 2, 2 * b + 5), (3 * b, 1), (2 * b, b), (2 * b, b),
+             (5 * b + 2, 2 * b + 5), (40 * b + 7, 9 * b)]
     paged = Paged([c for c, _ in cases], block_size, head_dim, dtype, gen)
     queries = [torch.randn(q, NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype) for _, q in cases]
     starts = torch.tensor([0] + [q for _, q in cases]).cumsum(0).to(torch.int32)

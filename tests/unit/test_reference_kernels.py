@@ -306,7 +306,8 @@ def test_bad_inputs_raise_value_error(call, message):
 def test_sdpa_prefill_with_host_lengths_and_a_strided_query_matches_reference():
     """The worker's form: lengths passed as host lists (no sync), query a slice of a fused QKV."""
     gen = seeded("sdpa host lengths")
-    cases = [(40, 40), (9, 1), (33, 17), (33, 17), (5, 1), (70, 6)]     # (context, new tokens)
+    # (context, new tokens): a group of two non-adjacent sequences, and one of two adjacent ones.
+    cases = [(40, 40), (33, 17), (9, 1), (33, 17), (5, 1), (70, 6), (21, 4), (21, 4)]
     paged = Paged([c for c, _ in cases], 16, 64, torch.float32, gen)
     fused = torch.randn(sum(q for _, q in cases), NUM_KV_HEADS * 6, 64, generator=gen)
     query = fused[:, :NUM_KV_HEADS * 4]
