@@ -209,6 +209,48 @@ def bench_decode_quick(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_fp8(ceiling: float) -> None:
+    """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales) against the same kernel
+    over the bf16 cache, same shapes and block tables; GB/s counts the fp8 bytes read."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("\nfp8 e4m3 KV cache (bf16 query) vs bf16 cache, our decode kernel:")
+    for batch, ctx in CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+        cache8 = reference.quantize_fp8(cache, 0.05)
+        del cache
+        k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
+        bf = (cache8.to(DTYPE) * 0.05)                       # the same values, dequantized, as bf16
+        k, v = bf[:, 0, 0], bf[:, 0, 1]
+        out = torch.empty_like(q)
+        warm_up(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        t_bf16 = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        del bf, k, v
+        torch.cuda.empty_cache()
+        run = lambda: cuda.paged_decode_attention(q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
+                                                  k_scale=0.05, v_scale=0.05)
+        warm_up(run)
+        t_fp8 = timed(run)
+        nbytes = 2 * batch * ctx * HKV * D              # one byte per element
+        splits, _, _, loads = cuda.decode_plan(q, k8, v8, tables, lens)
+        print(f"{batch:>5} x {ctx:<6} bf16 {t_bf16 * 1e6:7.1f} us | fp8 {t_fp8 * 1e6:7.1f} us "
+              f"{nbytes / t_fp8 / 1e9:6,.0f} GB/s {100 * nbytes / t_fp8 / ceiling:5.1f}% (loads {loads}, splits "
+              f"{splits}) | fp8 / bf16 time {t_fp8 / t_bf16:.2f}")
+        del q, cache8, k8, v8
+        torch.cuda.empty_cache()
+    tokens, blocks = 65536, 8192
+    cache8 = torch.zeros(blocks, LAYERS, 2, HKV, B, D, dtype=reference.FP8, device="cuda")
+    key = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    value = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    slots = torch.randperm(blocks * B, device="cuda")[:tokens]
+    t = timed(lambda: cuda.write_kv(key, value, cache8[:, 1, 0], cache8[:, 1, 1], slots, 0.05, 0.05))
+    moved = 2 * key.numel() * (2 + 1)                   # bf16 read, fp8 written, K and V
+    print(f"write_kv into fp8 (quantizing): {tokens} tokens: {t * 1e6:.1f} us {moved / t / 1e9:,.0f} GB/s "
+          f"({100 * moved / t / ceiling:.1f}% of the copy ceiling)")
+    del cache8, key, value
+    torch.cuda.empty_cache()
+
+
 def run_variants(spec: str) -> None:
     """Build each ``name=nvcc flags`` variant (in parallel, separate build directories), then
     time each with ``--only quick`` in its own process."""
@@ -510,6 +552,17 @@ def smoke() -> None:
             for splits in (1, 3):
                 cuda.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits)
         cuda._loads = None
+        if dtype != torch.float32:      # fp8 cache: write (quantizing) and decode
+            cache8 = torch.zeros(40, 2, 2, 2, 16, d, dtype=reference.FP8, device="cuda")
+            key8 = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
+            cuda.write_kv(key8, key8, cache8[:, 1, 0], cache8[:, 1, 1], torch.tensor([0, -1, 17, 639, 100],
+                                                                                     device="cuda"), 0.5, 0.25)
+            for loads in (2, 4):
+                cuda._loads = loads
+                for splits in (1, 3):
+                    cuda.paged_decode_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5, splits,
+                                                k_scale=0.5, v_scale=0.25)
+            cuda._loads = None
         key = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
         slots = torch.tensor([0, -1, 17, 639, 100], device="cuda")
         cuda.write_kv(key, key, k, v, slots)
@@ -526,7 +579,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of decode,gqa,copy,swap,write_kv,flex,prefill (quick: decode alone)")
+                    help="comma-separated subset of decode,gqa,copy,swap,write_kv,flex,prefill,fp8 "
+                         "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
     args = ap.parse_args()
     if args.variants:
@@ -538,10 +592,11 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
+    parts = set(filter(None, args.only.split(","))) or {"fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
-    steps = [("quick", lambda: bench_decode_quick(ceiling)), ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
+    steps = [("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+             ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill)]
     for name, fn in steps:

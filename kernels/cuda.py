@@ -106,10 +106,15 @@ BLOCK_SIZES = (8, 16, 32)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the decode kernel is built for this head dim, block size and dtype."""
-    return (k_cache.shape[3] in HEAD_DIMS and k_cache.shape[2] in BLOCK_SIZES and query.dtype in DTYPES
-            and query.dtype == k_cache.dtype)
+    """Whether the decode kernel is built for this head dim, block size and (query, cache) dtypes:
+    the same float32/float16/bfloat16, or float16/bfloat16 over a float8_e4m3fn cache."""
+    dtypes_ok = query.dtype in DTYPES and (
+        query.dtype == k_cache.dtype or (k_cache.dtype == FP8 and query.dtype != torch.float32))
+    return k_cache.shape[3] in HEAD_DIMS and k_cache.shape[2] in BLOCK_SIZES and dtypes_ok
 
 
 def available() -> bool:
@@ -143,7 +148,8 @@ def _ninja_module() -> bool:
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, *, out: torch.Tensor | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One new token per sequence attending to all of its cached tokens (its own included).
 
     query:            [num_seqs, num_q_heads, head_dim], float32/float16/bfloat16, CUDA;
@@ -158,6 +164,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                       count; 1: the unsplit path; n > 1: split-KV into about n partitions
                       (flash-decoding) and a merge kernel
     out:              optional [num_seqs, num_q_heads, head_dim] output (query's dtype, last dim contiguous)
+    k_scale, v_scale: for a float8_e4m3fn cache (with a float16/bfloat16 query): real K = stored K
+                      * k_scale, V alike
     returns           [num_seqs, num_q_heads, head_dim] in query's dtype (``out`` if given)
 
     GQA: q head h reads kv head h // (num_q_heads // num_kv_heads); one thread block serves up
@@ -168,7 +176,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     mod.paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
                      _splits_arg(num_splits), _poison_workspace,
-                     -1 if _prefetch_steps is None else int(_prefetch_steps), int(_loads or 0))
+                     -1 if _prefetch_steps is None else int(_prefetch_steps), int(_loads or 0), float(k_scale),
+                     float(v_scale))
     return out
 
 
@@ -183,23 +192,25 @@ def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new K/V into their slots, in place. A negative slot is padding and is skipped
     (so is a slot past the cache); two tokens mapped to one slot leave either one.
 
-    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype, CUDA; last dim
-                      contiguous, other strides multiples of 16 bytes (slices of a fused QKV are fine)
+    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype (float16/bfloat16 for
+                      a float8_e4m3fn cache), CUDA; last dim contiguous, other strides multiples of
+                      16 bytes (slices of a fused QKV are fine)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views (packed inner dims)
     slot_mapping:     [num_tokens] integer slots ``block_id * block_size + offset``; int32 and int64
                       are used as they are, other integer dtypes are converted to int64; moved to
                       the cache's device if elsewhere
+    k_scale, v_scale: fp8 caches only: K is stored as key / k_scale, saturated to +-448 (V alike)
     """
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         if slot_mapping.dtype.is_floating_point or slot_mapping.dtype == torch.bool:
             raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
         slot_mapping = slot_mapping.long()
     slot_mapping = slot_mapping.to(k_cache.device).contiguous()
-    _load().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    _load().write_kv(key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -21,28 +21,33 @@ def _cuda(tensor: torch.Tensor):
     return cuda if cuda.available() else None
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
     impl = _cuda(k_cache) or reference
-    impl.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    if k_cache.dtype == reference.FP8 and key.dtype == torch.float32:
+        impl = reference   # our fp8 write kernel takes 16-bit K/V
+    impl.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=1.0,
+                           v_scale=1.0) -> torch.Tensor:
     impl = _cuda(query)
     if impl is None or not impl.supports_decode(query, k_cache):  # other head dims, block sizes: reference
-        impl = reference
-    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                k_scale, v_scale)
+    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=k_scale,
+                                       v_scale=v_scale)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                            host_lengths=None):
+                            k_scale=1.0, v_scale=1.0, host_lengths=None):
     """``host_lengths``: optional (query_start_loc, context_lens) as host lists, sparing the CUDA
     path a host sync per call (see ``kernels/prefill.py``)."""
     if query.device.type == "cuda":
         return prefill.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                               query_start_loc, scale, decode=paged_decode_attention,
-                                               host_lengths=host_lengths)
+                                               query_start_loc, scale, k_scale, v_scale,
+                                               decode=paged_decode_attention, host_lengths=host_lengths)
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                             query_start_loc, scale)
+                                             query_start_loc, scale, k_scale, v_scale)
 
 
 def copy_blocks(kv_cache, src, dst) -> None:
@@ -67,4 +72,5 @@ def swap_blocks(src_cache, dst_cache, src, dst) -> None:
 def backend(k_cache: torch.Tensor) -> str:
     """Which implementation runs decode attention over this (per-layer) cache: "cuda" or "reference"."""
     impl = _cuda(k_cache)
-    return "cuda" if impl is not None and impl.supports_decode(k_cache, k_cache) else "reference"
+    query_like = k_cache if k_cache.dtype != reference.FP8 else k_cache.new_empty(0, dtype=torch.bfloat16)
+    return "cuda" if impl is not None and impl.supports_decode(query_like, k_cache) else "reference"

@@ -32,13 +32,16 @@ DecodeFn = Callable[..., torch.Tensor]
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float, decode: DecodeFn = reference.paged_decode_attention,
+                            scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                            decode: DecodeFn = reference.paged_decode_attention,
                             host_lengths: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """``decode`` runs the one-query sequences (``paged_decode_attention``'s signature);
     ``host_lengths``, if given, is (query_start_loc, context_lens) as host integers, equal to the
-    tensors (saves the host sync)."""
+    tensors (saves the host sync). A float8_e4m3fn cache is dequantized (times k_scale,
+    v_scale) into the query's dtype as it is gathered."""
     reference._check_caches(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = reference._check_query(query, k_cache)
+    reference._check_scales(k_cache, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
@@ -73,7 +76,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     singles = sorted(i for (q, _), seqs in groups.items() if q == 1 for i in seqs)
     if singles:
         seqs, rows = _index(singles, dev), _index([starts[i] for i in singles], dev)
-        out[rows] = decode(query[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale)
+        out[rows] = decode(query[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale,
+                           k_scale=k_scale, v_scale=v_scale)
 
     for (q, c), seqs_list in groups.items():
         if q == 1:
@@ -87,14 +91,16 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         n_blocks = -(-c // block_size)
         tables = block_tables[seqs, :n_blocks].to(dev, torch.int64).flatten()   # all inside the context
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:
+        def gather(cache: torch.Tensor, cache_scale: float) -> torch.Tensor:
             """[n, Hkv, c, D] (a strided view of one gathered copy, heads outermost)."""
             x = cache.transpose(0, 1).index_select(1, tables)            # [Hkv, n * n_blocks, B, D]
+            if x.dtype == reference.FP8:
+                x = (x.float() * cache_scale).to(query.dtype)
             return x.view(x.shape[0], n, n_blocks * block_size, head_dim).transpose(0, 1)[:, :, :c]
 
         qs = query[rows].reshape(n, q, num_q_heads, head_dim).transpose(1, 2)   # [n, Hq, q, D]
         mask = None if q == c else causal_lower_right(q, c)
-        res = F.scaled_dot_product_attention(qs, gather(k_cache), gather(v_cache), attn_mask=mask,
+        res = F.scaled_dot_product_attention(qs, gather(k_cache, k_scale), gather(v_cache, v_scale), attn_mask=mask,
                                              is_causal=q == c, scale=scale,
                                              enable_gqa=num_q_heads != k_cache.shape[1])
         out[rows] = res.transpose(1, 2).reshape(n * q, num_q_heads, head_dim)

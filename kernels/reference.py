@@ -27,15 +27,27 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks"]
+__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
+           "FP8", "FP8_MAX", "quantize_fp8"]
+
+# fp8 KV storage: a float8_e4m3fn cache holds K / k_scale and V / v_scale (per-tensor scales),
+# saturated to the format's largest finite value; readers multiply the scale back in.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in float8_e4m3fn, saturated to +-448 (round to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new K/V into their slots, in place. A negative slot is padding and is skipped;
     two tokens mapped to the same slot leave either one (the manager never plans that).
 
-    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype
+    key, value:       [num_tokens, num_kv_heads, head_dim], the cache's dtype (any float dtype
+                      for a float8_e4m3fn cache, which stores them quantized with k_scale, v_scale)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
     slot_mapping:     [num_tokens] int64 (any integer dtype)
     """
@@ -48,6 +60,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                          f"{(k_cache.shape[1], k_cache.shape[3])}")
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    _check_scales(k_cache, k_scale, v_scale)
+    if k_cache.dtype == FP8:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
         raise ValueError(f"key/value dtype {key.dtype}/{value.dtype} != cache dtype {k_cache.dtype}")
     keep = slot_mapping >= 0
@@ -59,7 +74,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One new token per sequence attending to all of its cached tokens (its own included).
 
     query:            [num_seqs, num_q_heads, head_dim]
@@ -68,19 +84,21 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     context_lens:     [num_seqs] int32, ragged, each >= 1
     returns           [num_seqs, num_q_heads, head_dim] in query's dtype
 
-    GQA: q head h reads kv head h // (num_q_heads // num_kv_heads).
+    GQA: q head h reads kv head h // (num_q_heads // num_kv_heads). A float8_e4m3fn cache is
+    read as stored * k_scale (K) and * v_scale (V), with a query of any float dtype.
     """
     if query.shape[:1] != context_lens.shape[:1]:
         raise ValueError(f"query {tuple(query.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"disagree on num_seqs")
     # Decode is prefill with one query per sequence.
     starts = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, starts, scale)
+    return paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, starts, scale,
+                                   k_scale, v_scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cache, a cached prefix
     included. The new tokens' K/V must already be in the cache (``write_kv``).
 
@@ -93,13 +111,14 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     returns           [total_query_tokens, num_q_heads, head_dim] in query's dtype
 
     Query j of sequence i (query_len q_i, context c_i) sits at position c_i - q_i + j and sees
-    the cache positions <= its own. GQA as in ``paged_decode_attention``.
+    the cache positions <= its own. GQA and fp8 caches as in ``paged_decode_attention``.
 
     Sequences are padded to the longest query and context of the batch (a reference, not a
     fast path): memory is O(num_seqs * num_q_heads * max_query_len * max_context_len).
     """
     _check_caches(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
+    _check_scales(k_cache, k_scale, v_scale)
     num_seqs = context_lens.shape[0]
     if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
@@ -136,13 +155,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     k_pos = torch.arange(n_blocks * block_size, device=dev)                          # [P]
     in_ctx = k_pos < ctx[:, None]                                                    # [S, P]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, cache_scale: float) -> torch.Tensor:
         x = cache[tables]                              # [S, n_blocks, Hkv, B, D]
         x = x.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, head_dim).to(acc)   # [S, Hkv, P, D]
+        if cache.dtype == FP8:
+            x = x * cache_scale
         # Zero slots past the context, so stale NaN/inf there cannot leak in through 0 * x.
         return torch.where(in_ctx[:, None, :, None], x, torch.zeros((), dtype=acc, device=dev))
 
-    keys, values = gather(k_cache), gather(v_cache)
+    keys, values = gather(k_cache, k_scale), gather(v_cache, v_scale)
 
     # Pad queries to [S, max_q, Hkv, group, D]; token t is query j of sequence seq[t].
     group = num_q_heads // num_kv_heads
@@ -178,6 +199,7 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     if src.numel() == 0:
         return
     dev = kv_cache.device
+    kv_cache = _as_bytes(kv_cache)
     kv_cache.index_copy_(0, dst.to(dev, torch.int64), kv_cache.index_select(0, src.to(dev, torch.int64)))
 
 
@@ -200,6 +222,7 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Ten
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype}")
     if src.numel() == 0:
         return
+    src_cache, dst_cache = _as_bytes(src_cache), _as_bytes(dst_cache)
     src_ids = src.to(src_cache.device, torch.int64)
     dst_ids = dst.to(dst_cache.device, torch.int64)
     if src_cache.device == dst_cache.device:
@@ -231,6 +254,19 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache is {k_cache.dtype} on {k_cache.device}, v_cache {v_cache.dtype} on {v_cache.device}")
 
 
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as uint8 (same memory): torch has no index_copy_ for float8 on the CPU, and
+    moving blocks needs no arithmetic."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+def _check_scales(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    if not (0 < k_scale < float("inf") and 0 < v_scale < float("inf")):
+        raise ValueError(f"k_scale and v_scale must be finite and > 0, got {k_scale} and {v_scale}")
+    if k_cache.dtype != FP8 and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError("k_scale and v_scale apply to float8_e4m3fn caches only")
+
+
 def _check_query(query: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
@@ -240,7 +276,8 @@ def _check_query(query: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, 
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads (GQA)")
-    if query.dtype != k_cache.dtype:
+    if query.dtype != k_cache.dtype and not (k_cache.dtype == FP8 and query.dtype.is_floating_point
+                                             and query.dtype != FP8):
         raise ValueError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
     if query.device != k_cache.device:
         raise ValueError(f"query on {query.device} but cache on {k_cache.device}")

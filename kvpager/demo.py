@@ -11,6 +11,7 @@ manager's invariants, and prints throughput and memory figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-blocks", type=int, default=160, help="KV blocks per worker (small: forces swaps)")
     parser.add_argument("--no-ray", action="store_true", help="one worker in this process instead of Ray actors")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="KV storage: the model's dtype, or fp8 e4m3 with --kv-scale")
+    parser.add_argument("--kv-scale", type=float, default=0.25, help="per-tensor K/V scale of an fp8 cache")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     client = C.BlockManagerClient(f"127.0.0.1:{port}")
     model = GPU_MODEL if torch.cuda.is_available() else MODEL
+    if args.kv_cache_dtype != "auto":
+        model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
     runner, stop_workers, kind = start_workers(model, client.target, args.block_size, args.gpu_blocks, not args.no_ray)
     try:
         arrivals = make_requests(args.requests, args.seed)
@@ -140,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         st, lat = scheduler.stats, [t * 1e3 for t in scheduler.stats.step_latencies]
         hit = final.prefix_hit_tokens / final.prefix_query_tokens if final.prefix_query_tokens else 0.0
         print(f"kvpager demo: {len(requests)} requests on {kind}, block size {args.block_size}, "
-              f"{final.gpu.total_blocks} GPU / {final.cpu.total_blocks} CPU blocks")
+              f"{final.gpu.total_blocks} GPU / {final.cpu.total_blocks} CPU blocks, KV cache "
+              f"{str(model.cache_dtype).removeprefix('torch.')}")
         print(f"  generated          {st.tokens_generated} tokens ({st.tokens_computed} computed) in {elapsed:.1f} s: "
               f"{st.tokens_generated / elapsed:.0f} tokens/s, {st.steps} steps")
         print(f"  KV utilization     peak {max(utils):.1%}, mean {statistics.fmean(utils):.1%}")

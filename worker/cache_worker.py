@@ -90,7 +90,7 @@ class CacheWorker:
             all_reduce = dist.all_reduce
         self.model = Llama(cfg.model, cfg.rank, cfg.tensor_parallel_size, device, all_reduce)
         spec = CacheSpec(cfg.model.num_layers, self.model.kv_heads, cfg.model.head_dim, cfg.block_size,
-                         cfg.model.torch_dtype)
+                         cfg.model.cache_dtype)
         num_blocks = cfg.num_gpu_blocks or int(free_device_memory(device) * cfg.memory_fraction) // spec.block_bytes
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")

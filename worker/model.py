@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from kvpager.kernels import ops
+from kvpager.kernels.reference import quantize_fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,29 @@ class ModelConfig:
     rms_eps: float = 1e-5
     seed: int = 0
     dtype: str = "float32"
+    # KV cache storage: "auto" (the model's dtype) or "fp8_e4m3" (K / kv_scale and V / kv_scale
+    # in float8_e4m3fn, half the bytes of a 16-bit cache; kv_scale per tensor, every layer).
+    kv_cache_dtype: str = "auto"
+    kv_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if not 0 < self.kv_scale < float("inf"):
+            raise ValueError(f"kv_scale must be finite and > 0, got {self.kv_scale}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else self.torch_dtype
+
+    @property
+    def cache_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) for the kernels: 1 unless the cache is fp8."""
+        return (self.kv_scale, self.kv_scale) if self.kv_cache_dtype == "fp8_e4m3" else (1.0, 1.0)
 
 
 @dataclass(slots=True)
@@ -125,13 +145,16 @@ class Llama:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in inp.block_tables], dtype=torch.int32, device=dev)
         decode_only = len(inp.token_ids) == len(inp.context_lens)
 
+        k_scale, v_scale = self.cfg.cache_scales
+
         def attend(layer: int, q, k, v):
             k_cache, v_cache = layer_cache(layer)
-            ops.write_kv(k, v, k_cache, v_cache, slots)
+            ops.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
             if decode_only:
-                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale)
-            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale,
-                                               host_lengths=(inp.query_start_loc, inp.context_lens))
+                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale, k_scale,
+                                                  v_scale)
+            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale, k_scale,
+                                               v_scale, host_lengths=(inp.query_start_loc, inp.context_lens))
 
         hidden = self._run_layers(tokens, positions, attend)
         last = starts[1:].long() - 1
@@ -148,7 +171,12 @@ class Llama:
         positions = torch.arange(start_pos, start_pos + len(token_ids), device=dev)
         group = self.q_heads // self.kv_heads
 
+        k_scale, v_scale = self.cfg.cache_scales
+
         def attend(layer: int, q, k, v):
+            if self.cfg.kv_cache_dtype == "fp8_e4m3":   # the values an fp8 cache gives back
+                k = (quantize_fp8(k, k_scale).float() * k_scale).to(k.dtype)
+                v = (quantize_fp8(v, v_scale).float() * v_scale).to(v.dtype)
             if len(past) <= layer:
                 past.append((k, v))
             else:

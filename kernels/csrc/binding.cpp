@@ -55,6 +55,17 @@ kvpager::DType to_dtype(const Tensor& t, const char* what) {
   return kvpager::kFloat32;
 }
 
+// A cache may also hold fp8 e4m3 (with a 16-bit query / key / value).
+kvpager::DType to_cache_dtype(const Tensor& t) {
+  if (t.scalar_type() == torch::kFloat8_e4m3fn) return kvpager::kFloat8E4M3;
+  return to_dtype(t, "cache (or float8_e4m3fn)");
+}
+
+void check_kv_scales(double k_scale, double v_scale) {
+  KV_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+           "k_scale and v_scale must be finite and > 0, got ", k_scale, " and ", v_scale);
+}
+
 void check_cuda(const Tensor& t, const char* what, const torch::Device& device) {
   KV_CHECK(t.is_cuda(), what, " must be a CUDA tensor, got one on ", t.device());
   KV_CHECK(t.device() == device, what, " is on ", t.device(), " but the other inputs on ", device);
@@ -115,7 +126,8 @@ void check_launch(cudaError_t err, const char* what) {
 
 // Validates the decode inputs and fills the size/stride/pointer fields of DecodeArgs (no plan yet).
 kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
-                                const Tensor& block_tables, const Tensor& context_lens, double scale) {
+                                const Tensor& block_tables, const Tensor& context_lens, double scale,
+                                double k_scale, double v_scale) {
   const torch::Device device = query.device();
   check_cuda(query, "query", device);
   check_cuda(k_cache, "k_cache", device);
@@ -124,8 +136,13 @@ kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, cons
   check_cuda(context_lens, "context_lens", device);
   to_dtype(query, "query");
   check_cache_pair(k_cache, v_cache);
-  KV_CHECK(query.scalar_type() == k_cache.scalar_type(), "query dtype ", query.scalar_type(),
-                    " != cache dtype ", k_cache.scalar_type());
+  const bool fp8 = to_cache_dtype(k_cache) == kvpager::kFloat8E4M3;
+  KV_CHECK(query.scalar_type() == k_cache.scalar_type() ||
+               (fp8 && (query.scalar_type() == torch::kFloat16 || query.scalar_type() == torch::kBFloat16)),
+           "query dtype ", query.scalar_type(), " does not go with cache dtype ", k_cache.scalar_type(),
+           " (the same dtype, or a float16/bfloat16 query over a float8_e4m3fn cache)");
+  check_kv_scales(k_scale, v_scale);
+  KV_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to fp8 caches only");
   check_rows(query, "query");
   KV_CHECK(k_cache.stride(0) == v_cache.stride(0), "k_cache and v_cache must share a block stride, got ",
                     k_cache.stride(0), " and ", v_cache.stride(0));
@@ -174,17 +191,19 @@ kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, cons
   a.log2_block_size = log2_exact(block_size);
   a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   a.num_cache_blocks = static_cast<int>(k_cache.size(0));
-  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
+  a.v_scale = static_cast<float>(v_scale);
   return a;
 }
 
-void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits, int64_t loads) {
+void plan(kvpager::DecodeArgs* a, const Tensor& query, kvpager::DType cache_dtype, int64_t num_splits,
+          int64_t loads) {
   KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
                     kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
   KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: automatic), got ", loads);
   a->requested_loads = static_cast<int>(loads);
-  const cudaError_t err = kvpager::plan_paged_decode(to_dtype(query, "query"), static_cast<int>(num_splits),
-                                                     query.device().index(), a);
+  const cudaError_t err = kvpager::plan_paged_decode(to_dtype(query, "query"), cache_dtype,
+                                                     static_cast<int>(num_splits), query.device().index(), a);
   KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
                     " (each split stages at most ", kvpager::kMaxTableEntries,
                     " block-table entries: ask for more splits)");
@@ -193,9 +212,10 @@ void plan(kvpager::DecodeArgs* a, const Tensor& query, int64_t num_splits, int64
 // Returns the number of splits used (1 = unsplit path).
 int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                      Tensor context_lens, double scale, int64_t num_splits, bool poison_workspace,
-                     int64_t prefetch_steps, int64_t loads) {
+                     int64_t prefetch_steps, int64_t loads, double k_scale, double v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
-  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale);
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+  const kvpager::DType cache_dtype = to_cache_dtype(k_cache);
   KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
   a.prefetch_steps = prefetch_steps < 0 ? kvpager::kDefaultPrefetchSteps : static_cast<int>(prefetch_steps);
   check_cuda(out, "out", query.device());
@@ -206,7 +226,7 @@ int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, T
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
   if (a.num_seqs == 0) return 1;
-  plan(&a, query, num_splits, loads);
+  plan(&a, query, cache_dtype, num_splits, loads);
   Tensor part_out, part_ml;
   if (a.num_splits > 1) {
     const auto f32 = query.options().dtype(torch::kFloat32);
@@ -219,7 +239,8 @@ int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, T
     a.part_out = part_out.data_ptr<float>();
     a.part_ml = part_ml.data_ptr<float>();
   }
-  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), a, at::cuda::getCurrentCUDAStream()),
+  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), cache_dtype, a,
+                                            at::cuda::getCurrentCUDAStream()),
                "paged_decode launch");
   return a.num_splits;
 }
@@ -229,12 +250,13 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor 
                                                            Tensor block_tables, Tensor context_lens,
                                                            int64_t num_splits, int64_t loads) {
   const c10::cuda::CUDAGuard guard(query.device());
-  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0);
-  plan(&a, query, num_splits, loads);
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0, 1.0, 1.0);
+  plan(&a, query, to_cache_dtype(k_cache), num_splits, loads);
   return {a.num_splits, a.partition_tokens, a.head_tile, a.loads};
 }
 
-void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
+              double v_scale) {
   const torch::Device device = k_cache.device();
   const c10::cuda::CUDAGuard guard(device);
   check_cuda(k_cache, "k_cache", device);
@@ -249,10 +271,15 @@ void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor s
   KV_CHECK(key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(3), "key/value heads and head_dim (",
                     key.size(1), ", ", key.size(2), ") do not match the cache's (", k_cache.size(1), ", ",
                     k_cache.size(3), ")");
-  KV_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
-                    "key/value dtype ", key.scalar_type(), "/", value.scalar_type(), " != cache dtype ",
-                    k_cache.scalar_type());
-  KV_CHECK((k_cache.size(3) * k_cache.element_size()) % 16 == 0, "head_dim * element size must be a "
+  const bool fp8 = to_cache_dtype(k_cache) == kvpager::kFloat8E4M3;
+  KV_CHECK(key.scalar_type() == value.scalar_type() &&
+               (key.scalar_type() == k_cache.scalar_type() ||
+                (fp8 && (key.scalar_type() == torch::kFloat16 || key.scalar_type() == torch::kBFloat16))),
+           "key/value dtype ", key.scalar_type(), "/", value.scalar_type(), " does not go with cache dtype ",
+           k_cache.scalar_type(), " (the same dtype, or float16/bfloat16 into a float8_e4m3fn cache)");
+  check_kv_scales(k_scale, v_scale);
+  KV_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to fp8 caches only");
+  KV_CHECK((k_cache.size(3) * key.element_size()) % 16 == 0, "head_dim * element size must be a "
                     "multiple of 16 bytes");
   check_rows(key, "key");
   check_rows(value, "value");
@@ -283,7 +310,10 @@ void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor s
   a.head_dim = static_cast<int>(key.size(2));
   a.block_size = static_cast<int>(k_cache.size(2));
   a.num_cache_blocks = static_cast<int>(k_cache.size(0));
-  a.elem_size = static_cast<int>(k_cache.element_size());
+  a.elem_size = static_cast<int>(key.element_size());
+  a.quantize_from = fp8 ? static_cast<int>(to_dtype(key, "key")) : -1;
+  a.k_inv_scale = static_cast<float>(1.0 / k_scale);
+  a.v_inv_scale = static_cast<float>(1.0 / v_scale);
   check_launch(kvpager::launch_write_kv(a, at::cuda::getCurrentCUDAStream()), "write_kv launch");
 }
 
@@ -385,12 +415,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention into out; returns the number of splits used",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("poison_workspace"),
-        py::arg("prefetch_steps") = -1, py::arg("loads") = 0);
+        py::arg("prefetch_steps") = -1, py::arg("loads") = 0, py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile, loads) paged_decode would use",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("num_splits"), py::arg("loads") = 0);
-  m.def("write_kv", &write_kv, "scatter K/V into their cache slots", py::arg("key"), py::arg("value"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("write_kv", &write_kv, "scatter K/V into their cache slots (quantizing into an fp8 cache)",
+        py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("copy_blocks", &copy_blocks, "copy whole blocks of a block-major cache", py::arg("kv_cache"), py::arg("src"),
         py::arg("dst"));
   m.def("swap_blocks_dma", &swap_blocks_dma, "swap whole blocks with the copy engines (ids on the host)",

@@ -1,4 +1,5 @@
-// Cache writes and copies, dtype-agnostic (they move 16-byte vectors).
+// Cache writes and copies, dtype-agnostic (they move 16-byte vectors), and write_kv into an
+// fp8 cache (quantizing).
 //
 // write_kv: scatter each new token's K and V ([num_heads, head_dim] each) into its slot of the
 // paged cache; a negative slot (padding) is skipped, and so is a slot past the cache.
@@ -6,8 +7,14 @@
 // block-major cache, where one block is one contiguous chunk of block_bytes.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <cstring>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -48,6 +55,61 @@ __global__ void __launch_bounds__(kWriteKVThreads) write_kv_kernel(const WriteKV
     const uint4 vv = *reinterpret_cast<const uint4*>(value + v_src);
     *reinterpret_cast<uint4*>(kc + k_dst) = kv;
     *reinterpret_cast<uint4*>(vc + v_dst) = vv;
+  }
+}
+
+// Eight 16-bit values (one 16-byte vector) times inv_scale, to e4m3 with saturation (values
+// beyond +-448 store as +-448, never NaN): eight bytes.
+template <typename TIn>
+__device__ __forceinline__ uint2 quantize8_e4m3(const uint4& u, float inv_scale) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  uint32_t out[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f;
+    if constexpr (std::is_same_v<TIn, __half>) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      f = __half22float2(h);
+    } else {
+      f = make_float2(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));   // bf16
+    }
+    f.x *= inv_scale;
+    f.y *= inv_scale;
+    const uint32_t q = __nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3);   // 2 bytes
+    out[i / 2] |= q << (16 * (i % 2));
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+// write_kv into an fp8 e4m3 cache from fp16 or bf16 K/V (TIn), quantizing with 1 / scale.
+// grid: (num_tokens, ceil(num_heads * head_dim / 8 / kWriteKVThreads)); block: kWriteKVThreads;
+// thread i converts eight elements (16 input bytes, 8 cache bytes) of the token's K and V.
+template <typename Idx, typename TIn>
+__global__ void __launch_bounds__(kWriteKVThreads) write_kv_fp8_kernel(const WriteKVArgs a) {
+  const int t = blockIdx.x;
+  const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
+  const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
+  if (slot < 0 || slot >= num_slots) return;
+  const int64_t blk = slot / a.block_size;
+  const int off = static_cast<int>(slot - blk * a.block_size);
+  const int row_chunks = a.head_dim / 8;
+  const int total = a.num_heads * row_chunks;
+  const TIn* key = static_cast<const TIn*>(a.key);
+  const TIn* value = static_cast<const TIn*>(a.value);
+  uint8_t* kc = static_cast<uint8_t*>(a.k_cache);
+  uint8_t* vc = static_cast<uint8_t*>(a.v_cache);
+  for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < total; i += gridDim.y * blockDim.x) {
+    const int h = i / row_chunks, e = (i - h * row_chunks) * 8;
+    const uint4 kv = *reinterpret_cast<const uint4*>(key + static_cast<int64_t>(t) * a.key_stride_tok +
+                                                     h * a.key_stride_head + e);
+    const uint4 vv = *reinterpret_cast<const uint4*>(value + static_cast<int64_t>(t) * a.value_stride_tok +
+                                                     h * a.value_stride_head + e);
+    const int64_t row = static_cast<int64_t>(off) * a.head_dim + e;
+    *reinterpret_cast<uint2*>(kc + blk * a.k_stride_block + h * a.k_stride_head + row) =
+        quantize8_e4m3<TIn>(kv, a.k_inv_scale);
+    *reinterpret_cast<uint2*>(vc + blk * a.v_stride_block + h * a.v_stride_head + row) =
+        quantize8_e4m3<TIn>(vv, a.v_inv_scale);
   }
 }
 

@@ -14,53 +14,80 @@
 namespace kvpager {
 namespace {
 
-template <typename T_, int D_, int HT_, int LOADS_>
+template <typename T_, typename C_, int D_, int HT_, int LOADS_>
 struct DecodeCfg {
-  using T = T_;
+  using T = T_;   // query and output
+  using C = C_;   // cache
   static constexpr int D = D_;
   static constexpr int HT = HT_;
   static constexpr int LOADS = LOADS_;
 };
 
-template <typename T, int D, int HT, typename F>
+template <typename T, typename C, int D, int HT, typename F>
 bool dispatch_loads(int loads, F&& f) {
   switch (loads) {
-    case 2: f(DecodeCfg<T, D, HT, 2>{}); return true;
-    case 4: f(DecodeCfg<T, D, HT, 4>{}); return true;
+    case 2: f(DecodeCfg<T, C, D, HT, 2>{}); return true;
+    case 4: f(DecodeCfg<T, C, D, HT, 4>{}); return true;
     default: return false;
   }
 }
 
-template <typename T, int D, typename F>
+template <typename T, typename C, int D, int HT, typename F>
+bool dispatch_tile_if_fits(int loads, F&& f) {
+  // A lane group (the lanes sharing a token row) needs a lane per head of the tile, and a
+  // lane's query and accumulator registers (2 * HT * E floats) must leave room (no spills).
+  using S = DecodeShape<C, D, 2>;
+  if constexpr (HT <= S::LPT && HT * S::E <= kMaxTileElems) {
+    return dispatch_loads<T, C, D, HT>(loads, f);
+  } else {
+    return false;
+  }
+}
+
+template <typename T, typename C, int D, typename F>
 bool dispatch_tile(int head_tile, int loads, F&& f) {
   switch (head_tile) {
-    case 1: return dispatch_loads<T, D, 1>(loads, f);
-    case 2: return dispatch_loads<T, D, 2>(loads, f);
-    case 4: return dispatch_loads<T, D, 4>(loads, f);
-    case 8: return dispatch_loads<T, D, 8>(loads, f);
+    case 1: return dispatch_tile_if_fits<T, C, D, 1>(loads, f);
+    case 2: return dispatch_tile_if_fits<T, C, D, 2>(loads, f);
+    case 4: return dispatch_tile_if_fits<T, C, D, 4>(loads, f);
+    case 8: return dispatch_tile_if_fits<T, C, D, 8>(loads, f);
     default: return false;
   }
 }
 
-template <typename T, typename F>
+template <typename T, typename C, typename F>
 bool dispatch_dim(int head_dim, int head_tile, int loads, F&& f) {
   switch (head_dim) {
-    case 64: return dispatch_tile<T, 64>(head_tile, loads, f);
-    case 128: return dispatch_tile<T, 128>(head_tile, loads, f);
-    case 256: return dispatch_tile<T, 256>(head_tile, loads, f);
+    case 64: return dispatch_tile<T, C, 64>(head_tile, loads, f);
+    case 128: return dispatch_tile<T, C, 128>(head_tile, loads, f);
+    case 256: return dispatch_tile<T, C, 256>(head_tile, loads, f);
     default: return false;
   }
 }
 
+// (query, cache) types: the same 32/16-bit type, or a 16-bit query over an fp8 e4m3 cache.
 template <typename F>
-bool dispatch_decode(DType dtype, int head_dim, int head_tile, int loads, F&& f) {
-  switch (dtype) {
-    case kFloat32: return dispatch_dim<float>(head_dim, head_tile, loads, f);
-    case kFloat16: return dispatch_dim<__half>(head_dim, head_tile, loads, f);
-    case kBFloat16: return dispatch_dim<__nv_bfloat16>(head_dim, head_tile, loads, f);
-    default: return false;
+bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, F&& f) {
+  if (cache_dtype == dtype) {
+    switch (dtype) {
+      case kFloat32: return dispatch_dim<float, float>(head_dim, head_tile, loads, f);
+      case kFloat16: return dispatch_dim<__half, __half>(head_dim, head_tile, loads, f);
+      case kBFloat16: return dispatch_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, head_tile, loads, f);
+      default: return false;
+    }
   }
+  if (cache_dtype == kFloat8E4M3) {
+    switch (dtype) {
+      case kFloat16: return dispatch_dim<__half, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
+      case kBFloat16: return dispatch_dim<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
+      default: return false;
+    }
+  }
+  return false;
 }
+
+// Elements per 16-byte vector of a cache of this type (Elem<C>::kVec in paged_decode.cuh).
+int vec_elems(DType dtype) { return dtype == kFloat32 ? 4 : dtype == kFloat8E4M3 ? 16 : 8; }
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -81,20 +108,22 @@ int decode_smem_bytes(int partition_tokens, int block_size) {
 
 // Resident decode blocks per SM for this kernel instance (1 if the query fails). Cached: the
 // occupancy query costs microseconds of host time, as much as a small decode kernel takes.
-int decode_occupancy(DType dtype, int head_dim, int head_tile, int loads, int device) {
+int decode_occupancy(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int device) {
   constexpr int kDevices = 16;
-  static std::atomic<int> cache[kDevices][3][3][4][2];   // [device][dtype][dim][tile][loads]; 0 = unknown
+  static std::atomic<int> cache[kDevices][3][2][3][4][2];   // [device][dtype][fp8?][dim][tile][loads]; 0 = unknown
   const int dim_i = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
   const int tile_i = head_tile == 1 ? 0 : head_tile == 2 ? 1 : head_tile == 4 ? 2 : 3;
   const bool cacheable = device >= 0 && device < kDevices && dtype >= 0 && dtype < 3;
-  std::atomic<int>* slot = cacheable ? &cache[device][dtype][dim_i][tile_i][loads == 2 ? 0 : 1] : nullptr;
+  const int fp8_i = cache_dtype == kFloat8E4M3 ? 1 : 0;
+  std::atomic<int>* slot = cacheable ? &cache[device][dtype][fp8_i][dim_i][tile_i][loads == 2 ? 0 : 1] : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
   int occupancy = 1;
-  dispatch_decode(dtype, head_dim, head_tile, loads, [&](auto cfg) {
+  dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, [&](auto cfg) {
     using Cfg = decltype(cfg);
     const int smem = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &occupancy, paged_decode_kernel<typename Cfg::T, Cfg::D, Cfg::HT, Cfg::LOADS>, kDecodeWarps * 32,
+            &occupancy, paged_decode_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::HT, Cfg::LOADS>,
+            kDecodeWarps * 32,
             smem) != cudaSuccess)
       occupancy = 1;
   });
@@ -155,15 +184,20 @@ int splits_for_full_waves(int64_t units, int64_t slots, int max_s, int64_t max_c
 
 }  // namespace
 
-cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, DecodeArgs* a) {
+cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* a) {
   if (a->num_kv_heads <= 0 || a->num_q_heads % a->num_kv_heads != 0 || a->block_size <= 0 ||
       (a->block_size & (a->block_size - 1)) != 0 || a->block_size > kPartitionAlign ||
       (a->requested_loads != 0 && a->requested_loads != 2 && a->requested_loads != 4))
     return cudaErrorInvalidValue;
   const int group = a->num_q_heads / a->num_kv_heads;
   a->head_tile = group >= 8 ? 8 : group > 2 ? 4 : group;   // 1, 2, 4 or 8
+  // ... at most the lanes sharing a token row (one per vector of the row, at most 32), and at
+  // most kMaxTileElems / E heads, E = head_dim / row_lanes elements per lane (fp8: 4 heads).
+  const int row_lanes = std::min(32, a->head_dim / vec_elems(cache_dtype));
+  const int lane_elems = a->head_dim / row_lanes;
+  a->head_tile = std::max(1, std::min({a->head_tile, row_lanes, kMaxTileElems / lane_elems}));
   a->head_chunks = ceil_div(group, a->head_tile);
-  if (!dispatch_decode(dtype, a->head_dim, a->head_tile, 4, [](auto) {})) return cudaErrorInvalidValue;
+  if (!dispatch_decode(dtype, cache_dtype, a->head_dim, a->head_tile, 4, [](auto) {})) return cudaErrorInvalidValue;
   const int64_t max_ctx = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int64_t max_partition = static_cast<int64_t>(kMaxTableEntries) * a->block_size;
   a->loads = a->requested_loads != 0 ? a->requested_loads : 4;
@@ -177,7 +211,7 @@ cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, Dec
   // whole waves. benchmarks/kernels.py --only quick sweeps both.
   const int64_t units = static_cast<int64_t>(a->num_seqs) * a->num_kv_heads * a->head_chunks;
   const int64_t sms = sm_count(device);
-  const int64_t slots2 = sms * decode_occupancy(dtype, a->head_dim, a->head_tile, 2, device);
+  const int64_t slots2 = sms * decode_occupancy(dtype, cache_dtype, a->head_dim, a->head_tile, 2, device);
   int max_s = std::max(1, ceil_div(max_ctx, kMinPartitionTokens));
   if (units * max_s < (19 * sms + 9) / 10) max_s = std::max(max_s, ceil_div(max_ctx, kMinPartitionTokensSmall));
   max_s = std::min(max_s, kMaxSplits);
@@ -195,7 +229,7 @@ cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, Dec
       splits = full > 0 ? full : max_s;
     } else {
       a->loads = 4;
-      const int64_t slots4 = sms * decode_occupancy(dtype, a->head_dim, a->head_tile, 4, device);
+      const int64_t slots4 = sms * decode_occupancy(dtype, cache_dtype, a->head_dim, a->head_tile, 4, device);
       splits = splits_for_few_blocks(units, slots4, sms, max_s, max_ctx);
     }
     splits = std::max(splits, ceil_div(max_ctx, max_partition));   // the table slice must fit
@@ -208,20 +242,20 @@ cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, Dec
   return cudaSuccess;
 }
 
-cudaError_t launch_paged_decode(DType dtype, const DecodeArgs& a, cudaStream_t stream) {
+cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& a, cudaStream_t stream) {
   if (a.num_seqs == 0) return cudaSuccess;
   if (a.num_splits < 1 || a.num_splits > kMaxSplits || a.partition_tokens % kPartitionAlign != 0 ||
       a.partition_tokens / a.block_size > kMaxTableEntries || a.num_seqs > 65535 ||
       (a.num_splits > 1 && (a.part_out == nullptr || a.part_ml == nullptr)))
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
-  const bool ok = dispatch_decode(dtype, a.head_dim, a.head_tile, a.loads, [&](auto cfg) {
+  const bool ok = dispatch_decode(dtype, cache_dtype, a.head_dim, a.head_tile, a.loads, [&](auto cfg) {
     using Cfg = decltype(cfg);
     using T = typename Cfg::T;
     const int smem = decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
     // grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps warps.
     const dim3 grid(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
-    paged_decode_kernel<T, Cfg::D, Cfg::HT, Cfg::LOADS><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
+    paged_decode_kernel<T, typename Cfg::C, Cfg::D, Cfg::HT, Cfg::LOADS><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
     err = cudaGetLastError();
     if (err != cudaSuccess || a.num_splits == 1) return;
     // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
@@ -234,6 +268,22 @@ cudaError_t launch_paged_decode(DType dtype, const DecodeArgs& a, cudaStream_t s
 cudaError_t launch_write_kv(const WriteKVArgs& a, cudaStream_t stream) {
   if (a.num_tokens == 0) return cudaSuccess;
   if (a.elem_size <= 0 || (a.head_dim * a.elem_size) % 16 != 0 || a.block_size <= 0) return cudaErrorInvalidValue;
+  if (a.quantize_from >= 0) {   // into an fp8 cache: eight elements per thread
+    if (a.quantize_from != kFloat16 && a.quantize_from != kBFloat16) return cudaErrorInvalidValue;
+    const int chunks = a.num_heads * (a.head_dim / 8);
+    // grid: (num_tokens, ceil(chunks / kWriteKVThreads)); block: kWriteKVThreads threads.
+    const dim3 grid(a.num_tokens, std::max(1, ceil_div(chunks, kWriteKVThreads)));
+    const bool half = a.quantize_from == kFloat16;
+    if (a.slot_is_int64 && half)
+      write_kv_fp8_kernel<int64_t, __half><<<grid, kWriteKVThreads, 0, stream>>>(a);
+    else if (a.slot_is_int64)
+      write_kv_fp8_kernel<int64_t, __nv_bfloat16><<<grid, kWriteKVThreads, 0, stream>>>(a);
+    else if (half)
+      write_kv_fp8_kernel<int32_t, __half><<<grid, kWriteKVThreads, 0, stream>>>(a);
+    else
+      write_kv_fp8_kernel<int32_t, __nv_bfloat16><<<grid, kWriteKVThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
   const int total = a.num_heads * (a.head_dim * a.elem_size / 16);
   // grid: (num_tokens, ceil(total / kWriteKVThreads)); block: kWriteKVThreads threads.
   const dim3 grid(a.num_tokens, std::max(1, ceil_div(total, kWriteKVThreads)));

@@ -15,7 +15,7 @@
 
 namespace kvpager {
 
-enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };   // kFloat8E4M3: caches only
 
 // Limits the launchers enforce (and binding.cpp checks first, with clearer messages).
 constexpr int kMaxSplits = 256;            // split-KV partitions of one sequence
@@ -42,7 +42,8 @@ struct DecodeArgs {
   int64_t table_stride;            // elements between two block-table rows
   int num_seqs, num_q_heads, num_kv_heads, head_dim;
   int block_size, log2_block_size, max_blocks_per_seq, num_cache_blocks;
-  float scale_log2;                // softmax scale * log2(e): scores are kept in the log2 domain
+  float scale_log2;                // softmax scale * log2(e) * k_scale: scores are kept in the log2 domain
+  float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   int requested_loads;             // 0: the planner picks; 2 or 4: that kernel instance (benchmarks)
   // Filled by plan_paged_decode:
@@ -58,10 +59,11 @@ struct DecodeArgs {
 // the longest possible context (max_blocks_per_seq * block_size), the SM count and the
 // kernel's occupancy; otherwise that many splits (fewer if the context is too short to give
 // each a partition). Returns cudaErrorInvalidValue for unsupported sizes.
-cudaError_t plan_paged_decode(DType dtype, int requested_splits, int device, DecodeArgs* args);
+// dtype: the query's; cache_dtype: the cache's (dtype, or kFloat8E4M3 with a 16-bit query).
+cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* args);
 
 // Launches the decode kernel (and, when num_splits > 1, the merge kernel) on `stream`.
-cudaError_t launch_paged_decode(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& args, cudaStream_t stream);
 
 struct WriteKVArgs {
   const void* key;                 // [num_tokens, num_heads, head_dim], inner dim contiguous
@@ -76,6 +78,10 @@ struct WriteKVArgs {
   int64_t v_stride_block, v_stride_head;
   int num_tokens, num_heads, head_dim, block_size, num_cache_blocks;
   int elem_size;                   // bytes per element; head_dim * elem_size % 16 == 0
+  // fp8 e4m3 cache: key/value are this DType (kFloat16 or kBFloat16; elem_size is theirs) and
+  // are stored times 1 / scale, saturated; kFloat8E4M3 never here. -1: no conversion.
+  int quantize_from;
+  float k_inv_scale, v_inv_scale;
 };
 
 cudaError_t launch_write_kv(const WriteKVArgs& args, cudaStream_t stream);

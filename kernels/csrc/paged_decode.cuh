@@ -24,6 +24,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -44,6 +45,7 @@ namespace kvpager {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
+constexpr int kMaxTileElems = 64;   // head tile x elements per lane: query + accumulators stay in registers
 
 // ---------------------------------------------------------------------------------------------
 // Element types: 16 bytes of T <-> floats.
@@ -91,6 +93,28 @@ struct Elem<__nv_bfloat16> {
     f[6] = __uint_as_float(u.w << 16); f[7] = __uint_as_float(u.w & 0xffff0000u);
   }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+// fp8 e4m3 KV storage (read only here; write_kv quantizes): the stored value times the
+// tensor's scale is the real one; the kernel folds k_scale into the query and applies v_scale
+// to the output. 16 elements per 16-byte vector, so a lane holds twice the elements of a row
+// that it holds with a 16-bit cache (more registers; 8-byte vectors with the same registers as
+// 16-bit caches measured slower on an H100, docs/performance.md).
+template <>
+struct Elem<__nv_fp8_e4m3> {
+  static constexpr int kVec = 16;
+  static __device__ __forceinline__ float2 pair(uint32_t w) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+    return __half22float2(__half2(h));
+  }
+  static __device__ __forceinline__ void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 lo = pair(w[i] & 0xffffu), hi = pair(w[i] >> 16);
+      f[4 * i] = lo.x; f[4 * i + 1] = lo.y; f[4 * i + 2] = hi.x; f[4 * i + 3] = hi.y;
+    }
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -165,12 +189,13 @@ __device__ __forceinline__ float group_sum_scatter(float (&v)[HT], int lane) {
   return s;
 }
 
+// C is the cache's element type (the layout follows its 16-byte vectors).
 // LOADS: 16-byte loads of K (and as many of V) each lane has in flight per iteration, i.e.
 // U = LOADS / VPL token rows per lane group. Fewer: fewer registers, more resident warps; more:
 // more bytes in flight per warp. The planner picks per call (launch.cu).
-template <typename T, int D, int LOADS>
+template <typename C, int D, int LOADS>
 struct DecodeShape {
-  static constexpr int VEC = Elem<T>::kVec;           // elements per 16-byte vector
+  static constexpr int VEC = Elem<C>::kVec;           // elements per 16-byte vector
   static constexpr int ROW_VECS = D / VEC;            // vectors per token row
   static constexpr int LPT = ROW_VECS < 32 ? ROW_VECS : 32;   // lanes per token row
   static constexpr int VPL = ROW_VECS / LPT;          // vectors per lane per row
@@ -196,12 +221,15 @@ constexpr int decode_merge_smem_bytes() {
 // Decode kernel.
 // grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps * 32 threads;
 // dynamic smem: max(partition_tokens / block_size ints, decode_merge_smem_bytes<D, HT>()).
+// T: query and output type; C: cache type (T, or fp8 e4m3 with 16-bit T).
 
-template <typename T, int D, int HT, int LOADS>
+template <typename T, typename C, int D, int HT, int LOADS>
 __global__ void __launch_bounds__(kDecodeWarps * 32, KVPAGER_DECODE_MIN_BLOCKS)
 paged_decode_kernel(const DecodeArgs a) {
-  using S = DecodeShape<T, D, LOADS>;
+  using S = DecodeShape<C, D, LOADS>;
   constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
+  constexpr int QVEC = Elem<T>::kVec;                   // query elements per 16-byte load
+  static_assert(VEC % QVEC == 0, "a lane's cache vector must be whole query vectors");
   constexpr int NT = kDecodeWarps * 32;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -233,9 +261,9 @@ paged_decode_kernel(const DecodeArgs a) {
   const int32_t* trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
   // Block slabs (one head's block_size rows, contiguous) go to L2 a.prefetch_steps iterations
   // ahead of their loads; the first ones right away, while the prologue runs.
-  const T* kslab = static_cast<const T*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const T* vslab = static_cast<const T*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D * sizeof(T);
+  const C* kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const C* vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D * sizeof(C);
   const int pd = a.prefetch_steps;
   const int first_prefetched = min(nblk, (pd * S::STEP + a.block_size - 1) >> log2b);
   for (int i = tid; i < nblk; i += NT) {
@@ -256,11 +284,13 @@ paged_decode_kernel(const DecodeArgs a) {
     const T* qp = static_cast<const T*>(a.query) + static_cast<int64_t>(seq) * a.q_stride_seq +
                   static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head;
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) {
-      uint4 u = make_uint4(0, 0, 0, 0);
-      if (live) u = *reinterpret_cast<const uint4*>(qp + (j * LPT + r) * VEC);
-      Elem<T>::unpack(u, &q[g][j * VEC]);
-    }
+    for (int j = 0; j < VPL; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC / QVEC; ++i) {
+        uint4 u = make_uint4(0, 0, 0, 0);
+        if (live) u = *reinterpret_cast<const uint4*>(qp + (j * LPT + r) * VEC + i * QVEC);
+        Elem<T>::unpack(u, &q[g][j * VEC + i * QVEC]);
+      }
 #pragma unroll
     for (int e = 0; e < E; ++e) q[g][e] *= a.scale_log2;
   }
@@ -274,8 +304,8 @@ paged_decode_kernel(const DecodeArgs a) {
   float m_own = -INFINITY, l_own = 0.f;                 // online softmax of head r / (LPT / HT)
   const int group_lane0 = lane & ~(LPT - 1);
 
-  const T* kbase = static_cast<const T*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
-  const T* vbase = static_cast<const T*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
+  const C* kbase = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
+  const C* vbase = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head + r * VEC;
   const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
   const int lane_tok0 = start + warp * S::WARP_TOKENS + grp;
 
@@ -327,7 +357,7 @@ paged_decode_kernel(const DecodeArgs a) {
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         float kf[VEC];
-        Elem<T>::unpack(kr[u][j], kf);
+        Elem<C>::unpack(kr[u][j], kf);
 #pragma unroll
         for (int g = 0; g < HT; ++g)
 #pragma unroll
@@ -378,7 +408,7 @@ paged_decode_kernel(const DecodeArgs a) {
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         float vf[VEC];
-        Elem<T>::unpack(vr[u][j], vf);
+        Elem<C>::unpack(vr[u][j], vf);
 #pragma unroll
         for (int g = 0; g < HT; ++g)
 #pragma unroll
@@ -450,7 +480,7 @@ paged_decode_kernel(const DecodeArgs a) {
       ll += wt * s_ml[(w * HT + g) * 2 + 1];
       o += wt * s_acc[(w * HT + g) * D + d];
     }
-    const float res = ll > 0.f ? o / ll : 0.f;
+    const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;   // v_scale: 1 unless the cache is fp8
     const int h = head0 + g;
     if (a.num_splits == 1) {
       T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;

@@ -32,13 +32,15 @@ def built():
     cuda._poison_workspace = False
 
 
-def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed):
-    """(query, k view, v view, block_tables, context_lens) over a NaN-filled block-major cache."""
+def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dtype=None, k_scale=1.0,
+          v_scale=1.0):
+    """(query, k view, v view, block_tables, context_lens) over a NaN-filled block-major cache
+    (of cache_dtype, default dtype; an fp8 cache holds K / k_scale and V / v_scale)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for c in lens]
     num_blocks = sum(need) + 3
-    cache = torch.full((num_blocks, LAYERS, 2, num_kv_heads, block_size, head_dim), float("nan"), dtype=dtype,
-                       device=DEV)
+    cache = torch.full((num_blocks, LAYERS, 2, num_kv_heads, block_size, head_dim), float("nan"),
+                       dtype=cache_dtype or dtype, device=DEV)
     k_view, v_view = cache[:, LAYER, 0], cache[:, LAYER, 1]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     nan_block = perm.pop()          # never written: a padding entry that is read leaks NaN
@@ -50,7 +52,7 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed):
         slots = torch.tensor(ids)[pos // block_size] * block_size + pos % block_size
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
-        reference.write_kv(k, v, k_view, v_view, slots.to(DEV))
+        reference.write_kv(k, v, k_view, v_view, slots.to(DEV), k_scale, v_scale)
         tables.append(ids + [nan_block] * (width - n))
     num_q_heads = num_kv_heads * group
     fused = torch.randn(len(lens), num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
@@ -60,13 +62,18 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed):
     return query, k_view, v_view, block_tables, context_lens
 
 
-def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol):
+def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol, k_scale=1.0, v_scale=1.0):
     scale = query.shape[-1] ** -0.5
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
-    got = cuda.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits, out=out)
+    got = cuda.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits, out=out,
+                                      k_scale=k_scale, v_scale=v_scale)
     assert got is out
-    ref = reference.paged_decode_attention(query.double(), k_view.double(), v_view.double(), block_tables,
-                                           context_lens, scale)
+    if k_view.dtype == reference.FP8:   # float64 over the dequantized cache
+        ref = reference.paged_decode_attention(query.double(), k_view, v_view, block_tables, context_lens, scale,
+                                               k_scale, v_scale)
+    else:
+        ref = reference.paged_decode_attention(query.double(), k_view.double(), v_view.double(), block_tables,
+                                               context_lens, scale)
     assert torch.isfinite(got).all(), "unwritten or NaN outputs"
     for i in range(query.shape[0]):
         err = float((got[i].double() - ref[i]).norm() / ref[i].norm())
@@ -93,6 +100,49 @@ def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, 
     if loads is not None:
         assert cuda.decode_plan(*case[:5], num_splits)[3] == loads
     _check_decode(*case, num_splits, TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_fp8_cache_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, loads):
+    """fp8 e4m3 cache with per-tensor scales, 16-bit query: against float64 attention over the
+    dequantized cache (so only the kernel's own error counts, not the quantization's)."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 333, 2100]
+    seed = zlib.crc32(repr(("fp8", dtype, head_dim, block_size, group, num_splits, loads)).encode())
+    k_scale, v_scale = 0.043, 0.021
+    case = _case(dtype, head_dim, block_size, 2, group, lens, seed, reference.FP8, k_scale, v_scale)
+    if loads is not None:
+        assert cuda.decode_plan(*case[:5], num_splits)[3] == loads
+    _check_decode(*case, num_splits, TOL[dtype], k_scale, v_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_write_kv_quantizes_like_the_reference(dtype, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, num_blocks, block_size, tokens = 4, 37, 16, 100
+    cache = torch.full((num_blocks, LAYERS, 2, heads, block_size, head_dim), float("nan"), dtype=reference.FP8,
+                       device=DEV)
+    fused = (torch.randn(tokens, 3 * heads, head_dim, generator=gen) * 30).to(DEV, dtype)   # some beyond 448 * scale
+    key, value = fused[:, heads:2 * heads], fused[:, 2 * heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1
+    slots = slots.to(DEV)
+    for k_scale, v_scale in ((0.25, 0.125), (0.043, 0.021)):
+        got, expect = cache.clone(), cache.clone()
+        cuda.write_kv(key, value, got[:, LAYER, 0], got[:, LAYER, 1], slots, k_scale, v_scale)
+        reference.write_kv(key, value, expect[:, LAYER, 0], expect[:, LAYER, 1], slots, k_scale, v_scale)
+        same_nan = got.float().isnan() == expect.float().isnan()
+        assert same_nan.all()
+        g, e = got.float().nan_to_num(), expect.float().nan_to_num()
+        if k_scale == 0.25:      # power-of-two scales: bit-exact
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8))
+        else:                    # x * (1 / s) vs x / s may round differently at a tie: one e4m3 step at most
+            assert ((g - e).abs() <= e.abs() / 8 + 2 ** -9).all()
+        assert g.abs().max() == 448.0                                       # saturated, not NaN
 
 
 def test_decode_planner_picks_few_loads_for_full_waves_and_many_for_small_grids():

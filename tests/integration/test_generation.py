@@ -9,11 +9,13 @@ others run a real local Ray cluster with two tensor-parallel CPU workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 
 import grpc
 import pytest
+import torch
 
 from kvpager import client as C
 from kvpager.manager import ManagerConfig, errors
@@ -22,6 +24,7 @@ from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import worker_pb2, worker_pb2_grpc, plan_pb2
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
+from kvpager.worker.kv_cache import CacheSpec
 from kvpager.worker.model import Llama, ModelConfig
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
@@ -82,6 +85,25 @@ def test_generation_matches_contiguous_cache_in_process():
             mem = worker.memory_stats()
             assert mem.blocks_copied == stats.cow_copies and mem.blocks_swapped_out == stats.blocks_swapped_out
             assert mem.attention_backend == "reference"  # a CPU cache
+        finally:
+            worker.stop()
+
+
+def test_generation_with_an_fp8_cache_matches_the_contiguous_cache_of_the_same_values():
+    """KV stored as float8_e4m3fn with a scale (a quarter of the float32 cache's bytes): the
+    tokens equal those of the contiguous cache holding the same quantized-then-dequantized K/V."""
+    model = dataclasses.replace(MODEL, kv_cache_dtype="fp8_e4m3", kv_scale=0.25)
+    with manager_sized_by_workers() as (client, service):
+        worker = CacheWorker(WorkerConfig(model=model, block_size=BLOCK, num_gpu_blocks=36, num_cpu_blocks=64,
+                                          manager_address=client.target))
+        worker.start()
+        try:
+            assert worker.cache.gpu.dtype == torch.float8_e4m3fn
+            fp32_block = CacheSpec(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, BLOCK, torch.float32)
+            assert worker.memory_stats().block_bytes * 4 == fp32_block.block_bytes
+            scheduler, stats = check_against_reference(client, service, worker.execute_model, make_requests(30, 2),
+                                                       model)
+            assert scheduler.stats.preemptions > 0 and stats.blocks_swapped_in > 0 and stats.cow_copies > 0
         finally:
             worker.stop()
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kvpager.kernels import prefill as sdpa_prefill
-from kvpager.kernels.reference import (copy_blocks, paged_decode_attention, paged_prefill_attention, swap_blocks,
-                                       write_kv)
+from kvpager.kernels.reference import (FP8, copy_blocks, paged_decode_attention, paged_prefill_attention,
+                                       quantize_fp8, swap_blocks, write_kv)
 
 NUM_LAYERS, LAYER, NUM_KV_HEADS = 3, 1, 2
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -326,3 +326,51 @@ def test_sdpa_prefill_with_host_lengths_and_a_strided_query_matches_reference():
         sdpa_prefill.paged_prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
                                              paged.context_lens, torch.tensor(starts, dtype=torch.int32), 0.125,
                                              host_lengths=(starts[:-1], lens))
+
+
+# ---- fp8 (e4m3) KV storage ---------------------------------------------------------------------------
+def fp8_paged(context_lens, block_size, head_dim, gen, k_scale, v_scale) -> Paged:
+    """A Paged case whose cache holds K / k_scale and V / v_scale in float8_e4m3fn; its ground
+    truth becomes the dequantized values (what any fp8 reader must attend over)."""
+    paged = Paged(context_lens, block_size, head_dim, torch.float32, gen)
+    paged.kv_cache[:, :, 0] = quantize_fp8(paged.kv_cache[:, :, 0], k_scale).float()
+    paged.kv_cache[:, :, 1] = quantize_fp8(paged.kv_cache[:, :, 1], v_scale).float()
+    paged.kv_cache = paged.kv_cache.to(FP8)          # NaN poison stays NaN
+    paged.k_cache, paged.v_cache = paged.kv_cache[:, LAYER, 0], paged.kv_cache[:, LAYER, 1]
+    paged.keys = [quantize_fp8(k, k_scale).float() * k_scale for k in paged.keys]
+    paged.values = [quantize_fp8(v, v_scale).float() * v_scale for v in paged.values]
+    return paged
+
+
+def test_fp8_write_kv_quantizes_with_the_scale_and_saturates():
+    k_cache, v_cache = _cache(dtype=FP8)[1:]
+    key = torch.tensor([[1.0, -3.0, 1000.0, -1e6] * 16] * 2)[None].repeat(2, 1, 1)   # [2 tokens, 2 heads, 64]
+    value = -key
+    write_kv(key, value, k_cache, v_cache, torch.tensor([3, -1]), k_scale=2.0, v_scale=0.5)
+    got_k, got_v = k_cache[0, :, 3].float(), v_cache[0, :, 3].float()
+    assert torch.equal(got_k[0, :4], torch.tensor([0.5, -1.5, 448.0, -448.0]))      # key / 2, saturated
+    assert torch.equal(got_v[0, :4], torch.tensor([-2.0, 6.0, -448.0, 448.0]))      # value / 0.5
+    with pytest.raises(ValueError):
+        write_kv(key, value, *_cache()[1:], torch.tensor([3, -1]), k_scale=2.0)      # scales need an fp8 cache
+    with pytest.raises(ValueError):
+        write_kv(key, value, k_cache, v_cache, torch.tensor([3, -1]), k_scale=0.0)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("impl", [paged_prefill_attention, sdpa_prefill.paged_prefill_attention],
+                         ids=["reference", "sdpa"])
+def test_fp8_cache_attention_matches_float64_over_the_dequantized_values(query_dtype, group, impl):
+    gen = seeded("fp8", query_dtype, group)
+    b, k_scale, v_scale = 16, 0.05, 0.03
+    cases = [(1, 1), (b + 1, 1), (5 * b + 2, 2 * b + 5), (3 * b, 3 * b), (2 * b, 1)]
+    paged = fp8_paged([c for c, _ in cases], b, 64, gen, k_scale, v_scale)
+    queries = [torch.randn(q, NUM_KV_HEADS * group, 64, generator=gen).to(query_dtype) for _, q in cases]
+    starts = torch.tensor([0] + [q for _, q in cases]).cumsum(0).to(torch.int32)
+    out = impl(torch.cat(queries), paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, starts,
+               0.125, k_scale, v_scale)
+    assert out.dtype == query_dtype and torch.isfinite(out).all()
+    ref = reference_attention(queries, paged, 0.125)
+    for i in range(len(cases)):
+        s, e = int(starts[i]), int(starts[i + 1])
+        assert rel_err(out[s:e], ref[s:e]) < TOL[query_dtype], f"sequence {i}"
