@@ -19,8 +19,11 @@ one cudaMemcpyBatchAsync, zero-copy kernel over mapped host memory) and the refe
 path, against one contiguous pinned copy of the same bytes measured in the same run, plus the
 swap overlapped with compute on another stream; write_kv bandwidth (64K tokens x 8 heads x 128
 bf16 into random slots; bytes = K,V read + written); torch FlexAttention decode over the same
-block tables; and the prefill fallback (the reference's batched torch prefill on the GPU)
-against SDPA over contiguous K/V.
+block tables; and prefill (kernels/prefill.py, gather + SDPA; and the reference's batched torch
+prefill) against SDPA over contiguous K/V.
+
+And (``--only fp8``) decode over an fp8 e4m3 cache against the same kernel over the bf16 cache,
+and write_kv quantizing into fp8.
 
 Build variants of the decode kernel (the knobs at the top of kernels/csrc/paged_decode.cuh),
 each built in its own directory and timed in its own process, with ``--variants``:

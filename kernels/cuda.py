@@ -13,8 +13,9 @@ layer through the views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_c
 ``[num_blocks, num_kv_heads, block_size, head_dim]`` with any block stride and packed inner dims
 (head stride ``block_size * head_dim``, token stride ``head_dim``, element stride 1).
 
-Supported: float32, float16 and bfloat16; head_dim 64, 128, 256; block_size 8, 16, 32; any GQA
-ratio (query heads a multiple of KV heads). Inputs are checked (device, dtype, shape, strides,
+Supported: float32, float16 and bfloat16, and float8_e4m3fn caches (per-tensor k_scale and
+v_scale) with float16/bfloat16 queries and K/V; head_dim 64, 128, 256; block_size 8, 16, 32;
+any GQA ratio (query heads a multiple of KV heads). Inputs are checked (device, dtype, shape, strides,
 alignment) and rejected with ``ValueError``. Data-dependent checks that would need a device
 sync are not made: block-table entries and slots outside the cache are skipped (never
 dereferenced), and a context longer than its table row is clamped to the row.
