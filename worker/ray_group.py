@@ -17,6 +17,11 @@ from .cache_worker import CacheWorker, WorkerConfig
 from .model import ModelInput
 
 
+class WorkerDied(RuntimeError):
+    """A rank of the group died during a call; the group is unusable (its tensor-parallel
+    process group cannot take a new member) and must be replaced."""
+
+
 def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None) -> None:
     """Start a local Ray cluster bound to loopback (no traffic leaves the machine)."""
     import ray
@@ -54,8 +59,17 @@ class RayWorkerGroup:
         self.addresses: list[str] = ray.get([a.start.remote() for a in self.actors])
 
     def __call__(self, inp: ModelInput) -> torch.Tensor:
-        """Run one model step on every rank; rank 0's logits."""
-        return self._ray.get([a.execute_model.remote(inp) for a in self.actors])[0]
+        """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
+        rank's call fails (the others may be blocked in a collective waiting for it)."""
+        refs = [a.execute_model.remote(inp) for a in self.actors]
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1)
+            try:
+                self._ray.get(ready)
+            except self._ray.exceptions.RayActorError as exc:
+                raise WorkerDied(f"rank {refs.index(ready[0])} died during a model step: {exc}") from exc
+        return self._ray.get(refs[0])
 
     def memory_stats(self) -> list:
         return self._ray.get([a.memory_stats.remote() for a in self.actors])
@@ -71,6 +85,12 @@ class RayWorkerGroup:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"rank {rank} still listens on {self.addresses[rank]} {wait_s}s after being killed")
+
+    def abort(self) -> None:
+        """Kill every rank at once, without a graceful stop (a group that lost a rank: its
+        other ranks may be blocked in a collective and would not answer stop)."""
+        for a in self.actors:
+            self._ray.kill(a, no_restart=True)
 
     def stop(self) -> None:
         try:

@@ -8,6 +8,12 @@ answers; then the runner computes the step's tokens and the scheduler samples. W
 next appends would not fit, the most recently admitted requests are preempted by swapping
 them out in a step of their own first (blocks freed in a step are only reusable after it),
 or, when the CPU pool is full too, freed and restarted from scratch.
+
+Workers lost (a Step answers UNAVAILABLE, or the runner raises WorkerDied): the K/V of every
+live sequence may be gone, on the GPU and in the workers' CPU swap space alike. The scheduler
+calls ``recover`` (if given) for a runner over replacement workers, waits until the manager
+serves again, frees every live sequence and restarts each unfinished request from scratch
+(its samples' seeds restart too, so the outputs are those an undisturbed run gives).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvpager import client as C
 from kvpager.manager import errors
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.worker.model import ModelInput
+from kvpager.worker.ray_group import WorkerDied
 
 from .request import Group, Request, RequestOutput, SeqState, sample
 
@@ -36,15 +43,20 @@ class SchedulerStats:
     tokens_generated: int = 0
     requests_finished: int = 0
     preemptions: int = 0           # groups swapped out
-    restarts: int = 0              # groups freed and recomputed (no CPU room)
+    restarts: int = 0              # groups freed and recomputed (no CPU room, or workers lost)
+    recoveries: int = 0            # times workers were lost and the live requests restarted
     step_latencies: list[float] = field(default_factory=list)  # Step RPC round trips, seconds
 
 
 class Scheduler:
     def __init__(self, client: C.BlockManagerClient, runner: Runner, block_size: int,
-                 max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None) -> None:
+                 max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None,
+                 recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0) -> None:
         self.client = client
         self.runner = runner
+        self.recover = recover
+        self.recover_timeout = recover_timeout
+        self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
         self.on_step = on_step
@@ -80,6 +92,13 @@ class Scheduler:
     # ---- one iteration ------------------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration; returns whether any token was computed."""
+        try:
+            return self._iterate()
+        except (errors.Unavailable, WorkerDied):
+            self._restart_after_worker_loss()
+            return False
+
+    def _iterate(self) -> bool:
         self._preempt_if_short()
         ops, handlers = [], []
 
@@ -87,15 +106,16 @@ class Scheduler:
             ops.append(op)
             handlers.append(handler)
 
+        freeing = len(self._to_free)     # dropped from the list once the Step has applied them
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
-        self._to_free.clear()
         decoding = [seq for group in self.running for seq in group.unfinished()]
         if decoding:
             add(C.append_batch_op([s.seq_id for s in decoding], [s.next_token for s in decoding]), self._appended)
         room = self._available - self._reserve - self._append_need()
         while self.swapped and self._blocks(self.swapped[0]) <= room:
             group = self.swapped.popleft()
+            self._in_flight.append(group)
             room -= self._blocks(group)
             add(C.swap_in_op([s.seq_id for s in group.unfinished()]), self._swapped_in(group))
         budget = self.max_batch_tokens
@@ -106,6 +126,7 @@ class Scheduler:
             if need > room or (len(prompt) > budget and budget < self.max_batch_tokens):
                 break
             self.waiting.popleft()
+            self._in_flight.append(group)
             room, budget = room - need, budget - len(prompt)
             parent = group.seqs[0]
             add(C.allocate_op(parent.seq_id, prompt, namespace=group.request.namespace), self._admitted(group))
@@ -113,6 +134,8 @@ class Scheduler:
                 add(C.fork_op(parent.seq_id, child.seq_id), None)
 
         reply = self._step(ops)
+        self._in_flight.clear()
+        del self._to_free[:freeing]
         for result, handler in zip(reply.results, handlers):
             err = C.result_error(result)
             if handler is not None:
@@ -195,12 +218,43 @@ class Scheduler:
                 self.outputs[group.request.request_id] = RequestOutput(
                     group.request.request_id, [s.tokens[prompt_len:] for s in group.seqs])
 
+    # ---- losing the workers ----------------------------------------------------------------------------
+    def _restart_after_worker_loss(self) -> None:
+        """Free every sequence the manager holds for us and queue each unfinished request again
+        from scratch, ahead of the waiting ones (module docstring)."""
+        self.stats.recoveries += 1
+        if self.recover is not None:
+            self.runner = self.recover()
+        deadline = time.monotonic() + self.recover_timeout
+        while self.client.health() != "SERVING":
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(f"the manager's workers did not come back within {self.recover_timeout} s")
+            time.sleep(0.1)
+        # Every group the manager may hold: running, swapped, and those a failed Step carried
+        # (an admission the manager never applied frees as NOT_FOUND, which is fine).
+        groups = list(dict.fromkeys([*self._in_flight, *self.running, *self.swapped]))
+        seq_ids = [s.seq_id for g in groups for s in g.seqs] + [s.seq_id for s in self._to_free]
+        reply = self._step([C.free_op(i) for i in dict.fromkeys(seq_ids)])
+        for result in reply.results:
+            err = C.result_error(result)
+            if err is not None and not isinstance(err, errors.NotFound):
+                raise err
+        unfinished = [g for g in groups if g.request.request_id not in self.outputs]
+        self.waiting.extendleft(self._new_group(g.request) for g in reversed(unfinished))
+        self.stats.restarts += len(unfinished)
+        self.running.clear()
+        self.swapped.clear()
+        self._to_free.clear()
+        self._in_flight.clear()
+
     # ---- preemption ------------------------------------------------------------------------------------
     def _preempt_if_short(self) -> None:
         while self._append_need() > self._available and len(self.running) > 1:
             victim = self.running.pop()
             live = victim.unfinished()
+            self._in_flight.append(victim)
             reply = self._step([C.swap_out_op([s.seq_id for s in live])])
+            self._in_flight.clear()
             err = C.result_error(reply.results[0])
             if err is None:
                 self.swapped.append(victim)

@@ -194,6 +194,54 @@ def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_clus
             group.stop()
 
 
+@pytest.mark.parametrize("kill", ["before_compute", "after_compute"])
+def test_scheduler_restarts_the_live_requests_when_a_worker_dies_mid_run(ray_cluster, kill):
+    """Rank 1 of a tensor-parallel group is killed in the middle of a run, right before a model
+    step (the runner raises WorkerDied) or right after one (the next Step that needs the workers
+    fails UNAVAILABLE, or the next model step raises): the scheduler gets a replacement group
+    through ``recover``, frees every live sequence and restarts the unfinished requests; the
+    outputs still equal the reference."""
+    from kvpager.worker.ray_group import RayWorkerGroup
+
+    with manager_sized_by_workers() as (client, service):
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+                              manager_address=client.target)
+        groups = [RayWorkerGroup(config, tensor_parallel_size=2, use_gpu=False)]
+        calls = 0
+
+        def runner(inp):
+            nonlocal calls
+            calls += 1
+            if calls == 8 and kill == "before_compute":
+                groups[-1].kill(1)        # rank 1 dies; rank 0 would block in its all-reduce
+            logits = groups[-1](inp)
+            if calls == 8 and kill == "after_compute":
+                groups[-1].kill(1)
+            return logits
+
+        def recover():
+            groups[-1].abort()
+            groups.append(RayWorkerGroup(config, tensor_parallel_size=2, use_gpu=False))
+            return groups[-1]
+
+        try:
+            requests = make_requests(24, 4)
+            scheduler = Scheduler(client, runner, block_size=BLOCK, recover=recover)
+            outputs = scheduler.run(requests)
+            expected = generate_contiguous(Llama(MODEL), requests)
+            for request in requests:
+                assert outputs[request.request_id].samples == expected[request.request_id], request.request_id
+            assert scheduler.stats.recoveries == 1 and scheduler.stats.restarts > 0 and len(groups) == 2
+            with service.lock:
+                service.manager.check_invariants()
+            stats = client.get_stats()
+            assert stats.running_sequences == stats.swapped_sequences == stats.gpu.used_blocks == 0
+            assert client.health() == "SERVING"
+        finally:
+            for group in groups:
+                group.stop()
+
+
 def test_seeded_sampling_is_reproducible_and_samples_differ():
     with manager_sized_by_workers() as (client, service):
         worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=16,
