@@ -39,15 +39,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     ``host_lengths``, if given, is (query_start_loc, context_lens) as host integers, equal to the
     tensors (saves the host sync). A float8_e4m3fn cache is dequantized (times k_scale,
     v_scale) into the query's dtype as it is gathered."""
-    reference._check_caches(k_cache, v_cache)
-    num_tokens, num_q_heads, head_dim = reference._check_query(query, k_cache)
-    reference._check_scales(k_cache, k_scale, v_scale)
-    num_seqs = context_lens.shape[0]
-    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must be [num_seqs, max_blocks] and [num_seqs]")
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    num_tokens, num_q_heads, head_dim, num_seqs = reference._check_prefill(
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale, v_scale)
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
@@ -59,13 +52,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         if len(starts) != num_seqs + 1 or len(ctx) != num_seqs:
             raise ValueError(f"host_lengths must hold {num_seqs + 1} query starts and {num_seqs} context lengths")
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens) < 0:
-        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}")
-    if any(q > c for q, c in zip(q_lens, ctx)):
-        raise ValueError("a sequence has more queries than context tokens")
     block_size = k_cache.shape[2]
-    if max(ctx) > block_tables.shape[1] * block_size:
-        raise ValueError(f"context of {max(ctx)} tokens exceeds the {block_tables.shape[1]} blocks of block_tables")
+    reference._check_lengths(starts[0], starts[-1], min(q_lens), any(q > c for q, c in zip(q_lens, ctx)), max(ctx),
+                             num_tokens, block_tables.shape[1] * block_size)
 
     dev = query.device
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)

@@ -116,15 +116,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     Sequences are padded to the longest query and context of the batch (a reference, not a
     fast path): memory is O(num_seqs * num_q_heads * max_query_len * max_context_len).
     """
-    _check_caches(k_cache, v_cache)
-    num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
-    _check_scales(k_cache, k_scale, v_scale)
-    num_seqs = context_lens.shape[0]
-    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must be [num_seqs, max_blocks] and [num_seqs]")
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    num_tokens, num_q_heads, head_dim, num_seqs = _check_prefill(query, k_cache, v_cache, block_tables, context_lens,
+                                                                 query_start_loc, k_scale, v_scale)
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
@@ -137,12 +130,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     # One host sync for every data-dependent check and size.
     first, last, max_ctx, max_q, min_q, too_long = torch.stack(
         [starts[0], starts[-1], ctx.max(), q_lens.max(), q_lens.min(), (q_lens > ctx).sum()]).tolist()
-    if first != 0 or last != num_tokens or min_q < 0:
-        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}")
-    if too_long:
-        raise ValueError("a sequence has more queries than context tokens")
-    if max_ctx > block_tables.shape[1] * block_size:
-        raise ValueError(f"context of {max_ctx} tokens exceeds the {block_tables.shape[1]} blocks of block_tables")
+    _check_lengths(first, last, min_q, too_long > 0, max_ctx, num_tokens, block_tables.shape[1] * block_size)
     if num_tokens == 0:
         return out
 
@@ -252,6 +240,32 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
         raise ValueError(f"k_cache is {k_cache.dtype} on {k_cache.device}, v_cache {v_cache.dtype} on {v_cache.device}")
+
+
+def _check_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale,
+                   v_scale) -> tuple[int, int, int, int]:
+    """Shapes and dtypes of a prefill call: (num_tokens, num_q_heads, head_dim, num_seqs)."""
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
+    _check_scales(k_cache, k_scale, v_scale)
+    num_seqs = context_lens.shape[0]
+    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+                         f"must be [num_seqs, max_blocks] and [num_seqs]")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    return num_tokens, num_q_heads, head_dim, num_seqs
+
+
+def _check_lengths(first_start: int, last_start: int, min_query: int, too_many_queries: bool, max_context: int,
+                   num_tokens: int, table_tokens: int) -> None:
+    """The data-dependent checks of a prefill call, on host values."""
+    if first_start != 0 or last_start != num_tokens or min_query < 0:
+        raise ValueError(f"query_start_loc must rise from 0 to {num_tokens}")
+    if too_many_queries:
+        raise ValueError("a sequence has more queries than context tokens")
+    if max_context > table_tokens:
+        raise ValueError(f"context of {max_context} tokens exceeds the {table_tokens} tokens of block_tables")
 
 
 def _as_bytes(cache: torch.Tensor) -> torch.Tensor:

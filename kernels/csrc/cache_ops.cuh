@@ -113,38 +113,15 @@ __global__ void __launch_bounds__(kWriteKVThreads) write_kv_fp8_kernel(const Wri
   }
 }
 
-// grid: (num_pairs, ceil(block_vecs / (kCopyThreads * kCopyUnroll))); block: kCopyThreads
-// threads; each thread loads kCopyUnroll 16-byte vectors of the source block, then stores them.
-// A pair with an id outside [0, num_cache_blocks) is skipped.
-__global__ void __launch_bounds__(kCopyThreads)
-copy_blocks_kernel(uint4* cache, int64_t num_cache_blocks, int64_t block_vecs, const int64_t* src, const int64_t* dst) {
-  const int64_t p = blockIdx.x;
-  const int64_t s = src[p], d = dst[p];
-  if (s < 0 || s >= num_cache_blocks || d < 0 || d >= num_cache_blocks) return;
-  const uint4* from = cache + s * block_vecs;
-  uint4* to = cache + d * block_vecs;
-  const int64_t base = static_cast<int64_t>(blockIdx.y) * (kCopyThreads * kCopyUnroll) + threadIdx.x;
-  uint4 buf[kCopyUnroll];
-#pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
-    const int64_t i = base + u * kCopyThreads;
-    if (i < block_vecs) buf[u] = __ldcs(from + i);
-  }
-#pragma unroll
-  for (int u = 0; u < kCopyUnroll; ++u) {
-    const int64_t i = base + u * kCopyThreads;
-    if (i < block_vecs) __stcs(to + i, buf[u]);
-  }
-}
-
 // grid: (num_pairs, ceil(block_vecs / (kCopyThreads * kCopyUnroll))); block: kCopyThreads threads.
-// Copies whole blocks between two block-major buffers, dst[dst_ids[i]] = src[src_ids[i]], where
-// either side may be pinned host memory mapped into the device's address space (zero-copy
-// swap: the SMs read or write host memory over PCIe, no staging buffer). Loads are issued
-// kCopyUnroll at a time per thread before any store, so each SM keeps many PCIe reads in flight.
-// A pair with an id outside its buffer is skipped.
+// Copies whole blocks between two block-major buffers, dst[dst_ids[i]] = src[src_ids[i]]: within
+// one cache (copy_blocks: dst == src, pairs never chain) or across devices, where either side may
+// be pinned host memory mapped into the device's address space (zero-copy swap: the SMs read or
+// write host memory over PCIe, no staging buffer). Each thread issues kCopyUnroll 16-byte loads
+// before any store, so each SM keeps many reads in flight. A pair with an id outside its buffer
+// is skipped.
 __global__ void __launch_bounds__(kCopyThreads)
-swap_blocks_kernel(uint4* dst, int64_t num_dst_blocks, const uint4* src, int64_t num_src_blocks, int64_t block_vecs,
+copy_blocks_kernel(uint4* dst, int64_t num_dst_blocks, const uint4* src, int64_t num_src_blocks, int64_t block_vecs,
                    const int64_t* src_ids, const int64_t* dst_ids) {
   const int64_t p = blockIdx.x;
   const int64_t s = src_ids[p], d = dst_ids[p];

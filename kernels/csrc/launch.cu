@@ -296,16 +296,7 @@ cudaError_t launch_write_kv(const WriteKVArgs& a, cudaStream_t stream) {
 
 cudaError_t launch_copy_blocks(void* cache, int64_t num_cache_blocks, int64_t block_bytes, const int64_t* src,
                                const int64_t* dst, int64_t num_pairs, cudaStream_t stream) {
-  if (num_pairs == 0) return cudaSuccess;
-  if (block_bytes % 16 != 0 || num_pairs > 0x7fffffff) return cudaErrorInvalidValue;
-  const int64_t block_vecs = block_bytes / 16;
-  const int64_t tiles = (block_vecs + kCopyThreads * kCopyUnroll - 1) / (kCopyThreads * kCopyUnroll);
-  if (tiles > 65535) return cudaErrorInvalidValue;
-  // grid: (num_pairs, tiles of kCopyThreads * kCopyUnroll vectors); block: kCopyThreads threads.
-  const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
-  copy_blocks_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint4*>(cache), num_cache_blocks, block_vecs, src,
-                                                        dst);
-  return cudaGetLastError();
+  return launch_swap_kernel(cache, num_cache_blocks, cache, num_cache_blocks, block_bytes, src, dst, num_pairs, stream);
 }
 
 cudaError_t launch_swap_dma(void* dst, int64_t num_dst_blocks, const void* src, int64_t num_src_blocks,
@@ -371,8 +362,9 @@ cudaError_t launch_swap_kernel(void* dst, int64_t num_dst_blocks, const void* sr
   const int64_t block_vecs = block_bytes / 16;
   const int64_t tiles = (block_vecs + kCopyThreads * kCopyUnroll - 1) / (kCopyThreads * kCopyUnroll);
   if (tiles > 65535) return cudaErrorInvalidValue;
+  // grid: (num_pairs, tiles of kCopyThreads * kCopyUnroll vectors); block: kCopyThreads threads.
   const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(std::max<int64_t>(tiles, 1)));
-  swap_blocks_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint4*>(dst), num_dst_blocks,
+  copy_blocks_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<uint4*>(dst), num_dst_blocks,
                                                         static_cast<const uint4*>(src), num_src_blocks, block_vecs,
                                                         src_ids, dst_ids);
   return cudaGetLastError();
