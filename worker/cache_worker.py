@@ -49,7 +49,9 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     manager_address: Optional[str] = None  # register with this block manager; None: standalone
     dist_init_method: Optional[str] = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT) when TP > 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"               # bind address of the worker's gRPC (and metrics) server
+    advertise_host: Optional[str] = None  # the host the manager and Prometheus reach it at; default: host
+    metrics_port: Optional[int] = None    # serve Prometheus /metrics here (0: a free port); None: off
     device: Optional[str] = None          # default: the CUDA device Ray assigned, else the CPU
 
 

@@ -276,7 +276,7 @@ class TierStats(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("block_size", "gpu", "cpu", "running_sequences", "swapped_sequences", "gpu_utilization", "internal_fragmentation", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "evictions", "watermark_blocks", "steps")
+    __slots__ = ("block_size", "gpu", "cpu", "running_sequences", "swapped_sequences", "gpu_utilization", "internal_fragmentation", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "evictions", "watermark_blocks", "steps", "prefix_query_blocks", "prefix_hit_blocks", "preemptions", "workers_registered", "workers_expected")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,11 @@ class GetStatsResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     gpu: TierStats
     cpu: TierStats
@@ -309,7 +314,12 @@ class GetStatsResponse(_message.Message):
     evictions: int
     watermark_blocks: int
     steps: int
-    def __init__(self, block_size: _Optional[int] = ..., gpu: _Optional[_Union[TierStats, _Mapping]] = ..., cpu: _Optional[_Union[TierStats, _Mapping]] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., internal_fragmentation: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cow_copies: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., evictions: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    prefix_query_blocks: int
+    prefix_hit_blocks: int
+    preemptions: int
+    workers_registered: int
+    workers_expected: int
+    def __init__(self, block_size: _Optional[int] = ..., gpu: _Optional[_Union[TierStats, _Mapping]] = ..., cpu: _Optional[_Union[TierStats, _Mapping]] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., internal_fragmentation: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cow_copies: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., evictions: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., steps: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., workers_registered: _Optional[int] = ..., workers_expected: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
@@ -320,20 +330,24 @@ class PingResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "tensor_parallel_size", "num_gpu_blocks", "num_cpu_blocks", "block_size")
+    __slots__ = ("address", "rank", "tensor_parallel_size", "num_gpu_blocks", "num_cpu_blocks", "block_size", "metrics_address", "block_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     tensor_parallel_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_size: int
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    block_bytes: int
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "num_gpu_blocks", "num_cpu_blocks")
