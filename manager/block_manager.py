@@ -60,13 +60,52 @@ from .sequence import CPU, GPU, Sequence, SequenceTable
 MAX_SEQ_ID_LEN = 256
 
 
+# The kind of each operation, as counted in OperationCounts (and named in the metrics).
+OP_KINDS: dict[type, str] = {
+    AllocateOp: "allocate", AppendOp: "append", AppendBatchOp: "append", ForkOp: "fork", FreeOp: "free",
+    SwapOutOp: "swap_out", SwapInOp: "swap_in", RejectedOp: "invalid",
+}
+
+
 @dataclass(slots=True)
 class Counters:
+    """Counts of what committed steps did (restored with the state when a step rolls back)."""
+
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_query_blocks: int = 0
+    prefix_hit_blocks: int = 0
     cow_copies: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    preemptions: int = 0  # sequences swapped out
+
+
+@dataclass(slots=True)
+class OperationCounts:
+    """Operations applied, and refused or rolled back by status code, by kind (for metrics).
+    Unlike Counters these count every attempt, so a rolled-back step counts as failures."""
+
+    applied: Counter = field(default_factory=Counter)   # kind -> count
+    failed: Counter = field(default_factory=Counter)    # (kind, status code name) -> count
+
+    def record(self, ops: Seq[Operation], outcomes: Seq[OperationOutcome], committed: bool,
+               error: Optional[ManagerError] = None) -> None:
+        """Count one step's operations: ``outcomes`` when it committed, else every op failed
+        with ``error`` (the dispatch failure that rolled it back). O(ops + batch failures)."""
+        for i, op in enumerate(ops):
+            kind = OP_KINDS.get(type(op), "invalid")
+            outcome = outcomes[i] if committed and i < len(outcomes) else None
+            if outcome is None or outcome.error is not None:
+                code = outcome.error.code if outcome is not None else (error.code if error else "INTERNAL")
+                self.failed[(kind, code)] += len(op.seq_ids) if isinstance(op, AppendBatchOp) else 1
+            elif isinstance(op, AppendBatchOp):
+                failures = outcome.result.failures
+                self.applied[kind] += len(op.seq_ids) - len(failures)
+                for _, err in failures:
+                    self.failed[(kind, err.code)] += 1
+            else:
+                self.applied[kind] += 1
 
 
 @dataclass(slots=True)
@@ -96,6 +135,7 @@ class BlockManager:
         self.cpu = BlockPool(self.config.num_cpu_blocks, self._journal, "cpu", caching=False)
         self.seqs = SequenceTable(self._journal)
         self.counters = Counters()
+        self.op_counts = OperationCounts()
         self.steps = 0
         self._step: Optional[_StepState] = None
         self._all_or_nothing = False
@@ -181,14 +221,16 @@ class BlockManager:
             elif self.dispatch is not None:
                 self.dispatch(state.plan)
             journal.commit()
-        except BaseException:
+        except BaseException as exc:
             journal.rollback()
             self.counters = saved
+            self.op_counts.record(ops, outcomes, False, exc if isinstance(exc, ManagerError) else None)
             raise
         finally:
             self._step = None
             self.gpu.end_hold()
             self.cpu.end_hold()
+        self.op_counts.record(ops, outcomes, True)
         tables = self._batch(state.touched) if batch else BatchTables()
         return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
                           self.gpu.num_available, self.cpu.num_available)
@@ -210,6 +252,9 @@ class BlockManager:
             prefix_caching=self.config.enable_prefix_caching,
             prefix_query_tokens=c.prefix_query_tokens,
             prefix_hit_tokens=c.prefix_hit_tokens,
+            prefix_query_blocks=c.prefix_query_blocks,
+            prefix_hit_blocks=c.prefix_hit_blocks,
+            preemptions=c.preemptions,
             cow_copies=c.cow_copies,
             blocks_swapped_out=c.blocks_swapped_out,
             blocks_swapped_in=c.blocks_swapped_in,
@@ -290,8 +335,11 @@ class BlockManager:
         cached = len(hits) * B
         slots = self._slots(block_ids, 0, n)
         if caching:
-            self.counters.prefix_query_tokens += n
-            self.counters.prefix_hit_tokens += cached
+            c = self.counters
+            c.prefix_query_tokens += n
+            c.prefix_hit_tokens += cached
+            c.prefix_query_blocks += len(hashes)
+            c.prefix_hit_blocks += len(hits)
         if self._step is not None:
             self._step.written.update(block_ids[len(hits):])
             self._step.computed.update(block_ids[len(hits):])
@@ -492,6 +540,7 @@ class BlockManager:
             mapping.add(g, c)
         self._move(seqs, gpu, cpu, to_cpu, CPU)
         self.counters.blocks_swapped_out += need
+        self.counters.preemptions += len(seqs)
         if step is not None:
             step.plan.blocks_to_swap_out.extend(mapping)
             for s in seqs:

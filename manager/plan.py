@@ -140,6 +140,9 @@ class ManagerStats:
     prefix_caching: bool
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    prefix_query_blocks: int
+    prefix_hit_blocks: int
+    preemptions: int
     cow_copies: int
     blocks_swapped_out: int
     blocks_swapped_in: int

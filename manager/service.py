@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Callable, Optional
 
@@ -26,6 +27,7 @@ from . import wire
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .errors import FailedPrecondition, InvariantViolation, ManagerError, Unavailable
+from .metrics import ManagerMetrics, RpcMetricsInterceptor
 from .plan import ExecutionPlan
 from .request_cache import Answer, RequestCache, fingerprint
 from .workers import WorkerRegistry
@@ -48,6 +50,8 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                                        plan_timeout=config.worker_plan_timeout)
         self._stop = threading.Event()
         self._monitor: Optional[threading.Thread] = None
+        self.metrics = ManagerMetrics(self)
+        self._metrics_server = None
 
     def _manager(self) -> BlockManager:
         if self.manager is None:
@@ -123,7 +127,13 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                           lambda: wire.block_table_pb(self._manager().block_table(request.seq_id)))
 
     def GetStats(self, request, context):
-        return self._call("GetStats", request, context, lambda: wire.stats_pb(self._manager().stats()))
+        def work():
+            reply = wire.stats_pb(self._manager().stats())
+            reply.workers_registered = len(self.registry.workers())
+            reply.workers_expected = self.registry.tensor_parallel_size or 0
+            return reply
+
+        return self._call("GetStats", request, context, work)
 
     def Ping(self, request, context):
         return pb.PingResponse()
@@ -166,10 +176,27 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             num_cpu_blocks=self.manager.cpu.num_blocks if self.manager else 0)
 
     def _dispatch(self, plan: ExecutionPlan) -> None:
+        started = time.perf_counter()
         try:
             self.registry.execute(wire.plan_pb(plan))
         finally:
             self._update_health()
+        if plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src:
+            bytes_per_block = sum(w.block_bytes for w in self.registry.workers())
+            self.metrics.observe_dispatch(plan, time.perf_counter() - started, bytes_per_block)
+
+    # ---- metrics ------------------------------------------------------------------------------
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve /metrics and /sd/workers (Prometheus HTTP service discovery) on host:port."""
+        from kvpager.metrics_http import MetricsServer
+
+        self._metrics_server = MetricsServer(self.metrics.registry, host, port, {"/sd/workers": self.worker_targets})
+        return self._metrics_server
+
+    def worker_targets(self) -> list[dict]:
+        """The registered workers' metrics endpoints, as a Prometheus HTTP SD document."""
+        return [{"targets": [w.metrics_address], "labels": {"rank": str(w.rank), "worker_id": w.worker_id}}
+                for w in self.registry.workers() if w.metrics_address]
 
     def _start_monitor(self) -> None:
         if self._monitor is None:
@@ -194,6 +221,8 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     def close(self) -> None:
         """Stop watching workers and close their channels (the server is stopped by its owner)."""
         self._stop.set()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if self._monitor is not None:
             self._monitor.join(timeout=5)
         self.registry.close()
@@ -208,7 +237,8 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
         service = BlockManagerService(manager.config, manager, health_servicer)
     else:
         service = BlockManagerService(manager or ManagerConfig(), None, health_servicer)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpager-rpc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpager-rpc"),
+                         interceptors=[RpcMetricsInterceptor(service.metrics)])
     pb_grpc.add_BlockManagerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

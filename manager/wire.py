@@ -217,6 +217,7 @@ def stats_pb(s: ManagerStats) -> pb.GetStatsResponse:
         swapped_sequences=s.swapped_sequences, gpu_utilization=s.gpu_utilization,
         internal_fragmentation=s.internal_fragmentation, prefix_caching=s.prefix_caching,
         prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+        prefix_query_blocks=s.prefix_query_blocks, prefix_hit_blocks=s.prefix_hit_blocks, preemptions=s.preemptions,
         cow_copies=s.cow_copies, blocks_swapped_out=s.blocks_swapped_out, blocks_swapped_in=s.blocks_swapped_in,
         evictions=s.evictions, watermark_blocks=s.watermark_blocks, steps=s.steps,
     )

@@ -37,6 +37,8 @@ class WorkerRecord:
     channel: grpc.Channel
     stub: worker_pb2_grpc.CacheWorkerStub
     last_seen: float  # clock() of the last registration or heartbeat
+    metrics_address: str = ""  # host:port of its Prometheus endpoint; empty: none
+    block_bytes: int = 0       # bytes of one block on this rank (0: not reported)
 
 
 class WorkerRegistry:
@@ -67,6 +69,8 @@ class WorkerRegistry:
         if req.num_gpu_blocks < 1 or req.num_cpu_blocks < 0:
             raise InvalidArgument(
                 f"register worker: capacity must be >= 1 GPU and >= 0 CPU blocks, got {req.num_gpu_blocks}/{req.num_cpu_blocks}")
+        if req.block_bytes < 0:
+            raise InvalidArgument(f"register worker: block_bytes must be >= 0, got {req.block_bytes}")
         if req.block_size != self.block_size:
             raise FailedPrecondition(
                 f"register worker: its block size {req.block_size} differs from the manager's {self.block_size}")
@@ -82,6 +86,7 @@ class WorkerRegistry:
                 worker_id=f"worker-{next(self._ids)}-rank{req.rank}", address=req.address, rank=req.rank,
                 num_gpu_blocks=req.num_gpu_blocks, num_cpu_blocks=req.num_cpu_blocks, channel=channel,
                 stub=worker_pb2_grpc.CacheWorkerStub(channel), last_seen=self._clock(),
+                metrics_address=req.metrics_address, block_bytes=req.block_bytes,
             )
             self._by_rank[req.rank] = record
             self.ranks_seen.add(req.rank)
@@ -129,6 +134,12 @@ class WorkerRegistry:
         with self._lock:
             records = list(self._by_rank.values())
         return min(r.num_gpu_blocks for r in records), min(r.num_cpu_blocks for r in records)
+
+    def healthy(self) -> list[WorkerRecord]:
+        """Registered workers heard from within two heartbeat intervals."""
+        now = self._clock()
+        with self._lock:
+            return [r for r in self._by_rank.values() if now - r.last_seen <= 2 * self.heartbeat_interval]
 
     def workers(self) -> list[WorkerRecord]:
         with self._lock:
