@@ -4,8 +4,9 @@ plans over gRPC, and runs the model step by step.
 A plain class, made a Ray actor where it is created (``ray.remote(num_gpus=1)(CacheWorker)``
 on a GPU node, CPU-only otherwise), so it is unit-tested without Ray and touches the device
 only once Ray has assigned one. ``start()`` sizes and allocates the cache, joins the
-tensor-parallel group, starts the gRPC server and registers with the manager; a daemon
-thread then sends heartbeats (registering again if the manager forgot it). Plans (from the
+tensor-parallel group, starts the gRPC server (and, with ``metrics_port``, the Prometheus
+/metrics server: ``worker.metrics``) and registers with the manager; a daemon thread then
+sends heartbeats (registering again if the manager forgot it). Plans (from the
 gRPC thread) and model steps (from the actor's caller) are serialized by one lock; the
 manager's Step answers only after every worker enqueued its plan, and the scheduler runs
 the model only after Step answered, so each step's plan precedes its K/V writes (on CUDA the
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -29,9 +32,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 from kvpager.kernels import ops
+from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 from .kv_cache import CacheSpec, KVCache
+from .metrics import WorkerInfo, WorkerMetrics
 from .model import Llama, ModelConfig, ModelInput
 from .service import CacheWorkerService
 
@@ -62,15 +67,44 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(config: WorkerConfig) -> str:
+    """The host the manager and Prometheus reach this worker at: ``advertise_host`` if set,
+    else the bind host, unless that is a wildcard (which no one can connect to): then the
+    node's address (Ray's view of it inside Ray, else what the host name resolves to)."""
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host not in WILDCARD_HOSTS:
+        return config.host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port, with an IPv6 literal in brackets (as gRPC and URLs want it)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 class CacheWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = ""
-        self.address = ""
+        self.address = ""          # host:port of the gRPC service, as advertised to the manager
+        self.metrics_address = ""  # host:port of /metrics, as advertised; empty when metrics are off
         self.cache: Optional[KVCache] = None
         self.model: Optional[Llama] = None
+        self.metrics: Optional[WorkerMetrics] = None
         self._lock = threading.Lock()
         self._server: Optional[grpc.Server] = None
+        self._metrics_server: Optional[MetricsServer] = None
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._stats = dict(plans_executed=0, blocks_swapped_out=0, blocks_swapped_in=0, blocks_copied=0,
@@ -78,7 +112,8 @@ class CacheWorker:
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def start(self) -> str:
-        """Allocate the cache, load the model shard, serve, register. Returns host:port."""
+        """Allocate the cache, load the model shard, serve, register. Returns the gRPC host:port
+        (``endpoints()`` has the metrics address too)."""
         cfg = self.config
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         all_reduce = None
@@ -98,18 +133,27 @@ class CacheWorker:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
         self.cache = KVCache(spec, num_blocks, cfg.num_cpu_blocks, device)
         self._serve()
+        if cfg.metrics_port is not None:
+            self._serve_metrics()
         if cfg.manager_address:
             self._register()
             self._heartbeat = threading.Thread(target=self._beat, name="kvpager-heartbeat", daemon=True)
             self._heartbeat.start()
-        log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s", cfg.rank, device,
-                 num_blocks, cfg.num_cpu_blocks, spec.block_bytes, self.address)
+        log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s, metrics %s", cfg.rank,
+                 device, num_blocks, cfg.num_cpu_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
         return self.address
+
+    def endpoints(self) -> dict[str, str]:
+        """The advertised addresses: ``grpc`` and ``metrics`` (empty when metrics are off)."""
+        return dict(grpc=self.address, metrics=self.metrics_address)
 
     def stop(self) -> None:
         self._stop.set()
         if self._server is not None:
             self._server.stop(None)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         if self.config.tensor_parallel_size > 1:
             import torch.distributed as dist
 
@@ -122,10 +166,26 @@ class CacheWorker:
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        port = server.add_insecure_port(f"{self.config.host}:0")
+        port = server.add_insecure_port(host_port(self.config.host, 0))
         server.start()
         self._server = server
-        self.address = f"{self.config.host}:{port}"
+        self.address = host_port(advertised_host(self.config), port)
+
+    def _serve_metrics(self) -> None:
+        cfg = self.config
+        self.metrics = WorkerMetrics(self.cache, self._info())
+        self._metrics_server = MetricsServer(self.metrics.registry, host=cfg.host, port=cfg.metrics_port)
+        self.metrics_address = host_port(advertised_host(cfg), self._metrics_server.port)
+
+    def _info(self) -> WorkerInfo:
+        # The tensor's device names the index ("cuda:0") where the configured one may not ("cuda").
+        cache, cfg = self.cache, self.config
+        return WorkerInfo(worker_id=self.worker_id, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
+                          device=str(cache.gpu.device), attention_backend=self._attention_backend(),
+                          kv_cache_dtype=str(cache.spec.dtype).removeprefix("torch."))
+
+    def _attention_backend(self) -> str:
+        return ops.backend(self.cache.gpu[:, 0, 0])  # layer 0's K view, without KVCache.layer's stream wait
 
     def _register(self) -> None:
         cfg = self.config
@@ -133,9 +193,12 @@ class CacheWorker:
             reply = pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(
                 address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
                 num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
-                block_size=cfg.block_size), timeout=30)
+                block_size=cfg.block_size, metrics_address=self.metrics_address,
+                block_bytes=self.cache.spec.block_bytes), timeout=30)
         self.worker_id = reply.worker_id
         self._interval = reply.heartbeat_interval_s
+        if self.metrics is not None:
+            self.metrics.set_info(self._info())
 
     def _beat(self) -> None:
         with grpc.insecure_channel(self.config.manager_address) as channel:
@@ -151,12 +214,19 @@ class CacheWorker:
     # ---- work ----------------------------------------------------------------------------------------
     def execute_plan(self, step_id: int, swap_out: tuple[Sequence[int], Sequence[int]],
                      swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]]) -> None:
+        metrics = self.metrics
         with self._lock:
             # Acknowledged means ENQUEUED (on the cache's swap stream), not done: the compute
             # stream waits for the plan's event at the model's first cache access (KVCache.layer),
             # and the next plan's swap stream waits for the compute stream, so every ordering
-            # the plan needs holds on the device without a host sync here.
-            self.cache.execute(swap_out, swap_in, copy)
+            # the plan needs holds on the device without a host sync here. Metrics time the
+            # parts with events on that stream, read later (worker.metrics), for the same reason.
+            if metrics is None:
+                self.cache.execute(swap_out, swap_in, copy)
+            else:
+                metrics.poll()
+                self.cache.execute(swap_out, swap_in, copy, time_part=metrics.time_plan_part)
+                metrics.observe_plan(len(swap_out[0]), len(swap_in[0]), len(copy[0]))
             s = self._stats
             s["plans_executed"] += 1
             s["blocks_swapped_out"] += len(swap_out[0])
@@ -166,9 +236,26 @@ class CacheWorker:
 
     def execute_model(self, inp: ModelInput) -> Optional[torch.Tensor]:
         """Run one step; rank 0 returns the float32 logits of each sequence's last token (on the CPU)."""
+        metrics = self.metrics
+        if metrics is None:
+            with self._lock:
+                logits = self.model.forward_paged(inp, self.cache.layer)
+            return logits.cpu() if self.config.rank == 0 else None
+        attention = metrics.attention_span()
         with self._lock:
-            logits = self.model.forward_paged(inp, self.cache.layer)
-        return logits.cpu() if self.config.rank == 0 else None
+            metrics.poll()
+            started = time.perf_counter()
+            logits = self.model.forward_paged(inp, self.cache.layer, attention_timer=attention)
+        if self.config.rank == 0:
+            out = logits.cpu()
+        else:
+            out = None
+            if self.cache.device.type == "cuda":
+                # Other ranks return nothing to copy; wait for the step here so that its wall time
+                # is the step's, not its launch's. Free: the caller waits for every rank anyway.
+                torch.cuda.current_stream(self.cache.device).synchronize()
+        metrics.observe_model_step(len(inp.token_ids), time.perf_counter() - started, attention)
+        return out
 
     def memory_stats(self) -> worker_pb2.WorkerMemoryStats:
         cache = self.cache
@@ -177,4 +264,4 @@ class CacheWorker:
             num_cpu_blocks=cache.num_cpu_blocks, block_bytes=cache.spec.block_bytes,
             gpu_cache_bytes=cache.gpu.numel() * cache.gpu.element_size(),
             cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(),
-            attention_backend=ops.backend(cache.layer(0)[0]), **self._stats)
+            attention_backend=self._attention_backend(), **self._stats)

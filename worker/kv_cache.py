@@ -28,12 +28,18 @@ CPU the plan runs synchronously through the reference.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from kvpager.kernels import ops
+
+
+# Times one part of a plan ("swap_out", "swap_in" or "copy"): entered on the stream that runs
+# the part (the swap stream on CUDA), so it can record events there (worker.metrics).
+PartTimer = Callable[[str], AbstractContextManager]
 
 
 class PlanRejected(ValueError):
@@ -102,37 +108,48 @@ class KVCache:
             self._swap_stream.synchronize()
 
     def execute(self, swap_out: tuple[Sequence[int], Sequence[int]], swap_in: tuple[Sequence[int], Sequence[int]],
-                copy: tuple[Sequence[int], Sequence[int]]) -> None:
+                copy: tuple[Sequence[int], Sequence[int]], time_part: Optional[PartTimer] = None) -> None:
         """Run one step's plan in the order that keeps data right: swap-out (GPU→CPU) before a
         released block is reused, swap-in (CPU→GPU), then copy-on-write copies (GPU→GPU),
         all before the step writes new K/V. Each argument is a (src, dst) pair of id lists.
         The whole plan is checked first; a bad one is rejected without touching memory.
         On CUDA it is enqueued on the swap stream and this returns at once (see the module
-        docstring for the ordering); on the CPU it has finished when this returns."""
+        docstring for the ordering); on the CPU it has finished when this returns.
+        ``time_part(kind)``, if given, is entered around each part that has work, on the
+        stream that runs it; it must not make the host wait."""
         self._check("swap-out", swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
         self._check("swap-in", swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
         self._check("copy", copy, self.num_gpu_blocks, self.num_gpu_blocks)
         if not (swap_out[0] or swap_in[0] or copy[0]):
             return
         if self._swap_stream is None:
-            self._run(swap_out, swap_in, copy)
+            self._run(swap_out, swap_in, copy, time_part)
             return
         with torch.cuda.device(self.device):
             swap = self._swap_stream
             swap.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(swap):
-                self._run(swap_out, swap_in, copy)
+                self._run(swap_out, swap_in, copy, time_part)
                 ready = torch.cuda.Event()
                 ready.record(swap)
         self._ready, self._waited = ready, set()
 
-    def _run(self, swap_out, swap_in, copy) -> None:
+    def _run(self, swap_out, swap_in, copy, time_part: Optional[PartTimer]) -> None:
+        # Index tensors are built before a part's timer starts: on CUDA an idle stream's clock
+        # runs between the events, so host work inside them would count as device time.
+        timed = time_part or _untimed
         if swap_out[0]:
-            ops.swap_blocks(self.gpu, self.cpu, _ids(swap_out[0]), _ids(swap_out[1]))
+            src, dst = _ids(swap_out[0]), _ids(swap_out[1])
+            with timed("swap_out"):
+                ops.swap_blocks(self.gpu, self.cpu, src, dst)
         if swap_in[0]:
-            ops.swap_blocks(self.cpu, self.gpu, _ids(swap_in[0]), _ids(swap_in[1]))
+            src, dst = _ids(swap_in[0]), _ids(swap_in[1])
+            with timed("swap_in"):
+                ops.swap_blocks(self.cpu, self.gpu, src, dst)
         if copy[0]:
-            ops.copy_blocks(self.gpu, _ids(copy[0]), _ids(copy[1]))
+            src, dst = _ids(copy[0]), _ids(copy[1])
+            with timed("copy"):
+                ops.copy_blocks(self.gpu, src, dst)
 
     @staticmethod
     def _check(what: str, pairs: tuple[Sequence[int], Sequence[int]], src_blocks: int, dst_blocks: int) -> None:
@@ -145,6 +162,10 @@ class KVCache:
                 raise PlanRejected(f"{what}: {side} block {bad[0]} out of range [0, {limit})")
         if len(set(dst)) != len(dst):
             raise PlanRejected(f"{what}: a destination block is written twice")
+
+
+def _untimed(kind: str) -> AbstractContextManager:
+    return nullcontext()
 
 
 def _ids(ids: Sequence[int]) -> torch.Tensor:

@@ -12,6 +12,7 @@ all-reduced. Every rank builds the full weights from the seed and keeps its slic
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -132,9 +133,14 @@ class Llama:
 
     # ---- the two ways to run ----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_paged(self, inp: ModelInput, layer_cache: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_paged(self, inp: ModelInput, layer_cache: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                      attention_timer: Optional[AbstractContextManager] = None) -> torch.Tensor:
         """Compute the step's tokens over the paged cache; returns float32 logits of each
-        sequence's last token, ``[S, vocab]``. ``layer_cache(l)`` gives layer l's K and V views."""
+        sequence's last token, ``[S, vocab]``. ``layer_cache(l)`` gives layer l's K and V views.
+        ``attention_timer``, if given, is entered around every layer's attention call (after
+        the cache's wait for the plan and the K/V write, so neither counts as attention); a
+        reusable context manager that must not make the host wait (``worker.metrics.Span``)."""
+        timer = attention_timer if attention_timer is not None else nullcontext()
         dev = self.device
         tokens = torch.tensor(inp.token_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)
@@ -150,11 +156,13 @@ class Llama:
         def attend(layer: int, q, k, v):
             k_cache, v_cache = layer_cache(layer)
             ops.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
-            if decode_only:
-                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale, k_scale,
-                                                  v_scale)
-            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale, k_scale,
-                                               v_scale, host_lengths=(inp.query_start_loc, inp.context_lens))
+            with timer:
+                if decode_only:
+                    return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale, k_scale,
+                                                      v_scale)
+                return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale,
+                                                   k_scale, v_scale,
+                                                   host_lengths=(inp.query_start_loc, inp.context_lens))
 
         hidden = self._run_layers(tokens, positions, attend)
         last = starts[1:].long() - 1

@@ -27,7 +27,8 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
+        # address="local": a private cluster, never one that `ray start` left on this machine.
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
 
 
@@ -35,6 +36,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _rank_metrics_port(base: Optional[int], rank: int) -> Optional[int]:
+    """Rank r serves metrics on base + r; 0 (a free port for each) and None (off) stay as they are."""
+    return base + rank if base else base
 
 
 class RayWorkerGroup:
@@ -52,11 +58,13 @@ class RayWorkerGroup:
         rendezvous = f"tcp://127.0.0.1:{_free_port()}" if tensor_parallel_size > 1 else None
         self.configs = [
             dataclasses.replace(config, rank=rank, tensor_parallel_size=tensor_parallel_size,
-                                dist_init_method=rendezvous)
+                                dist_init_method=rendezvous, metrics_port=_rank_metrics_port(config.metrics_port, rank))
             for rank in range(tensor_parallel_size)
         ]
         self.actors = [actor.remote(c) for c in self.configs]
         self.addresses: list[str] = ray.get([a.start.remote() for a in self.actors])
+        # Each rank's /metrics host:port ("" where metrics are off).
+        self.metrics_addresses: list[str] = [e["metrics"] for e in ray.get([a.endpoints.remote() for a in self.actors])]
 
     def __call__(self, inp: ModelInput) -> torch.Tensor:
         """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
