@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test venv proto clean
 
 demo: $(STAMP)
-	$(PY) -m kvpager.demo
+	$(VENV)/bin/kvpager demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

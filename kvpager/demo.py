@@ -1,50 +1,55 @@
-"""The main job (``make demo``): the whole system serving a few hundred requests on one machine.
+"""The main job (`make demo`, `kvpager demo`): the whole system serving a few hundred requests.
 
-It starts the block manager (gRPC, on a loopback port), a local Ray cluster with two
-tensor-parallel CPU workers (or one worker per GPU it finds, up to two), and the reference
-scheduler. Requests arrive over time with shared system prompts, varied lengths and parallel
-sampling; the pool is small enough that requests get preempted by swap. At the end it checks
-every generated token against the same model with a plain contiguous cache, checks the
-manager's invariants, and prints throughput and memory figures.
+By default everything runs on this machine: it starts the block manager (gRPC, on a loopback
+port), a local Ray cluster with two tensor-parallel CPU workers (or one worker per GPU it
+finds, up to two), and the reference scheduler. Requests arrive over time with shared system
+prompts, varied lengths and parallel sampling; the pool is small enough that requests get
+preempted by swap. At the end it checks every generated token against the same model with a
+plain contiguous cache, checks the manager's invariants, and prints throughput and memory
+figures.
+
+With --manager and --ray-address it serves the same mix on a running deployment instead: the
+manager at --manager and the workers that `kvpager worker` started on that Ray cluster (found
+by name in --namespace), with the model the workers run. The manager's invariants cannot be
+checked from outside; it checks instead that the run left no sequence or block behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import statistics
 import sys
 import time
+import uuid
+from typing import Callable, Iterator
 
 import torch
 
+from kvpager import cli
 from kvpager import client as C
-from kvpager.manager import ManagerConfig
+from kvpager.manager import ManagerConfig, errors
 from kvpager.manager.service import create_server
 from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
+from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
-from kvpager.worker.model import Llama, ModelConfig
-
-MODEL = ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=16,
-                    intermediate_size=256, seed=7)
-# On GPUs: a head dim our CUDA decode kernel is built for (64, 128 or 256).
-GPU_MODEL = ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
-                        intermediate_size=512, seed=7)
+from kvpager.worker.model import PRESETS, Llama, ModelConfig
 
 
-def make_requests(count: int, seed: int) -> list[tuple[int, Request]]:
+def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "req") -> list[tuple[int, Request]]:
     """(arrival step, request): Poisson arrivals, shared system prompts, n of 1 to 3."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(MODEL.vocab_size) for _ in range(rng.randint(32, 96))] for _ in range(5)]
+    systems = [[rng.randrange(vocab_size) for _ in range(rng.randint(32, 96))] for _ in range(5)]
     out, step = [], 0
     for i in range(count):
         step += int(rng.expovariate(1 / 1.5))
         system = rng.choice(systems) if rng.random() < 0.7 else []
-        prompt = system + [rng.randrange(MODEL.vocab_size) for _ in range(rng.randint(4, 60))]
+        prompt = system + [rng.randrange(vocab_size) for _ in range(rng.randint(4, 60))]
         params = SamplingParams(max_new_tokens=rng.randint(4, 48), n=rng.choice([1, 1, 1, 2, 3]))
-        out.append((step, Request(f"req-{i:04d}", prompt, params)))
+        out.append((step, Request(f"{prefix}-{i:04d}", prompt, params)))
     return out
 
 
@@ -72,6 +77,18 @@ class Progress:
             print(file=sys.stderr)
 
 
+@dataclasses.dataclass
+class Deployment:
+    """What the demo serves on: a manager client, a model runner, and how to check the end state."""
+
+    client: C.BlockManagerClient
+    runner: Callable
+    model: ModelConfig
+    kind: str                          # the workers, in words
+    check: Callable[[], str]           # the invariants line of the report; raises when broken
+    remote: bool = False
+
+
 def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: int, use_ray: bool):
     """Two tensor-parallel workers as Ray actors (GPU ones when there are GPUs), or one in-process."""
     config = WorkerConfig(model=model, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=4 * gpu_blocks,
@@ -90,82 +107,193 @@ def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: 
     return group, group.stop, kind
 
 
+@contextlib.contextmanager
+def embedded(args: argparse.Namespace) -> Iterator[Deployment]:
+    """A manager in this process (pools sized from the workers) and workers started here."""
+    config = ManagerConfig(block_size=args.block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.01)
+    server, port, service, _ = create_server(config, "127.0.0.1:0")
+    server.start()
+    client = C.BlockManagerClient(f"127.0.0.1:{port}")
+    stop_workers = None
+    try:
+        model = PRESETS["small" if torch.cuda.is_available() else "tiny"]
+        if args.kv_cache_dtype != "auto":
+            model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+        runner, stop_workers, kind = start_workers(model, client.target, args.block_size, args.gpu_blocks,
+                                                   not args.no_ray)
+
+        def check() -> str:
+            with service.lock:
+                service.manager.check_invariants()
+            return "OK"
+
+        yield Deployment(client, runner, model, kind, check)
+    finally:
+        if stop_workers is not None:
+            stop_workers()
+        client.close()
+        server.stop(None)
+        service.close()
+
+
+@contextlib.contextmanager
+def remote(args: argparse.Namespace) -> Iterator[Deployment]:
+    """The running manager at --manager and the named workers on the Ray cluster at --ray-address."""
+    import ray
+
+    from kvpager.worker.launcher import connect_ray
+    from kvpager.worker.ray_group import RayWorkerGroup
+
+    client = C.BlockManagerClient(args.manager)
+    group = None
+    try:
+        try:
+            client.ping()
+        except errors.ManagerError as err:
+            raise cli.Failure(f"cannot reach the block manager at {args.manager}: {cli.one_line(err)}") from err
+        connect_ray(args.ray_address, args.namespace, args.node_ip)
+        try:
+            group = RayWorkerGroup.attach(args.namespace, timeout_s=30)
+        except LookupError as err:
+            raise cli.Failure(f"{err} on the Ray cluster at {args.ray_address}; "
+                              "start them with kvpager worker") from err
+        block_size = _wait_for_pools(client).block_size
+        if block_size != group.configs[0].block_size:
+            raise cli.Failure(f"the manager's block size {block_size} differs from the workers' "
+                              f"{group.configs[0].block_size}")
+        tp = len(group.actors)
+        kind = (f"{tp} remote Ray {'GPU' if group.use_gpu else 'CPU'} worker(s), tensor parallel {tp}, "
+                f"manager {args.manager}")
+        yield Deployment(client, group, group.configs[0].model, kind, lambda: "not checked (remote manager)",
+                         remote=True)
+    finally:
+        if group is not None:
+            group.stop()  # attached: lets go of the actors, which keep serving
+        if ray.is_initialized():
+            ray.shutdown()
+        client.close()
+
+
+def _wait_for_pools(client: C.BlockManagerClient, timeout: float = 30.0) -> pb.GetStatsResponse:
+    """GetStats once the manager has pools (it answers UNAVAILABLE until every rank registered)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.get_stats()
+        except errors.Unavailable as err:
+            if time.monotonic() > deadline:
+                raise cli.Failure(f"the block manager at {client.target} is not ready: {cli.one_line(err)}") from err
+            time.sleep(0.5)
+
+
+def live_state(stats: pb.GetStatsResponse) -> int:
+    """Sequences and used blocks: what a finished run must give back."""
+    return stats.running_sequences + stats.swapped_sequences + stats.gpu.used_blocks + stats.cpu.used_blocks
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def serve(args: argparse.Namespace, d: Deployment) -> int:
+    """Serve the request mix on ``d``, check it, print the report; 0 when everything matched."""
+    client, model = d.client, d.model
+    before = client.get_stats()
+    block_size = before.block_size
+    # A shared manager may serve other runs: ids of our own keep them apart.
+    prefix = f"demo-{uuid.uuid4().hex[:8]}" if d.remote else "req"
+    arrivals = make_requests(args.requests, args.seed, model.vocab_size, prefix)
+    progress = Progress(len(arrivals), args.quiet)
+    utils, frags = [], []
+
+    def on_step(s: Scheduler) -> None:
+        st = client.get_stats()
+        utils.append(st.gpu_utilization)
+        frags.append(st.internal_fragmentation)
+        progress.update(s.stats.requests_finished, len(s.running), len(s.swapped), st.gpu_utilization)
+
+    scheduler = Scheduler(client, d.runner, block_size, on_step=on_step)
+    started, iteration, pending = time.perf_counter(), 0, list(arrivals)
+    while pending or scheduler.has_work:
+        while pending and pending[0][0] <= iteration:
+            scheduler.add(pending.pop(0)[1])
+        scheduler.step()
+        iteration += 1
+    elapsed = time.perf_counter() - started
+    progress.close()
+
+    requests = [r for _, r in arrivals]
+    expected = generate_contiguous(Llama(model), requests)
+    matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
+    final = client.get_stats()
+    invariants = d.check()
+    st, lat = scheduler.stats, [t * 1e3 for t in scheduler.stats.step_latencies]
+
+    def delta(field: str) -> int:  # a counter's growth during this run (a remote manager has a past)
+        return getattr(final, field) - getattr(before, field)
+
+    hits, queries = delta("prefix_hit_tokens"), delta("prefix_query_tokens")
+    print(f"kvpager demo: {len(requests)} requests on {d.kind}, block size {block_size}, "
+          f"{final.gpu.total_blocks} GPU / {final.cpu.total_blocks} CPU blocks, KV cache "
+          f"{str(model.cache_dtype).removeprefix('torch.')}")
+    print(f"  generated          {st.tokens_generated} tokens ({st.tokens_computed} computed) in {elapsed:.1f} s: "
+          f"{st.tokens_generated / elapsed:.0f} tokens/s, {st.steps} steps")
+    print(f"  KV utilization     peak {max(utils):.1%}, mean {statistics.fmean(utils):.1%}")
+    print(f"  fragmentation      {statistics.fmean(frags):.1%} of allocated slots unfilled (mean over steps)")
+    print(f"  prefix cache       {hits / queries if queries else 0.0:.1%} of prompt tokens hit ({hits}/{queries})")
+    print(f"  swaps              {st.preemptions} preemptions, {delta('blocks_swapped_out')} blocks out, "
+          f"{delta('blocks_swapped_in')} in; {st.restarts} restarts")
+    print(f"  copy-on-write      {delta('cow_copies')} block copies")
+    print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms")
+    print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
+    leftover = max(0, live_state(final) - live_state(before))  # others may hold state on a shared manager
+    left = f" but {leftover} sequences/blocks left over" if leftover else (", nothing left over" if d.remote else "")
+    print(f"  invariants         {invariants}{left}")
+    return 0 if matches == len(requests) and not leftover else 1
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    f = cli.flag
+    f(parser, "--requests", env="KVPAGER_DEMO_REQUESTS", type=cli.positive_int, default=240, metavar="N",
+      help="requests to serve")
+    f(parser, "--seed", env="KVPAGER_DEMO_SEED", type=cli.integer, default=0, metavar="N",
+      help="seed of the request mix")
+    f(parser, "--manager", env="KVPAGER_MANAGER_ADDRESS", type=cli.address,
+      default_help="unset: a manager in this process",
+      help="serve on the running block manager here (with --ray-address)")
+    f(parser, "--ray-address", env="KVPAGER_RAY_ADDRESS", type=cli.address,
+      help="with --manager: the Ray cluster whose workers `kvpager worker` started")
+    f(parser, "--namespace", env="KVPAGER_RAY_NAMESPACE", default="kvpager",
+      help="with --manager: the Ray namespace of those workers")
+    f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
+      help="with --manager: the IP of this machine's Ray node")
+    f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
+      help="tokens per KV block (embedded; a running manager has its own)")
+    f(parser, "--gpu-blocks", env="KVPAGER_DEMO_GPU_BLOCKS", type=cli.positive_int, default=160, metavar="N",
+      help="KV blocks per worker, small to force swaps (embedded)")
+    f(parser, "--no-ray", env="KVPAGER_DEMO_NO_RAY", type=bool, default=False,
+      help="one worker in this process instead of Ray actors (embedded)")
+    f(parser, "--kv-cache-dtype", env="KVPAGER_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"), default="auto",
+      help="KV storage: the model's dtype, or fp8 e4m3 with --kv-scale (embedded)")
+    f(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=cli.positive_float, default=0.25, metavar="X",
+      help="per-tensor K/V scale of an fp8 cache (embedded)")
+    f(parser, "--quiet", env="KVPAGER_DEMO_QUIET", type=bool, default=False, help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.manager and not args.ray_address:
+        raise cli.UsageError("--manager needs --ray-address (where the workers run)")
+    if args.ray_address and not args.manager:
+        raise cli.UsageError("--ray-address needs --manager (the deployment's block manager)")
+    if args.manager and args.no_ray:
+        raise cli.UsageError("--no-ray runs a worker in this process: not with --manager")
+    with (remote(args) if args.manager else embedded(args)) as deployment:
+        return serve(args, deployment)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpager.demo", description=__doc__)
-    parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-blocks", type=int, default=160, help="KV blocks per worker (small: forces swaps)")
-    parser.add_argument("--no-ray", action="store_true", help="one worker in this process instead of Ray actors")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
-                        help="KV storage: the model's dtype, or fp8 e4m3 with --kv-scale")
-    parser.add_argument("--kv-scale", type=float, default=0.25, help="per-tensor K/V scale of an fp8 cache")
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-
-    config = ManagerConfig(block_size=args.block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.01)
-    server, port, service, _ = create_server(config, "127.0.0.1:0")
-    server.start()
-    client = C.BlockManagerClient(f"127.0.0.1:{port}")
-    model = GPU_MODEL if torch.cuda.is_available() else MODEL
-    if args.kv_cache_dtype != "auto":
-        model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
-    runner, stop_workers, kind = start_workers(model, client.target, args.block_size, args.gpu_blocks, not args.no_ray)
-    try:
-        arrivals = make_requests(args.requests, args.seed)
-        progress = Progress(len(arrivals), args.quiet)
-        utils, frags = [], []
-
-        def on_step(s: Scheduler) -> None:
-            st = client.get_stats()
-            utils.append(st.gpu_utilization)
-            frags.append(st.internal_fragmentation)
-            progress.update(s.stats.requests_finished, len(s.running), len(s.swapped), st.gpu_utilization)
-
-        scheduler = Scheduler(client, runner, args.block_size, on_step=on_step)
-        started, iteration, pending = time.perf_counter(), 0, list(arrivals)
-        while pending or scheduler.has_work:
-            while pending and pending[0][0] <= iteration:
-                scheduler.add(pending.pop(0)[1])
-            scheduler.step()
-            iteration += 1
-        elapsed = time.perf_counter() - started
-        progress.close()
-
-        requests = [r for _, r in arrivals]
-        expected = generate_contiguous(Llama(model), requests)
-        matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
-        final = client.get_stats()
-        with service.lock:
-            service.manager.check_invariants()
-        st, lat = scheduler.stats, [t * 1e3 for t in scheduler.stats.step_latencies]
-        hit = final.prefix_hit_tokens / final.prefix_query_tokens if final.prefix_query_tokens else 0.0
-        print(f"kvpager demo: {len(requests)} requests on {kind}, block size {args.block_size}, "
-              f"{final.gpu.total_blocks} GPU / {final.cpu.total_blocks} CPU blocks, KV cache "
-              f"{str(model.cache_dtype).removeprefix('torch.')}")
-        print(f"  generated          {st.tokens_generated} tokens ({st.tokens_computed} computed) in {elapsed:.1f} s: "
-              f"{st.tokens_generated / elapsed:.0f} tokens/s, {st.steps} steps")
-        print(f"  KV utilization     peak {max(utils):.1%}, mean {statistics.fmean(utils):.1%}")
-        print(f"  fragmentation      {statistics.fmean(frags):.1%} of allocated slots unfilled (mean over steps)")
-        print(f"  prefix cache       {hit:.1%} of prompt tokens hit ({final.prefix_hit_tokens}/{final.prefix_query_tokens})")
-        print(f"  swaps              {st.preemptions} preemptions, {final.blocks_swapped_out} blocks out, "
-              f"{final.blocks_swapped_in} in; {st.restarts} restarts")
-        print(f"  copy-on-write      {final.cow_copies} block copies")
-        print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms")
-        print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
-        leftover = final.running_sequences + final.swapped_sequences + final.gpu.used_blocks + final.cpu.used_blocks
-        print(f"  invariants         OK{'' if not leftover else f' but {leftover} sequences/blocks left over'}")
-        return 0 if matches == len(requests) and not leftover else 1
-    finally:
-        stop_workers()
-        client.close()
-        server.stop(None)
-        service.close()
+    return cli.run_main("kvpager demo", sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

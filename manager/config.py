@@ -1,9 +1,9 @@
-"""Manager settings, from flags or KVPAGER_* environment variables (flags win)."""
+"""Manager settings (``kvpager manager`` makes one flag per field, each also read from
+KVPAGER_<FIELD>: see manager/__main__.py)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, fields
 
 from .errors import InvalidArgument
@@ -42,27 +42,6 @@ class ManagerConfig:
     @property
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_gpu_blocks)
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, defaulting to KVPAGER_<FIELD> from the environment."""
-    for f in fields(ManagerConfig):
-        env = f"KVPAGER_{f.name.upper()}"
-        kind = _parse_bool if f.type in (bool, "bool") else (float if f.type in (float, "float") else int)
-        default = kind(os.environ[env]) if env in os.environ else f.default
-        parser.add_argument(
-            f"--{f.name.replace('_', '-')}", type=kind, default=default,
-            help=f"(env {env}, default {f.default})",
-        )
 
 
 def from_args(args: argparse.Namespace) -> ManagerConfig:

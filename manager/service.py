@@ -237,8 +237,9 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
         service = BlockManagerService(manager.config, manager, health_servicer)
     else:
         service = BlockManagerService(manager or ManagerConfig(), None, health_servicer)
+    # SO_REUSEPORT off: a second manager on a port in use must fail, not share it silently.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpager-rpc"),
-                         interceptors=[RpcMetricsInterceptor(service.metrics)])
+                         interceptors=[RpcMetricsInterceptor(service.metrics)], options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_BlockManagerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

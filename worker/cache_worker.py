@@ -128,7 +128,10 @@ class CacheWorker:
         self.model = Llama(cfg.model, cfg.rank, cfg.tensor_parallel_size, device, all_reduce)
         spec = CacheSpec(cfg.model.num_layers, self.model.kv_heads, cfg.model.head_dim, cfg.block_size,
                          cfg.model.cache_dtype)
-        num_blocks = cfg.num_gpu_blocks or int(free_device_memory(device) * cfg.memory_fraction) // spec.block_bytes
+        # Ranks on the CPU share one host's memory (each rank of a GPU group has its own device).
+        sharing = cfg.tensor_parallel_size if device.type == "cpu" else 1
+        budget = free_device_memory(device) * cfg.memory_fraction / sharing
+        num_blocks = cfg.num_gpu_blocks or int(budget) // spec.block_bytes
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
         self.cache = KVCache(spec, num_blocks, cfg.num_cpu_blocks, device)
@@ -146,6 +149,11 @@ class CacheWorker:
     def endpoints(self) -> dict[str, str]:
         """The advertised addresses: ``grpc`` and ``metrics`` (empty when metrics are off)."""
         return dict(grpc=self.address, metrics=self.metrics_address)
+
+    def worker_config(self) -> WorkerConfig:
+        """This rank's configuration: a process attaching to a running group learns the group's
+        size from it and builds the same model (``.model``) for its reference check."""
+        return self.config
 
     def stop(self) -> None:
         self._stop.set()

@@ -60,6 +60,16 @@ class ModelConfig:
         return (self.kv_scale, self.kv_scale) if self.kv_cache_dtype == "fp8_e4m3" else (1.0, 1.0)
 
 
+# The named models of `kvpager worker --model` and the demo: "tiny" runs anywhere; "small" has a
+# head dim the CUDA decode kernel is built for (64, 128 or 256), so it is the default on GPUs.
+PRESETS = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=16,
+                        intermediate_size=256, seed=7),
+    "small": ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
+                         intermediate_size=512, seed=7),
+}
+
+
 @dataclass(slots=True)
 class ModelInput:
     """The tokens to compute in one step, sequence after sequence (S sequences, T tokens)."""

@@ -2,6 +2,11 @@
 
 Each worker becomes an actor where it is created: ``num_gpus=1`` when the Ray cluster has a
 GPU per rank, one CPU otherwise. Calls fan out once (``ray.get([...])``), never in a loop.
+
+A group started with ``named=True`` (``kvpager worker`` does) names its actors
+``kvpager-worker-rank<r>`` in the driver's Ray namespace, so that another process connected to
+the same cluster (a scheduler, ``kvpager demo --manager ... --ray-address ...``) can drive them
+with ``RayWorkerGroup.attach()``; the actors stay owned by the process that started them.
 """
 
 from __future__ import annotations
@@ -22,14 +27,26 @@ class WorkerDied(RuntimeError):
     process group cannot take a new member) and must be replaced."""
 
 
-def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None) -> None:
-    """Start a local Ray cluster bound to loopback (no traffic leaves the machine)."""
+LOOPBACK_NODE_IP = "127.0.0.2"
+
+
+def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace: Optional[str] = None,
+                   node_ip: Optional[str] = None) -> None:
+    """Start a private local Ray cluster on loopback (no traffic leaves the machine).
+
+    The default node IP is 127.0.0.2, not 127.0.0.1: Ray replaces 127.0.0.1 (and "localhost")
+    with the machine's outward address, while any other 127.x address stays on loopback.
+    ``address="local"`` starts a new cluster, never one that ``ray start`` left on this machine."""
     import ray
 
     if not ray.is_initialized():
-        # address="local": a private cluster, never one that `ray start` left on this machine.
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+                 _node_ip_address=node_ip or LOOPBACK_NODE_IP, namespace=namespace)
+
+
+def actor_name(rank: int) -> str:
+    """The Ray name of a named group's rank (see ``RayWorkerGroup.attach``)."""
+    return f"kvpager-worker-rank{rank}"
 
 
 def _free_port() -> int:
@@ -44,10 +61,14 @@ def _rank_metrics_port(base: Optional[int], rank: int) -> Optional[int]:
 
 
 class RayWorkerGroup:
-    def __init__(self, config: WorkerConfig, tensor_parallel_size: int = 1, use_gpu: Optional[bool] = None) -> None:
+    def __init__(self, config: WorkerConfig, tensor_parallel_size: int = 1, use_gpu: Optional[bool] = None,
+                 named: bool = False, node_id: Optional[str] = None) -> None:
+        """``named``: name the actors for ``attach``; ``node_id``: place every rank on that Ray node
+        (the tensor-parallel rendezvous is on loopback, so the ranks must share a machine)."""
         import ray
 
         self._ray = ray
+        self._owned = True
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) >= tensor_parallel_size
         self.use_gpu = use_gpu
@@ -61,10 +82,49 @@ class RayWorkerGroup:
                                 dist_init_method=rendezvous, metrics_port=_rank_metrics_port(config.metrics_port, rank))
             for rank in range(tensor_parallel_size)
         ]
-        self.actors = [actor.remote(c) for c in self.configs]
+        placement = {}
+        if node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        self.actors = [actor.options(**placement, **({"name": actor_name(c.rank)} if named else {})).remote(c)
+                       for c in self.configs]
         self.addresses: list[str] = ray.get([a.start.remote() for a in self.actors])
         # Each rank's /metrics host:port ("" where metrics are off).
         self.metrics_addresses: list[str] = [e["metrics"] for e in ray.get([a.endpoints.remote() for a in self.actors])]
+
+    @classmethod
+    def attach(cls, namespace: Optional[str] = None, timeout_s: float = 30.0) -> "RayWorkerGroup":
+        """The running named group in ``namespace`` (default: this driver's), found by its actors'
+        names, waiting up to ``timeout_s`` for rank 0 to appear; its size comes from rank 0's
+        config. Raises LookupError when there is none. Its ``stop()`` leaves the actors running:
+        they belong to the process that started them."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+
+        def find(rank: int):
+            while True:
+                try:
+                    return ray.get_actor(actor_name(rank), namespace=namespace)
+                except ValueError:  # no such actor (yet)
+                    if time.monotonic() >= deadline:
+                        where = namespace or ray.get_runtime_context().namespace
+                        raise LookupError(f"no kvpager worker group in Ray namespace {where!r} (no actor "
+                                          f"{actor_name(rank)!r} after {timeout_s:g} s)") from None
+                    time.sleep(0.2)
+
+        first = find(0)
+        size = ray.get(first.worker_config.remote(), timeout=timeout_s).tensor_parallel_size
+        group = cls.__new__(cls)
+        group._ray, group._owned = ray, False
+        group.actors = [first] + [find(rank) for rank in range(1, size)]
+        group.configs = ray.get([a.worker_config.remote() for a in group.actors], timeout=timeout_s)
+        group.use_gpu = group.configs[0].device != "cpu"
+        endpoints = ray.get([a.endpoints.remote() for a in group.actors], timeout=timeout_s)
+        group.addresses = [e["grpc"] for e in endpoints]
+        group.metrics_addresses = [e["metrics"] for e in endpoints]
+        return group
 
     def __call__(self, inp: ModelInput) -> torch.Tensor:
         """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
@@ -101,6 +161,10 @@ class RayWorkerGroup:
             self._ray.kill(a, no_restart=True)
 
     def stop(self) -> None:
+        """Stop and kill the ranks; an attached group only lets go of them."""
+        if not self._owned:
+            self.actors = []
+            return
         try:
             self._ray.get([a.stop.remote() for a in self.actors], timeout=30)
         except Exception:  # an actor already dead has nothing left to stop

@@ -75,15 +75,16 @@ def execute(stub, step_id: int, swap_out=((), ()), swap_in=((), ()), copy=((), (
     stub.ExecutePlan(worker_pb2.ExecutePlanRequest(plan=plan), timeout=10)
 
 
-@pytest.fixture
-def registered_worker():
-    """A manager (pools sized by the worker) and a CPU worker registered with it, serving
-    metrics on a free port. Yields (worker, manager service)."""
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def registered_worker(request):
+    """A manager (pools sized by the worker) and a worker (on the CPU, and on CUDA where there
+    is a device: its plan and attention times come from CUDA events) registered with it,
+    serving metrics on a free port. Yields (worker, manager service)."""
     config = ManagerConfig(block_size=BLOCK, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.0)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
     worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=12, num_cpu_blocks=6,
-                                      manager_address=f"127.0.0.1:{port}", metrics_port=0, device="cpu"))
+                                      manager_address=f"127.0.0.1:{port}", metrics_port=0, device=request.param))
     worker.start()
     try:
         yield worker, service

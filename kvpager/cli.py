@@ -1,0 +1,335 @@
+"""``kvpager``: one command with a subcommand per job (``manager``, ``worker``, ``demo``, ``stats``,
+``bench``).
+
+This module holds the conventions every subcommand shares and wires them together; each
+subcommand lives in its own module, which provides ``configure(parser)`` (its flags) and
+``run(args) -> int``. Only the chosen subcommand's module is imported, so ``kvpager stats``
+never pays for torch or Ray.
+
+Conventions:
+
+- every flag also reads an environment variable, ``KVPAGER_<NAME>``, named with its default in
+  the flag's help (flags win); an environment value is checked like a typed flag, and only by
+  the subcommand that reads it;
+- a bad flag prints one line, ``kvpager <sub>: error: <what> (see kvpager <sub> --help)``, and
+  exits 2; a failure at run time (an address that does not answer, a port in use, a bad
+  configuration) prints one line, ``kvpager <sub>: <what>``, and exits 1; Ctrl-C exits 130
+  quietly. No traceback reaches the user unless ``KVPAGER_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+# torch warns at import when numpy is missing, which it does not need here: keep errors one line.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+DEBUG_ENV = "KVPAGER_DEBUG"
+EPILOG = "Every flag also reads the environment variable named in its help; a flag on the command line wins."
+DESCRIPTION = "kvpager: a paged KV-cache block manager served over gRPC, its cache workers on Ray, and tools."
+TOP_EPILOG = f"""examples:
+  kvpager manager --port 50051 --metrics-port 9400
+  kvpager worker --manager 127.0.0.1:50051 --tensor-parallel-size 2
+  kvpager stats --manager 127.0.0.1:50051
+  kvpager demo
+  kvpager bench --list
+
+`kvpager COMMAND --help` describes a command and its flags. {EPILOG}"""
+
+
+class UsageError(Exception):
+    """Flags that parse but do not make sense together: reported like a bad flag (exit 2)."""
+
+
+class Failure(Exception):
+    """A failure the user can act on (unreachable address, port in use...): one line, exit 1."""
+
+
+class _FromEnv:
+    """A flag's default taken from the environment, converted and checked only after parsing, so a
+    bad value names its variable and only the subcommand that reads it complains."""
+
+    def __init__(self, raw: str) -> None:
+        self.raw = raw
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and whose defaults may come from KVPAGER_*."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("epilog", EPILOG)
+        if kwargs.get("description"):  # a module's docstring
+            kwargs["description"] = inspect.cleandoc(kwargs["description"]).replace("``", "`")
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            env = getattr(action, "env", None)
+            if env is None:
+                continue
+            value = getattr(namespace, action.dest, None)
+            if isinstance(value, _FromEnv):
+                setattr(namespace, action.dest, self._convert_env(action, env, value.raw))
+            elif value is None and getattr(action, "env_required", False):
+                self.error(f"{action.option_strings[0]} (or {env}) is required")
+        return namespace, extras
+
+    def _convert_env(self, action: argparse.Action, env: str, raw: str) -> Any:
+        convert = getattr(action, "env_type", None) or action.type or str
+        try:
+            value = convert(raw)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as err:
+            self.error(f"{env}={raw!r} (for {action.option_strings[0]}): {err}")
+        if action.choices is not None and value not in action.choices:
+            self.error(f"{env}={raw!r} (for {action.option_strings[0]}): choose from "
+                       f"{', '.join(map(str, action.choices))}")
+        return value
+
+
+def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, type: Callable[[str], Any] = str,
+         default: Any = None, default_help: Optional[str] = None, required: bool = False,
+         choices: Optional[Sequence[Any]] = None, metavar: Optional[str] = None) -> argparse.Action:
+    """Add ``--name`` (``type=bool`` makes a switch) whose default the environment variable ``env``
+    overrides. Its help ends with ``[env ENV; default D]`` (and the value the environment sets now)."""
+    raw = os.environ.get(env) or None  # set but empty (compose passes such) counts as unset
+    shown = default_help if default_help is not None else ("unset" if default is None else str(default))
+    now = f"={raw}" if raw is not None else ""
+    text = f"{help} [env {env}{now}; {'required' if required else 'default ' + shown}]".replace("%", "%%")
+    start = _FromEnv(raw) if raw is not None else default
+    if metavar is None and type is address:
+        metavar = "HOST:PORT"
+    if type is bool:
+        action = parser.add_argument(name, action="store_true", default=start if raw is not None else bool(default),
+                                     help=text)
+        action.env_type = parse_bool  # type: ignore[attr-defined]
+    else:
+        action = parser.add_argument(name, type=type, default=start, choices=choices, metavar=metavar, help=text)
+    action.env = env  # type: ignore[attr-defined]
+    action.env_required = required  # type: ignore[attr-defined]
+    return action
+
+
+# ---- value types ----------------------------------------------------------------------------------
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+
+
+def address(text: str) -> str:
+    """HOST:PORT with a port in 1..65535 (``[v6]:port`` works too)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = integer(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: a free one), got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+# ---- running a subcommand -------------------------------------------------------------------------
+def one_line(message: object) -> str:
+    """The first non-blank line of a message (exceptions from gRPC and Ray carry whole reports)."""
+    for line in str(message).splitlines():
+        if line.strip():
+            return line.strip()
+    return str(message).strip() or "failed"
+
+
+def guarded(parser: Parser, run: Callable[[argparse.Namespace], Optional[int]], args: argparse.Namespace) -> int:
+    """Run a subcommand, turning every way it can fail into one line and an exit status."""
+    try:
+        return run(args) or 0
+    except UsageError as err:
+        parser.error(str(err))
+    except KeyboardInterrupt:
+        return 130
+    except Failure as err:
+        print(f"{parser.prog}: {one_line(err)}", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 (the top: nothing may escape as a traceback)
+        if os.environ.get(DEBUG_ENV):
+            traceback.print_exc()
+        print(f"{parser.prog}: {type(err).__name__}: {one_line(err)}"
+              f"{'' if os.environ.get(DEBUG_ENV) else f' ({DEBUG_ENV}=1 shows the traceback)'}", file=sys.stderr)
+    return 1
+
+
+def run_main(prog: str, module: Any, argv: Optional[Sequence[str]]) -> int:
+    """The ``main`` of a subcommand module run on its own (``python -m kvpager.demo``)."""
+    parser = Parser(prog=prog, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.configure(parser)
+    return _exit_code(lambda: guarded(parser, module.run, parser.parse_args(argv)))
+
+
+def _exit_code(body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except SystemExit as exc:  # --help, or a usage error
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+# ---- bench: the repository's benchmark scripts -----------------------------------------------------
+BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "layout": "cache_layout.py",
+              "kernels": "kernels.py"}
+
+
+def benchmarks_dir() -> Path:
+    # An editable install imports kvpager from the repository, whose benchmarks/ sit beside it.
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _summary(script: Path) -> str:
+    """The first sentence of a script's docstring, on one line, read without importing the script
+    (some need CUDA)."""
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    return first.split(". ")[0].rstrip(".") + "." if first else ""
+
+
+class _Bench:
+    """``kvpager bench NAME [ARGS...]``: run a benchmark script of the repository's benchmarks/
+    folder with this Python, passing ARGS through (``kvpager bench NAME --help`` shows its own
+    flags). Needs a source checkout: wheels do not ship benchmarks/."""
+
+    EPILOG = None  # no flags of its own read the environment
+
+    @staticmethod
+    def configure(parser: Parser) -> None:
+        parser.add_argument("--list", action="store_true", help="list the benchmarks with what each measures")
+        parser.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), metavar="NAME",
+                            help=f"one of: {', '.join(f'{k} ({v})' for k, v in BENCHMARKS.items())}")
+        parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the script")
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        folder = benchmarks_dir()
+        if not folder.is_dir():
+            raise Failure(f"no benchmarks folder at {folder}: the benchmarks come with a source checkout "
+                          "of kvpager (pip install -e .), not with the wheel")
+        if args.list:
+            for name, file in BENCHMARKS.items():
+                print(f"{name:8s} {file:17s} {_summary(folder / file)}")
+            return 0
+        if args.name is None:
+            raise UsageError("name a benchmark (or --list)")
+        script = folder / BENCHMARKS[args.name]
+        if not script.is_file():
+            raise Failure(f"benchmark script {script} is missing")
+        code = subprocess.call([sys.executable, str(script), *args.args])
+        return 128 - code if code < 0 else code  # killed by a signal: 128 + its number
+
+
+# ---- wiring ---------------------------------------------------------------------------------------
+# name: (module providing configure/run, one-line help)
+COMMANDS = {
+    "manager": ("kvpager.manager.__main__", "serve the block manager over gRPC"),
+    "worker": ("kvpager.worker.launcher", "start cache workers on Ray and register them with a manager"),
+    "demo": ("kvpager.demo", "serve a request mix end to end and check every token (what `make demo` runs)"),
+    "stats": ("kvpager.stats_view", "a live table of a running manager's pools, sequences and workers"),
+    "bench": (None, "run a benchmark script of the repository's benchmarks/ folder"),
+}
+
+
+def build_parser(argv: Sequence[str]) -> tuple[Parser, dict[str, Parser]]:
+    """The top parser with every subcommand listed; only the one ``argv`` names gets its flags."""
+    parser = Parser(prog="kvpager", description=DESCRIPTION, epilog=TOP_EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvpager {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parsers = {}
+    for name, (module_name, summary) in COMMANDS.items():
+        module = _Bench if module_name is None else None
+        if name == chosen and module is None:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as err:  # an optional dependency missing (torch, ray...)
+                raise Failure(f"kvpager {name}: cannot load {module_name}: {err} (pip install 'kvpager[torch,ray]')")
+        description = (module.__doc__ if module is not None else None) or summary
+        p = sub.add_parser(name, help=summary, description=description, epilog=getattr(module, "EPILOG", EPILOG),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == chosen:
+            module.configure(p)
+            p.set_defaults(_run=module.run)
+        parsers[name] = p
+    return parser, parsers
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        try:
+            parser, parsers = build_parser(argv)
+        except Failure as err:
+            print(one_line(err), file=sys.stderr)
+            return 1
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # say whose flags they are not
+            parsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+        return guarded(parsers[args.command], args._run, args)
+
+    return _exit_code(body)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvpager")
+    except Exception:  # noqa: BLE001 (not installed: running from a checkout)
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

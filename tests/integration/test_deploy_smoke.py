@@ -1,0 +1,334 @@
+"""deploy/docker-compose.yml run without Docker: each service's own command, as a local process.
+
+There is no Docker engine on these machines. This test takes the compose file as docker-compose
+1.29 interpolates it (`config`, with every port variable set to a free port and the cpu
+profile) and starts the manager, the CPU Ray head, the CPU worker and Prometheus from their own
+command (entrypoint + command) and environment, as local processes:
+
+- service hostnames become loopback addresses, one per service (manager 127.0.0.1, the Ray
+  head 127.0.0.2, the worker 127.0.0.3, Prometheus 127.0.0.4), and a service's own 0.0.0.0
+  and 127.0.0.1 become its address. Ray's CLI takes 127.0.0.1 for the machine's external
+  address, so the Ray nodes get other loopback addresses through the variables the compose
+  file exposes for that (KVPAGER_RAY_HEAD_IP, KVPAGER_RAY_NODE_IP);
+- container paths become temporary files: Prometheus's mounted configuration is a copy of
+  deploy/prometheus/prometheus.yml with the hostnames replaced, its storage a temporary folder;
+- `kvpager`, `ray` and `python` are the ones of this virtual environment, `prometheus`
+  Debian's (installed on demand).
+
+Services start in depends_on order, each waiting for the compose file's own health check of
+the services it depends on. Then: the manager is healthy (its gRPC health check), a worker
+group registered (the worker's health check, GetStats), Prometheus scraped the manager and every
+worker rank (found through the manager's /sd/workers), and `kvpager demo` served requests
+through the deployment, run with the worker's environment as `docker compose exec` would.
+
+Grafana cannot run here (no binary, none can be installed): only its service's mounts are
+checked against the repository. Every wait is bounded; teardown is SIGTERM, then SIGKILL of
+what is left of each process's session; `ray stop` is never used (it would stop every Ray
+cluster on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from kvpager.client import BlockManagerClient
+from tests.support.debian import Unavailable, ensure_program
+from tests.support.prometheus import PrometheusAPI
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+BIN = Path(sys.executable).parent
+
+# One loopback address per service (and for the names it answers to).
+ADDRESSES = {"manager": "127.0.0.1", "ray-head": "127.0.0.2", "ray-head-cpu": "127.0.0.2",
+             "worker-cpu": "127.0.0.3", "prometheus": "127.0.0.4", "grafana": "127.0.0.5"}
+PORT_VARIABLES = ["KVPAGER_MANAGER_PORT", "KVPAGER_MANAGER_METRICS_PORT", "KVPAGER_RAY_PORT",
+                  "KVPAGER_WORKER_METRICS_PORT", "KVPAGER_PROMETHEUS_PORT", "KVPAGER_GRAFANA_PORT"]
+TP_SIZE = 2  # the worker-cpu default, KVPAGER_CPU_WORKERS
+
+# Bounds (seconds); the whole test stays well under 3 minutes on 2 cores.
+HEALTHY_TIMEOUT = 60
+WORKERS_TIMEOUT = 90
+SCRAPE_TIMEOUT = 30
+DEMO_TIMEOUT = 120
+STOP_TIMEOUT = {"worker-cpu": 40}  # for a graceful stop; 15 s for the others
+
+
+def free_ports(count: int, host: str = "0.0.0.0", consecutive: int = 1) -> list[int]:
+    """``count`` distinct free ports, each the first of ``consecutive`` free ones."""
+    found: list[int] = []
+    while len(found) < count:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            base = sock.getsockname()[1]
+        span = range(base, base + consecutive)
+        if base + consecutive > 65535 or any(p in found or p - 1 in found for p in span):
+            continue
+        try:
+            socks = []
+            for port in span:
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        found.append(base)
+    return found
+
+
+class Localizer:
+    """Rewrites a service's strings from the compose network to this machine."""
+
+    def __init__(self, tmp: Path) -> None:
+        names = sorted(ADDRESSES, key=len, reverse=True)
+        self._host = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, names)) + r")(?=:\d)")
+        self.paths = {  # container path -> local path (longest first when applied)
+            "/etc/prometheus/prometheus.yml": str(tmp / "prometheus-mounted.yml"),
+            "/prometheus/kvpager-prometheus.yml": str(tmp / "kvpager-prometheus.yml"),
+            "/prometheus": str(tmp / "prometheus-data"),
+        }
+        self._path = re.compile("(" + "|".join(map(re.escape, sorted(self.paths, key=len, reverse=True))) + r")(?![\w-])")
+
+    def hosts(self, text: str) -> str:
+        return self._host.sub(lambda m: ADDRESSES[m.group(1)], text)
+
+    def __call__(self, text: str, service: str) -> str:
+        own = ADDRESSES[service]
+        text = text.replace("$$", "$")  # `config` prints $ escaped
+        text = re.sub(r"(?<![\d.])(0\.0\.0\.0|127\.0\.0\.1)(?![\d])", own, text)
+        text = self.hosts(text)
+        return self._path.sub(lambda m: self.paths[m.group(0)], text)
+
+
+class Stack:
+    """The services as local processes, each in its own session (for a clean teardown)."""
+
+    def __init__(self, config: dict, tmp: Path, env: dict[str, str]) -> None:
+        self.services = config["services"]
+        self.tmp = tmp
+        self.base_env = env
+        self.localize = Localizer(tmp)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def argv(self, name: str) -> list[str]:
+        service = self.services[name]
+        argv = list(service.get("entrypoint") or []) + list(service.get("command") or [])
+        return [self.localize(a, name) for a in argv]
+
+    def environment(self, name: str) -> dict[str, str]:
+        env = dict(self.base_env)
+        for key, value in (self.services[name].get("environment") or {}).items():
+            if value is not None:  # passed through only when set
+                env[key] = self.localize(str(value), name)
+        return env
+
+    def start(self, name: str) -> None:
+        self.logs[name] = self.tmp / f"{name}.log"
+        with open(self.logs[name], "wb") as log:
+            self.procs[name] = subprocess.Popen(self.argv(name), env=self.environment(name), cwd=self.tmp,
+                                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
+
+    def healthcheck(self, name: str) -> subprocess.CompletedProcess:
+        """The compose file's own health check of ``name``, run as that service would."""
+        check = self.services[name]["healthcheck"]["test"]
+        kind, args = check[0], [self.localize(a, name) for a in check[1:]]
+        argv = ["sh", "-c", args[0]] if kind == "CMD-SHELL" else args
+        try:
+            return subprocess.run(argv, env=self.environment(name), capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired as err:
+            return subprocess.CompletedProcess(argv, 124, "", f"health check timed out: {err}")
+
+    def wait_healthy(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            for started, proc in self.procs.items():
+                if proc.poll() is not None:
+                    pytest.fail(f"{started} exited with {proc.returncode} while waiting for {name}:\n{self.log(started)}")
+            last = self.healthcheck(name)
+            if last.returncode == 0:
+                return
+            time.sleep(1)
+        pytest.fail(f"{name} not healthy after {timeout:.0f} s: {last.stdout}{last.stderr}\n{self.log(name)}")
+
+    def log(self, name: str, chars: int = 3000) -> str:
+        try:
+            return f"--- {name} log ---\n" + self.logs[name].read_text(errors="replace")[-chars:]
+        except (KeyError, OSError):
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM to each service, the last started first (the worker stops its actors and the
+        Ray node it started), then SIGKILL to whatever is left of their process trees and
+        sessions (the worker starts its Ray node in a session of its own)."""
+        roots = [proc.pid for proc in self.procs.values()]
+        seen = descendants(roots)
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
+            seen |= descendants([proc.pid])
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=STOP_TIMEOUT.get(name, 15))
+                except subprocess.TimeoutExpired:
+                    pass
+        ours = {os.getsid(0)}
+        sessions = set()
+        for pid in seen | set(roots):
+            try:
+                sessions.add(os.getsid(pid))
+            except (ProcessLookupError, PermissionError):
+                pass
+        leftovers = (seen | descendants(roots) | {pid for sid in sessions - ours for pid in session_members(sid)})
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.wait(timeout=10)
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry))
+    return tree
+
+
+def descendants(pids: list[int]) -> set[int]:
+    """Every process below ``pids`` now."""
+    tree, found, todo = _children(), set(), list(pids)
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def session_members(sid: int) -> list[int]:
+    """Processes of the session ``sid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    members.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return members
+
+
+@pytest.fixture(scope="module")
+def tools():
+    missing = [p for p in ("kvpager", "ray") if not (BIN / p).exists()]
+    assert not missing, f"{missing} missing from {BIN}: install the package (pip install -e .[ray,metrics])"
+    try:
+        ensure_program("wget")  # Prometheus's health check in the compose file uses it
+        return {"docker-compose": ensure_program("docker-compose"), "prometheus": ensure_program("prometheus")}
+    except Unavailable as why:
+        pytest.skip(str(why))
+
+
+def test_compose_stack_serves_requests(tools, tmp_path):
+    ports = dict(zip(PORT_VARIABLES, free_ports(len(PORT_VARIABLES), consecutive=TP_SIZE)))
+    variables = {**{k: str(v) for k, v in ports.items()}, "COMPOSE_PROFILES": "cpu",
+                 "KVPAGER_RAY_HEAD_IP": ADDRESSES["ray-head"], "KVPAGER_RAY_NODE_IP": ADDRESSES["worker-cpu"]}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVPAGER_", "COMPOSE_", "RAY_"))}
+    out = subprocess.run([tools["docker-compose"], "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                         timeout=60, env={**clean, **variables}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+
+    # Grafana cannot run here: check that its service exists and mounts files of this repository.
+    grafana = config["services"]["grafana"]
+    for volume in grafana["volumes"]:
+        source = volume.split(":")[0]
+        if source.startswith("/"):
+            assert Path(source).exists() and Path(source).is_relative_to(DEPLOY), volume
+
+    # Prometheus's mounted configuration, with the compose network's names made local.
+    localize = Localizer(tmp_path)
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in config["services"]["prometheus"]["volumes"]}
+    Path(localize.paths["/etc/prometheus/prometheus.yml"]).write_text(
+        localize.hosts(Path(mounted["/etc/prometheus/prometheus.yml"]).read_text()))
+    Path(localize.paths["/prometheus"]).mkdir()
+
+    # Ray's files in a short private folder (its socket paths must stay under 108 bytes).
+    ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+    env = {**clean, "PATH": f"{BIN}{os.pathsep}{clean.get('PATH', '')}", "RAY_TMPDIR": ray_tmp,
+           "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    stack = Stack(config, tmp_path, env)
+    try:
+        # depends_on order, each dependency's own health check first.
+        stack.start("manager")
+        stack.wait_healthy("manager", HEALTHY_TIMEOUT)
+        stack.start("prometheus")
+        stack.start("ray-head-cpu")
+        stack.wait_healthy("ray-head-cpu", HEALTHY_TIMEOUT)
+        stack.start("worker-cpu")
+        stack.wait_healthy("worker-cpu", WORKERS_TIMEOUT)  # the manager has every rank; rank 0 serves metrics
+        stack.wait_healthy("prometheus", HEALTHY_TIMEOUT)
+
+        manager = f"{ADDRESSES['manager']}:{ports['KVPAGER_MANAGER_PORT']}"
+        with BlockManagerClient(manager, timeout=10) as client:
+            assert client.health() == "SERVING"
+            stats = client.get_stats()
+        assert stats.workers_expected == TP_SIZE and stats.workers_registered == TP_SIZE, stats
+
+        prom = PrometheusAPI(f"http://{ADDRESSES['prometheus']}:{ports['KVPAGER_PROMETHEUS_PORT']}")
+        prom.wait_for('up{job="kvpager-manager"} == 1', SCRAPE_TIMEOUT)
+        ranks = prom.wait_for('up{job="kvpager-workers"} == 1', SCRAPE_TIMEOUT,
+                              predicate=lambda result: len(result) == TP_SIZE)
+        assert sorted(r["metric"]["rank"] for r in ranks) == [str(r) for r in range(TP_SIZE)]
+        assert all(r["metric"]["instance"].startswith(ADDRESSES["worker-cpu"] + ":") for r in ranks)
+
+        # A request mix through the deployment, as `docker compose exec worker-cpu kvpager demo ...`.
+        demo_env = stack.environment("worker-cpu")
+        ray_head = f"{ADDRESSES['ray-head']}:{ports['KVPAGER_RAY_PORT']}"
+        try:
+            demo = subprocess.run([str(BIN / "kvpager"), "demo", "--manager", manager, "--ray-address", ray_head,
+                                   "--requests", "4"], capture_output=True, text=True, timeout=DEMO_TIMEOUT,
+                                  env=demo_env, cwd=tmp_path)
+        except subprocess.TimeoutExpired as err:
+            pytest.fail(f"kvpager demo did not finish in {DEMO_TIMEOUT} s: {err.stdout}{err.stderr}")
+        assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:] + stack.log("worker-cpu")
+
+        # The served requests reached the manager's metrics as Prometheus sees them, and the
+        # pools table of docs/deploy.md's health checks reads the manager.
+        prom.wait_for("sum(kvpager_operations_total) > 0", SCRAPE_TIMEOUT)
+        table = subprocess.run([str(BIN / "kvpager"), "stats", "--manager", manager, "--once"], capture_output=True,
+                               text=True, timeout=30, env=demo_env)
+        assert table.returncode == 0 and "gpu" in table.stdout.lower(), table.stdout + table.stderr
+    finally:
+        stack.stop()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

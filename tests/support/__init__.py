@@ -1,0 +1,1 @@
+"""Helpers shared by tests: Debian packages installed on demand, a local Prometheus server."""

@@ -1,0 +1,322 @@
+"""The `kvpager` command line: complete help, environment defaults, one-line errors and exit codes,
+and the stats view. Fast: nothing here starts Ray or a model (the real processes are in
+tests/integration/test_cli.py)."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvpager import cli, stats_view
+from kvpager.manager import ManagerConfig
+from kvpager.manager.service import create_server
+from kvpager.v1 import block_manager_pb2 as pb
+
+SUBCOMMANDS = ["manager", "worker", "demo", "stats", "bench"]
+
+
+def kvpager(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m kvpager ARGS`` in a child process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "kvpager", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def parse(*argv: str):
+    parser, _ = cli.build_parser(argv)
+    return parser.parse_args(argv)
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, *fragments: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("kvpager"), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # help lines unwrapped, so each flag's text is on one line
+    for name in [n for n in os.environ if n.startswith("KVPAGER_")]:
+        monkeypatch.delenv(name)
+
+
+# ---- help ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_help_of_each_subcommand_names_every_flag_with_its_env_var_and_default(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvpager {command}")
+    _, parsers = cli.build_parser([command])
+    flags = [a for a in parsers[command]._actions if a.option_strings and "-h" not in a.option_strings]
+    assert flags
+    text = " ".join(out.split())
+    for action in flags:
+        assert action.option_strings[0] in out
+        assert action.help and " ".join(action.help.replace("%%", "%").split()) in text, action.option_strings
+        if command != "bench":
+            assert f"[env {action.env}; " in action.help, action.option_strings
+            assert "; default " in action.help or "; required]" in action.help, action.option_strings
+
+
+def test_top_level_help_lists_the_subcommands_and_python_dash_m_works():
+    proc = kvpager("--help")
+    assert proc.returncode == 0, proc.stderr
+    for command in SUBCOMMANDS:
+        assert f"    {command} " in proc.stdout
+    assert kvpager("--version").stdout.startswith("kvpager ")
+
+
+def test_console_script_is_installed():
+    script = shutil.which("kvpager", path=os.path.dirname(sys.executable))
+    assert script, "kvpager console script missing from the environment (pip install -e .)"
+    proc = subprocess.run([script, "stats", "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "--interval" in proc.stdout
+
+
+def test_help_shows_the_value_the_environment_sets(monkeypatch, capsys):
+    monkeypatch.setenv("KVPAGER_STATS_INTERVAL", "2.5")
+    assert cli.main(["stats", "--help"]) == 0
+    assert "[env KVPAGER_STATS_INTERVAL=2.5; default 1.0]" in capsys.readouterr().out
+
+
+# ---- environment defaults ------------------------------------------------------------------------
+def test_environment_feeds_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KVPAGER_MANAGER_ADDRESS", "127.0.0.9:6000")
+    monkeypatch.setenv("KVPAGER_STATS_INTERVAL", "2.5")
+    monkeypatch.setenv("KVPAGER_STATS_ONCE", "yes")
+    args = parse("stats")
+    assert (args.manager, args.interval, args.once, args.count) == ("127.0.0.9:6000", 2.5, True, None)
+    args = parse("stats", "--interval", "3", "--manager", "127.0.0.8:1")
+    assert (args.manager, args.interval) == ("127.0.0.8:1", 3.0)
+
+
+def test_environment_configures_the_manager(monkeypatch):
+    for name, value in dict(KVPAGER_HOST="127.0.0.3", KVPAGER_PORT="6000", KVPAGER_METRICS_PORT="0",
+                            KVPAGER_BLOCK_SIZE="32", KVPAGER_ENABLE_PREFIX_CACHING="false").items():
+        monkeypatch.setenv(name, value)
+    args = parse("manager")
+    assert (args.host, args.port, args.metrics_host, args.metrics_port) == ("127.0.0.3", 6000, "127.0.0.1", 0)
+    assert (args.block_size, args.enable_prefix_caching, args.num_gpu_blocks) == (32, False, 4096)
+    assert parse("manager", "--port", "7000").port == 7000
+    assert parse("manager").metrics_port == 0 and "KVPAGER_METRICS_PORT" in os.environ
+    monkeypatch.delenv("KVPAGER_METRICS_PORT")
+    assert parse("manager").metrics_port is None  # unset: no metrics endpoint
+
+
+def test_environment_configures_the_worker_and_empty_values_count_as_unset(monkeypatch):
+    for name, value in dict(KVPAGER_MANAGER_ADDRESS="127.0.0.1:50051", KVPAGER_RAY_ADDRESS="127.0.0.2:6379",
+                            KVPAGER_RAY_JOIN="1", KVPAGER_TENSOR_PARALLEL_SIZE="2", KVPAGER_WORKER_DEVICE="cpu",
+                            KVPAGER_WORKER_METRICS_PORT="9500", KVPAGER_WORKER_NUM_GPU_BLOCKS="",
+                            KVPAGER_MODEL="tiny").items():
+        monkeypatch.setenv(name, value)
+    args = parse("worker")
+    assert (args.manager, args.ray_address, args.join, args.tensor_parallel_size) == (
+        "127.0.0.1:50051", "127.0.0.2:6379", True, 2)
+    assert (args.device, args.metrics_port, args.num_gpu_blocks, args.model) == ("cpu", 9500, None, "tiny")
+    assert (args.namespace, args.host, args.block_size, args.num_cpu_blocks) == ("kvpager", "127.0.0.1", 16, 256)
+
+
+def test_demo_reads_the_deployment_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVPAGER_MANAGER_ADDRESS", "127.0.0.1:50051")
+    monkeypatch.setenv("KVPAGER_RAY_ADDRESS", "127.0.0.2:6379")
+    args = parse("demo")
+    assert (args.manager, args.ray_address, args.namespace, args.requests) == (
+        "127.0.0.1:50051", "127.0.0.2:6379", "kvpager", 240)
+    monkeypatch.delenv("KVPAGER_MANAGER_ADDRESS")
+    assert parse("demo").manager is None  # embedded, as `make demo` runs it
+
+
+# ---- usage errors: one line, exit 2 --------------------------------------------------------------
+@pytest.mark.parametrize("argv, env, fragments", [
+    ([], {}, ["kvpager: error:", "COMMAND"]),
+    (["frobnicate"], {}, ["invalid choice: 'frobnicate'"]),
+    (["stats", "--bogus"], {}, ["kvpager stats: error:", "unrecognized arguments: --bogus", "kvpager stats --help"]),
+    (["stats", "--interval", "soon"], {}, ["--interval", "expected a number"]),
+    (["stats", "--manager", "localhost"], {}, ["expected HOST:PORT"]),
+    (["stats"], {"KVPAGER_STATS_INTERVAL": "soon"}, ["KVPAGER_STATS_INTERVAL='soon'", "--interval"]),
+    (["manager", "--port", "70000"], {}, ["kvpager manager: error:", "0..65535"]),
+    (["manager", "--watermark", "1.5"], {}, ["watermark must be in [0, 1)"]),
+    (["worker"], {}, ["--manager (or KVPAGER_MANAGER_ADDRESS) is required"]),
+    (["worker", "--manager", "127.0.0.1:1", "--device", "tpu"], {}, ["invalid choice: 'tpu'"]),
+    (["worker", "--manager", "127.0.0.1:1"], {"KVPAGER_WORKER_DEVICE": "tpu"},
+     ["KVPAGER_WORKER_DEVICE", "choose from"]),
+    (["worker", "--manager", "127.0.0.1:1", "--join"], {}, ["--join needs --ray-address"]),
+    (["worker", "--manager", "127.0.0.1:1", "--memory-fraction", "2"], {}, ["must be in (0, 1]"]),
+    (["bench"], {}, ["name a benchmark"]),
+    (["bench", "nope"], {}, ["invalid choice: 'nope'"]),
+])
+def test_bad_flags_end_with_one_line_and_exit_2(argv, env, fragments):
+    assert_one_line_error(kvpager(*argv, env=env), 2, *fragments)
+
+
+def test_demo_rejects_half_a_deployment():
+    assert_one_line_error(kvpager("demo", "--manager", "127.0.0.1:1"), 2, "--manager needs --ray-address")
+
+
+# ---- failures at run time: one line, exit 1 ------------------------------------------------------
+def test_stats_against_an_unreachable_manager_exits_1():
+    port = closed_port()
+    proc = kvpager("stats", "--manager", f"127.0.0.1:{port}", "--once")
+    assert_one_line_error(proc, 1, f"kvpager stats: cannot reach the block manager at 127.0.0.1:{port}")
+
+
+def test_worker_against_an_unreachable_manager_exits_1_before_starting_ray():
+    port = closed_port()
+    started = time.monotonic()
+    proc = kvpager("worker", "--manager", f"127.0.0.1:{port}", "--device", "cpu")
+    assert_one_line_error(proc, 1, f"kvpager worker: cannot reach the block manager at 127.0.0.1:{port}")
+    assert time.monotonic() - started < 30
+
+
+def test_manager_on_a_port_in_use_exits_1():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc = kvpager("manager", "--port", str(port), timeout=30)
+    assert_one_line_error(proc, 1, f"kvpager manager: cannot serve on 127.0.0.1:{port}", "in use")
+
+
+def test_guarded_turns_every_failure_into_one_line(capsys):
+    parser = cli.Parser(prog="kvpager test")
+    args = parser.parse_args([])
+
+    def raising(exc):
+        def run(_args):
+            raise exc
+        return run
+
+    assert cli.guarded(parser, raising(KeyboardInterrupt()), args) == 130
+    assert capsys.readouterr().err == ""  # Ctrl-C: quiet
+    assert cli.guarded(parser, raising(cli.Failure("no route\nmore detail")), args) == 1
+    assert capsys.readouterr().err == "kvpager test: no route\n"
+    assert cli.guarded(parser, raising(ZeroDivisionError("boom")), args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvpager test: ZeroDivisionError: boom") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_:
+        cli.guarded(parser, raising(cli.UsageError("flags disagree")), args)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "kvpager test: error: flags disagree (see kvpager test --help)\n"
+
+
+def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
+    from kvpager.worker.launcher import _cause
+
+    class RayTaskErrorLike(Exception):
+        traceback_str = ('Traceback (most recent call last):\n  File "x.py", line 1, in start\n'
+                         "grpc._channel._InactiveRpcError: <_InactiveRpcError of RPC that terminated with:\n"
+                         "\tstatus = StatusCode.FAILED_PRECONDITION\n"
+                         '\tdetails = "register worker: its block size 8 differs from the manager\'s 16"\n>')
+
+    assert _cause(RayTaskErrorLike()) == ("FAILED_PRECONDITION: register worker: its block size 8 differs from "
+                                          "the manager's 16")
+
+    class OtherError(Exception):
+        traceback_str = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: no room for a block'
+
+    assert _cause(OtherError()) == "RuntimeError: no room for a block"
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+def test_bench_lists_the_benchmarks_with_their_summaries(capsys):
+    assert cli.main(["bench", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines] == [[name, file] for name, file in cli.BENCHMARKS.items()]
+    assert all(len(line.split(None, 2)) == 3 for line in lines)  # each with its docstring's first sentence
+
+
+def test_bench_without_a_benchmarks_folder_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path / "benchmarks")
+    assert cli.main(["bench", "load"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvpager bench: no benchmarks folder") and err.count("\n") == 1
+
+
+def test_bench_passes_the_arguments_through():
+    proc = kvpager("bench", "load", "--help")
+    assert proc.returncode == 0 and "manager_load.py" in proc.stdout and "--requests" in proc.stdout
+
+
+# ---- stats view ----------------------------------------------------------------------------------
+def fake_stats(**overrides) -> pb.GetStatsResponse:
+    values = dict(block_size=16, gpu=pb.TierStats(total_blocks=100, used_blocks=50, free_blocks=25, cached_blocks=25),
+                  cpu=pb.TierStats(total_blocks=40, used_blocks=10, free_blocks=30), running_sequences=7,
+                  swapped_sequences=2, internal_fragmentation=0.125, prefix_caching=True, prefix_query_tokens=16,
+                  prefix_hit_tokens=8, prefix_query_blocks=4, prefix_hit_blocks=1, preemptions=3,
+                  blocks_swapped_out=12, blocks_swapped_in=9, steps=1000, workers_registered=2, workers_expected=2)
+    values.update(overrides)
+    return pb.GetStatsResponse(**values)
+
+
+def test_render_shows_tiers_bars_rates_and_workers():
+    previous = stats_view.Sample(fake_stats(steps=900), at=10.0)
+    text = "\n".join(stats_view.render("127.0.0.1:50051", stats_view.Sample(fake_stats(), at=12.0), previous))
+    gpu = next(line for line in text.splitlines() if line.startswith("gpu"))
+    assert gpu.split()[:6] == ["gpu", "100", "50", "25", "25", "50.0%"]
+    assert "[" + "#" * 16 + "+" * 8 + "." * 8 + "]" in gpu
+    assert "12.5%" in text and "7 running" in text and "2 swapped" in text
+    assert "tokens  50.0% (8/16)" in text and "blocks  25.0% (1/4)" in text
+    assert "3 preemptions, 12 blocks out, 9 in" in text
+    assert "1000 in all, 50.0 per second" in text  # 100 steps in 2 s
+    assert "2/2 registered" in text
+    first = "\n".join(stats_view.render("x:1", stats_view.Sample(fake_stats(), at=1.0), None))
+    assert "- per second" in first
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_screen_redraws_in_place_on_a_terminal_and_appends_blocks_elsewhere():
+    plain = io.StringIO()
+    screen = stats_view.Screen(plain)
+    screen.show(["a", "b"])
+    screen.show(["c"])
+    assert plain.getvalue() == "a\nb\n\nc\n"
+    tty = FakeTTY()
+    stats_view.Screen(tty).show(["a"])
+    assert tty.getvalue() == stats_view.HOME + "a" + stats_view.CLEAR_LINE + "\n" + stats_view.CLEAR_BELOW
+    once = FakeTTY()
+    stats_view.Screen(once, live=False).show(["a"])
+    assert once.getvalue() == "a\n"
+
+
+def test_stats_watches_a_running_manager(served):
+    client, _ = served
+    client.allocate("a", num_tokens=9)
+    out = io.StringIO()
+    args = parse("stats", "--manager", client.target, "--count", "2", "--interval", "0.05")
+    assert stats_view.run(args, out) == 0
+    blocks = out.getvalue().split("\n\n" + "kvpager manager")
+    assert len(blocks) == 2
+    gpu = next(line for line in blocks[-1].splitlines() if line.startswith("gpu"))
+    assert gpu.split()[1:3] == ["16", "3"]  # 16 blocks of 4 tokens; 9 tokens use 3
+
+
+def test_stats_shows_a_manager_waiting_for_its_workers():
+    server, port, service, _ = create_server(ManagerConfig(block_size=4, num_gpu_blocks=0, num_cpu_blocks=0))
+    server.start()
+    try:
+        out = io.StringIO()
+        assert stats_view.run(parse("stats", "--manager", f"127.0.0.1:{port}", "--once"), out) == 0
+    finally:
+        server.stop(None)
+        service.close()
+    assert "not serving stats: no block pool yet" in out.getvalue()

@@ -1,0 +1,357 @@
+"""Start a tensor-parallel group of cache workers on this machine and keep it up (`kvpager worker`).
+
+The workers are Ray actors (`worker.ray_group`), one per rank, all placed on this machine's Ray
+node; each allocates its KV cache, serves the manager's plans over gRPC and registers with the
+block manager at --manager. Ray is, in order of preference:
+
+- with --join: a Ray node this command starts on this machine (`ray start --address
+  RAY_ADDRESS --block`, as a child process it stops on exit), joining the cluster at
+  --ray-address: how a container or a new machine adds its GPUs to a cluster;
+- with --ray-address alone: that cluster, through the Ray node already running on this machine;
+- otherwise: a private Ray instance on loopback, for this machine alone.
+
+The actors are named (`kvpager-worker-rank<r>` in --namespace), so a scheduler in another
+process connected to the same cluster can drive the model on them
+(`RayWorkerGroup.attach`, `kvpager demo --manager ... --ray-address ...`). Once every rank
+registered it prints one line per rank and `workers ready`, then watches the ranks' gRPC
+health until SIGTERM or SIGINT, when it stops them (exit 0); a rank that stops answering ends
+the command with exit 1, so a supervisor can restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from kvpager import cli
+
+WATCH_INTERVAL_S = 5.0      # how often the ranks' gRPC health is checked
+WATCH_FAILURES = 3          # consecutive failed checks of one rank before giving up
+RAY_NODE_START_S = 90.0     # how long a joining Ray node may take to start
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    f = cli.flag
+    f(parser, "--manager", env="KVPAGER_MANAGER_ADDRESS", type=cli.address, required=True,
+      help="the block manager the workers register with")
+    f(parser, "--ray-address", env="KVPAGER_RAY_ADDRESS", type=cli.address,
+      default_help="unset: a private Ray instance on loopback", help="the Ray cluster (GCS address) to run on")
+    f(parser, "--join", env="KVPAGER_RAY_JOIN", type=bool, default=False,
+      help="first start a Ray node on this machine that joins --ray-address (stopped on exit)")
+    f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
+      help="the IP this machine's Ray node advertises (the private one too; Ray turns 127.0.0.1 into "
+           "the machine's address, 127.0.0.2 stays on loopback)")
+    f(parser, "--namespace", env="KVPAGER_RAY_NAMESPACE", default="kvpager",
+      help="Ray namespace of the named worker actors")
+    f(parser, "--tensor-parallel-size", env="KVPAGER_TENSOR_PARALLEL_SIZE", type=cli.positive_int, default=1,
+      metavar="N", help="ranks (one worker each; one GPU each on CUDA)")
+    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
+      help="auto: CUDA when this Ray node has a GPU per rank, else the CPU")
+    f(parser, "--model", env="KVPAGER_MODEL", choices=("tiny", "small"),
+      default_help="small on CUDA, tiny on the CPU", help="the model preset (worker.model.PRESETS)")
+    f(parser, "--kv-cache-dtype", env="KVPAGER_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"), default="auto",
+      help="KV storage: the model's dtype, or fp8 e4m3 scaled by --kv-scale")
+    f(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=cli.positive_float, default=0.25, metavar="X",
+      help="per-tensor K/V scale of an fp8 cache")
+    f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
+      help="tokens per KV block (must equal the manager's)")
+    f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
+      default_help="sized from free device memory x --memory-fraction", help="device cache size per rank, in blocks")
+    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=_fraction, default=0.5, metavar="X",
+      help="fraction of free device memory for the cache when --num-gpu-blocks is unset")
+    f(parser, "--num-cpu-blocks", env="KVPAGER_WORKER_NUM_CPU_BLOCKS", type=cli.integer, default=256, metavar="N",
+      help="CPU swap space per rank, in blocks")
+    f(parser, "--host", env="KVPAGER_WORKER_HOST", default="127.0.0.1", metavar="HOST",
+      help="bind address of the workers' gRPC and metrics servers (0.0.0.0 in containers)")
+    f(parser, "--advertise-host", env="KVPAGER_WORKER_ADVERTISE_HOST", metavar="HOST",
+      default_help="--host, or this Ray node's IP when --host is a wildcard",
+      help="the host the manager and Prometheus reach the workers at")
+    f(parser, "--metrics-port", env="KVPAGER_WORKER_METRICS_PORT", type=cli.port_number, metavar="PORT",
+      default_help="unset: no metrics", help="rank r serves Prometheus /metrics on PORT + r (0: free ports)")
+
+
+def _fraction(text: str) -> float:
+    value = cli.number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.join and not args.ray_address:
+        raise cli.UsageError("--join needs --ray-address (the cluster to join)")
+    if args.num_cpu_blocks < 0:
+        raise cli.UsageError(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
+    _stop_on_signals()
+    check_manager(args.manager)
+    node: Optional[RayNode] = None
+    group = None
+    try:
+        if args.join:
+            node = RayNode.start(args.ray_address, args.node_ip, args.device, args.tensor_parallel_size)
+        node_id, gpus = connect(args)
+        _stop_on_signals()  # ray.init installs its own SIGTERM handler
+        group = start_group(args, node_id, gpus)
+        _stop_on_signals()
+        for rank, (grpc_address, metrics) in enumerate(zip(group.addresses, group.metrics_addresses)):
+            print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}", flush=True)
+        cfg = group.configs[0]
+        print(f"workers ready: tensor parallel {len(group.actors)} on {'CUDA' if group.use_gpu else 'CPU'}, "
+              f"model {args.model or ('small' if group.use_gpu else 'tiny')}, block size {cfg.block_size}, "
+              f"registered with {args.manager}", flush=True)
+        try:
+            watch(group.addresses)  # returns only by raising
+        except KeyboardInterrupt:  # SIGTERM or SIGINT: the normal way to stop
+            pass
+    finally:
+        _stop(group, node)
+    print("workers stopped", flush=True)
+    return 0
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, like SIGINT's KeyboardInterrupt."""
+
+
+def _stop_on_signals() -> None:
+    def stop(signum, _frame):
+        raise _Stopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _stop(group, node: Optional["RayNode"]) -> None:
+    """Stop the ranks, leave Ray, stop the joined node (a second SIGTERM waits; Ctrl-C still
+    skips to stopping the node)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if group is not None:
+            group.stop()
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+    finally:
+        if node is not None:
+            node.stop()
+
+
+# ---- the manager ----------------------------------------------------------------------------------
+def check_manager(target: str, timeout: float = 5.0) -> None:
+    """Fail with one clear line unless the block manager answers Ping."""
+    from kvpager.client import BlockManagerClient
+    from kvpager.manager.errors import ManagerError
+
+    with BlockManagerClient(target, timeout=timeout) as client:
+        try:
+            client.ping()
+        except ManagerError as err:
+            raise cli.Failure(f"cannot reach the block manager at {target}: {cli.one_line(err)}") from err
+
+
+# ---- Ray --------------------------------------------------------------------------------------------
+class RayNode:
+    """A Ray node on this machine joining a cluster: ``ray start --block`` as a child process in its
+    own session (so a Ctrl-C reaches only us, and we stop it after the actors)."""
+
+    MARK = "Ray runtime started"  # what `ray start` prints once the node is up
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.tail: deque[str] = deque(maxlen=20)
+        self.started = threading.Event()
+        threading.Thread(target=self._drain, name="kvpager-ray-node", daemon=True).start()
+
+    @classmethod
+    def start(cls, address: str, node_ip: Optional[str], device: str, tensor_parallel_size: int) -> "RayNode":
+        check_reachable(address, "the Ray cluster")
+        command = [_ray_cli(), "start", "--address", address, "--block", "--disable-usage-stats"]
+        if node_ip:
+            command += ["--node-ip-address", node_ip]
+        if device == "cpu":  # room for one CPU actor per rank, whatever Ray detects; no GPUs
+            command += ["--num-gpus", "0", "--num-cpus", str(max(tensor_parallel_size, os.cpu_count() or 1))]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        node = cls(proc)
+        try:
+            deadline = time.monotonic() + RAY_NODE_START_S
+            while not node.started.wait(0.2):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    why = node.last_error() or (f"it exited with status {proc.returncode}" if proc.poll() is not None
+                                                else f"not started after {RAY_NODE_START_S:g} s")
+                    raise cli.Failure(f"could not join the Ray cluster at {address} (ray start): {why}")
+        except BaseException:  # a failure, or SIGTERM/Ctrl-C while waiting: the node goes too
+            node.stop()
+            raise
+        return node
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            if self.MARK in line:
+                self.started.set()
+
+    def last_error(self) -> str:
+        lines = [line for line in self.tail if "ERROR" in line or "Error" in line] or list(self.tail)[-1:]
+        return lines[-1].split(" -- ", 1)[-1].strip() if lines else ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _ray_cli() -> str:
+    """The `ray` script of this Python's environment (PATH may hold another one)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "ray")
+    return beside if os.access(beside, os.X_OK) else "ray"
+
+
+def check_reachable(target: str, what: str, timeout: float = 5.0) -> None:
+    """A TCP connect first: Ray waits a long while on an address that does not answer."""
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise cli.Failure(f"cannot reach {what} at {target}: {err.strerror or err}") from err
+
+
+def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
+    """Join Ray as a driver; (the node to place the ranks on or None for any, GPUs there)."""
+    import ray
+
+    if not args.ray_address:
+        from kvpager.worker.ray_group import init_local_ray
+
+        gpus = 0
+        if args.device != "cpu":
+            import torch
+
+            gpus = torch.cuda.device_count()
+        init_local_ray(num_cpus=args.tensor_parallel_size, num_gpus=gpus, namespace=args.namespace,
+                       node_ip=args.node_ip)
+        return None, gpus
+    connect_ray(args.ray_address, args.namespace, args.node_ip)
+    node_id = ray.get_runtime_context().get_node_id()
+    deadline = time.monotonic() + 30
+    while True:  # the node this driver attached to, alive in the cluster's view
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"]), None)
+        if node is not None:
+            break
+        if time.monotonic() > deadline:
+            raise cli.Failure(f"this machine's Ray node {node_id} is not alive in the cluster at {args.ray_address}")
+        time.sleep(0.2)
+    if args.node_ip and node["NodeManagerAddress"] != args.node_ip:
+        raise cli.Failure(f"the local Ray node advertises {node['NodeManagerAddress']}, not --node-ip {args.node_ip}")
+    return node_id, int(node["Resources"].get("GPU", 0))
+
+
+def connect_ray(address: str, namespace: str, node_ip: Optional[str] = None) -> None:
+    """Connect this process to the Ray cluster at ``address`` as a driver, through the Ray node
+    that runs on this machine (with ``node_ip``: the one advertising that IP)."""
+    import ray
+
+    check_reachable(address, "the Ray cluster")
+    options = {"_node_ip_address": node_ip} if node_ip else {}
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, **options)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise cli.Failure(f"cannot connect to the Ray cluster at {address}: {cli.one_line(err)} (is a Ray node "
+                          "running on this machine? `kvpager worker --join` starts one)") from err
+
+
+# ---- the group --------------------------------------------------------------------------------------
+def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
+    """Create the named actors, start them (each registers with the manager) and return the group."""
+    import ray
+
+    from kvpager.worker.cache_worker import WorkerConfig
+    from kvpager.worker.model import PRESETS
+    from kvpager.worker.ray_group import RayWorkerGroup, actor_name
+
+    tp = args.tensor_parallel_size
+    if args.device == "cuda" and gpus < tp:
+        raise cli.Failure(f"--device cuda needs {tp} GPU(s) on this Ray node, it has {gpus}")
+    use_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp)
+    try:
+        ray.get_actor(actor_name(0))
+    except ValueError:
+        pass
+    else:
+        raise cli.Failure(f"a kvpager worker group already runs in Ray namespace {args.namespace!r}; "
+                          "stop it or choose another --namespace")
+    model = PRESETS[args.model or ("small" if use_gpu else "tiny")]
+    if args.kv_cache_dtype != "auto":
+        model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+    config = WorkerConfig(model=model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                          memory_fraction=args.memory_fraction, num_cpu_blocks=args.num_cpu_blocks,
+                          manager_address=args.manager, host=args.host, advertise_host=args.advertise_host,
+                          metrics_port=args.metrics_port, device=None if use_gpu else "cpu")
+    try:
+        return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
+    except ray.exceptions.RayError as err:
+        raise cli.Failure(f"the workers did not start: {_cause(err)}") from err
+
+
+_RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')
+
+
+def _cause(err: BaseException) -> str:
+    """The one-line reason inside a Ray error. A failed registration raised a grpc.RpcError in the
+    actor, which Ray cannot pickle: its status and details survive only in the traceback text."""
+    text = getattr(err, "traceback_str", "") or str(err)
+    statuses = _RPC_STATUS.findall(text)
+    if statuses:
+        code, details = statuses[-1]
+        return f"{code}: {details}"
+    finals = [line for line in text.splitlines() if line.strip() and not line[0].isspace()
+              and not line.startswith(("Traceback", "ray::", "\x1b"))]
+    return finals[-1] if finals else cli.one_line(err)
+
+
+def watch(addresses: list[str]) -> None:
+    """Return never: check every rank's gRPC health every few seconds; fail when one stops answering."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channels = [grpc.insecure_channel(a) for a in addresses]
+    stubs = [health_pb2_grpc.HealthStub(c) for c in channels]
+    failures = [0] * len(addresses)
+    try:
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            for rank, stub in enumerate(stubs):
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=WATCH_INTERVAL_S)
+                    failures[rank] = 0
+                except grpc.RpcError as err:
+                    failures[rank] += 1
+                    if failures[rank] >= WATCH_FAILURES:
+                        raise cli.Failure(f"rank {rank} at {addresses[rank]} stopped answering "
+                                          f"({err.code().name}); stopping the group") from None
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run_main("kvpager worker", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
