@@ -6,7 +6,8 @@ finds, up to two), and the reference scheduler. Requests arrive over time with s
 prompts, varied lengths and parallel sampling; the pool is small enough that requests get
 preempted by swap. At the end it checks every generated token against the same model with a
 plain contiguous cache, checks the manager's invariants, and prints throughput and memory
-figures.
+figures. The manager and every worker serve Prometheus /metrics on 127.0.0.1 while it runs; at
+the end it scrapes them all and checks them against the manager's own stats.
 
 With --manager and --ray-address it serves the same mix on a running deployment instead: the
 manager at --manager and the workers that `kvpager worker` started on that Ray cluster (found
@@ -23,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 import uuid
 from typing import Callable, Iterator
 
@@ -87,16 +89,17 @@ class Deployment:
     kind: str                          # the workers, in words
     check: Callable[[], str]           # the invariants line of the report; raises when broken
     remote: bool = False
+    metrics: list[str] = dataclasses.field(default_factory=list)  # /metrics URLs: the manager's, then each rank's
 
 
 def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: int, use_ray: bool):
     """Two tensor-parallel workers as Ray actors (GPU ones when there are GPUs), or one in-process."""
     config = WorkerConfig(model=model, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=4 * gpu_blocks,
-                          manager_address=target)
+                          manager_address=target, metrics_port=0)
     if not use_ray:
         worker = CacheWorker(config)
         worker.start()
-        return worker.execute_model, worker.stop, "1 in-process worker"
+        return worker.execute_model, worker.stop, "1 in-process worker", [worker.metrics_address]
     from kvpager.worker.ray_group import RayWorkerGroup, init_local_ray
 
     gpus = torch.cuda.device_count()
@@ -104,7 +107,7 @@ def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: 
     tp = min(2, gpus) if gpus else 2
     group = RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=gpus > 0)
     kind = f"{tp} Ray {'GPU' if gpus else 'CPU'} worker(s), tensor parallel {tp}"
-    return group, group.stop, kind
+    return group, group.stop, kind, group.metrics_addresses
 
 
 @contextlib.contextmanager
@@ -113,21 +116,26 @@ def embedded(args: argparse.Namespace) -> Iterator[Deployment]:
     config = ManagerConfig(block_size=args.block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.01)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
+    metrics = service.serve_metrics("127.0.0.1", args.metrics_port)  # loopback only
     client = C.BlockManagerClient(f"127.0.0.1:{port}")
     stop_workers = None
     try:
         model = PRESETS["small" if torch.cuda.is_available() else "tiny"]
         if args.kv_cache_dtype != "auto":
             model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
-        runner, stop_workers, kind = start_workers(model, client.target, args.block_size, args.gpu_blocks,
-                                                   not args.no_ray)
+        runner, stop_workers, kind, worker_metrics = start_workers(model, client.target, args.block_size,
+                                                                   args.gpu_blocks, not args.no_ray)
+        if not args.quiet:
+            print(f"metrics on http://{metrics.address}/metrics (workers: "
+                  f"{', '.join(f'http://{a}/metrics' for a in worker_metrics)})", file=sys.stderr, flush=True)
 
         def check() -> str:
             with service.lock:
                 service.manager.check_invariants()
             return "OK"
 
-        yield Deployment(client, runner, model, kind, check)
+        yield Deployment(client, runner, model, kind, check,
+                         metrics=[f"http://{a}/metrics" for a in [metrics.address, *worker_metrics]])
     finally:
         if stop_workers is not None:
             stop_workers()
@@ -250,7 +258,44 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     leftover = max(0, live_state(final) - live_state(before))  # others may hold state on a shared manager
     left = f" but {leftover} sequences/blocks left over" if leftover else (", nothing left over" if d.remote else "")
     print(f"  invariants         {invariants}{left}")
-    return 0 if matches == len(requests) and not leftover else 1
+    metrics_ok = True
+    if d.metrics:
+        metrics_ok, line = check_metrics(d.metrics, final)
+        print(f"  metrics            {line}")
+    return 0 if matches == len(requests) and not leftover and metrics_ok else 1
+
+
+def check_metrics(urls: list[str], stats: pb.GetStatsResponse) -> tuple[bool, str]:
+    """Scrape the manager's and every rank's /metrics and check them against the manager's stats:
+    what Prometheus would see of this run. Returns (all agree, a report line)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(url: str) -> dict[tuple, float]:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    manager, *ranks = [scrape(url) for url in urls]
+    want = {("kvpager_kv_cache_blocks", (("state", "used"), ("tier", "gpu"))): stats.gpu.used_blocks,
+            ("kvpager_swapped_blocks_total", (("direction", "out"),)): stats.blocks_swapped_out,
+            ("kvpager_swapped_blocks_total", (("direction", "in"),)): stats.blocks_swapped_in,
+            ("kvpager_operations_total", (("op", "copy_on_write"),)): stats.cow_copies,
+            ("kvpager_prefix_cache_hit_tokens_total", ()): stats.prefix_hit_tokens}
+    wrong = [f"manager {name}{dict(labels)}" for (name, labels), value in want.items()
+             if manager.get((name, labels)) != value]
+    # Every rank executes every plan: each moved exactly the blocks the manager planned.
+    moved = {"gpu_to_cpu": stats.blocks_swapped_out, "cpu_to_gpu": stats.blocks_swapped_in,
+             "gpu_to_gpu": stats.cow_copies}
+    for rank, samples in enumerate(ranks):
+        wrong += [f"rank {rank} moved {direction}" for direction, blocks in moved.items()
+                  if samples.get(("kvpager_worker_moved_blocks_total", (("direction", direction),))) != blocks]
+    series = sum(len(m) for m in (manager, *ranks))
+    if wrong:
+        return False, f"{series} series scraped; DISAGREE with the manager's stats: {', '.join(wrong)}"
+    return True, (f"{series} series scraped from the manager and {len(ranks)} rank(s); they agree with the "
+                  f"manager's stats ({stats.blocks_swapped_out} blocks swapped out, {stats.blocks_swapped_in} in, "
+                  f"{stats.cow_copies} copied by every rank)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +323,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="KV storage: the model's dtype, or fp8 e4m3 with --kv-scale (embedded)")
     f(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=cli.positive_float, default=0.25, metavar="X",
       help="per-tensor K/V scale of an fp8 cache (embedded)")
+    f(parser, "--metrics-port", env="KVPAGER_DEMO_METRICS_PORT", type=cli.integer, default=0, metavar="PORT",
+      help="the embedded manager's /metrics port, on 127.0.0.1 (0: a free one; workers take free ports)")
     f(parser, "--quiet", env="KVPAGER_DEMO_QUIET", type=bool, default=False, help="no progress bar")
 
 
