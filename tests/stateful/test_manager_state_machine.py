@@ -572,6 +572,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert s.swapped_sequences == sum(q.tier == "cpu" for q in self.model.values())
         for tier in (s.gpu, s.cpu):
             assert tier.used_blocks + tier.free_blocks + tier.cached_blocks == tier.total_blocks
+        # The operation counts the metrics export count only what committed: every live sequence
+        # was allocated or forked, and not freed.
+        applied = m.op_counts.applied
+        assert applied["allocate"] + applied["fork"] - applied["free"] == len(self.model), dict(applied)
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
