@@ -18,6 +18,7 @@ from kvpager.manager import (
     OutOfRange, ResourceExhausted,
 )
 from kvpager.manager.block_manager import MAX_SEQ_ID_LEN
+from kvpager.manager.errors import Unavailable
 from kvpager.manager.operations import (
     AllocateOp, AppendOp, ForkOp, FreeOp, RejectedOp, SwapInOp, SwapOutOp,
 )
@@ -923,3 +924,24 @@ def test_all_or_nothing_success_is_a_normal_step(m):
     assert r.applied and r.batch.seq_ids == ["a", "b"] and r.batch.query_lens == [5, 0]
     assert refs(m, 0, 1) == [2, 2]
     m.check_invariants()
+
+
+# ---- operation counts (what the metrics export) -------------------------------------------------------
+def test_operation_counts_follow_commits_and_rollbacks(make):
+    m = make()
+    m.allocate("a", token_ids=list(range(6)))
+    m.step([AppendOp("a", num_tokens=1), FreeOp("ghost"), RejectedOp("bad field")])
+    m.step([AppendOp("a", num_tokens=1), FreeOp("ghost")], all_or_nothing=True)
+
+    def unreachable(plan):
+        raise Unavailable("worker rank 0 is gone")
+
+    m.dispatch = unreachable
+    with pytest.raises(Unavailable):
+        m.step([SwapOutOp(["a"]), ForkOp("a", "b")])
+    m.dispatch = None
+    assert dict(m.op_counts.applied) == {"allocate": 1, "append": 1}
+    assert dict(m.op_counts.failed) == {
+        ("free", "NOT_FOUND"): 2, ("invalid", "INVALID_ARGUMENT"): 1, ("append", "ABORTED"): 1,
+        ("swap_out", "UNAVAILABLE"): 1, ("fork", "UNAVAILABLE"): 1}
+    assert m.stats().preemptions == 0 and len(m.seqs) == 1  # the rolled-back swap-out left no trace
