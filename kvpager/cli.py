@@ -101,6 +101,14 @@ class Parser(argparse.ArgumentParser):
         return value
 
 
+def kv_cache_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--kv-cache-dtype`` and ``--kv-scale``: how the workers store K/V (``kvpager worker``, the demo)."""
+    flag(parser, "--kv-cache-dtype", env="KVPAGER_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"), default="auto",
+         help=f"KV storage: the model's dtype, or fp8 e4m3 scaled by --kv-scale{note}")
+    flag(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=positive_float, default=0.25, metavar="X",
+         help=f"per-tensor K/V scale of an fp8 cache{note}")
+
+
 def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, type: Callable[[str], Any] = str,
          default: Any = None, default_help: Optional[str] = None, required: bool = False,
          choices: Optional[Sequence[Any]] = None, metavar: Optional[str] = None) -> argparse.Action:

@@ -24,7 +24,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 import uuid
 from typing import Callable, Iterator
 
@@ -38,7 +37,7 @@ from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
-from kvpager.worker.model import PRESETS, Llama, ModelConfig
+from kvpager.worker.model import Llama, ModelConfig, preset
 
 
 def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "req") -> list[tuple[int, Request]]:
@@ -120,9 +119,7 @@ def embedded(args: argparse.Namespace) -> Iterator[Deployment]:
     client = C.BlockManagerClient(f"127.0.0.1:{port}")
     stop_workers = None
     try:
-        model = PRESETS["small" if torch.cuda.is_available() else "tiny"]
-        if args.kv_cache_dtype != "auto":
-            model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+        model = preset("small" if torch.cuda.is_available() else "tiny", args.kv_cache_dtype, args.kv_scale)
         runner, stop_workers, kind, worker_metrics = start_workers(model, client.target, args.block_size,
                                                                    args.gpu_blocks, not args.no_ray)
         if not args.quiet:
@@ -268,13 +265,7 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
 def check_metrics(urls: list[str], stats: pb.GetStatsResponse) -> tuple[bool, str]:
     """Scrape the manager's and every rank's /metrics and check them against the manager's stats:
     what Prometheus would see of this run. Returns (all agree, a report line)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape(url: str) -> dict[tuple, float]:
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+    from kvpager.metrics_http import scrape
 
     manager, *ranks = [scrape(url) for url in urls]
     want = {("kvpager_kv_cache_blocks", (("state", "used"), ("tier", "gpu"))): stats.gpu.used_blocks,
@@ -319,10 +310,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="KV blocks per worker, small to force swaps (embedded)")
     f(parser, "--no-ray", env="KVPAGER_DEMO_NO_RAY", type=bool, default=False,
       help="one worker in this process instead of Ray actors (embedded)")
-    f(parser, "--kv-cache-dtype", env="KVPAGER_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"), default="auto",
-      help="KV storage: the model's dtype, or fp8 e4m3 with --kv-scale (embedded)")
-    f(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=cli.positive_float, default=0.25, metavar="X",
-      help="per-tensor K/V scale of an fp8 cache (embedded)")
+    cli.kv_cache_flags(parser, " (embedded)")
     f(parser, "--metrics-port", env="KVPAGER_DEMO_METRICS_PORT", type=cli.integer, default=0, metavar="PORT",
       help="the embedded manager's /metrics port, on 127.0.0.1 (0: a free one; workers take free ports)")
     f(parser, "--quiet", env="KVPAGER_DEMO_QUIET", type=bool, default=False, help="no progress bar")

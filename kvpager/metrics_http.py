@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.parser import text_string_to_metric_families
 
 JsonRoute = Callable[[], object]  # returns a JSON-serializable document
 
@@ -43,6 +45,14 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=5)
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[tuple[str, tuple], float]:
+    """Read a /metrics page: {(sample name, sorted (label, value) pairs): value}."""
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def _handler(registry: CollectorRegistry, routes: dict[str, JsonRoute]) -> type[BaseHTTPRequestHandler]:

@@ -178,10 +178,10 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     def _dispatch(self, plan: ExecutionPlan) -> None:
         started = time.perf_counter()
         try:
-            self.registry.execute(wire.plan_pb(plan))
+            sent = self.registry.execute(wire.plan_pb(plan))
         finally:
             self._update_health()
-        if plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src:
+        if sent:
             bytes_per_block = sum(w.block_bytes for w in self.registry.workers())
             self.metrics.observe_dispatch(plan, time.perf_counter() - started, bytes_per_block)
 

@@ -145,11 +145,11 @@ class WorkerRegistry:
         with self._lock:
             return [self._by_rank[r] for r in sorted(self._by_rank)]
 
-    def execute(self, plan: plan_pb2.ExecutionPlan) -> None:
-        """Send a plan to every rank in parallel; return when all acknowledged, else raise Unavailable.
-        A plan with nothing to move needs no worker."""
+    def execute(self, plan: plan_pb2.ExecutionPlan) -> bool:
+        """Send a plan to every rank in parallel; return True when all acknowledged, else raise
+        Unavailable. A plan with nothing to move needs no worker: False, nothing sent."""
         if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
-            return
+            return False
         missing = self.missing_ranks()
         if missing:
             raise Unavailable(
@@ -170,6 +170,7 @@ class WorkerRegistry:
             raise Unavailable(
                 f"step {plan.step_id}: worker rank {worker.rank} at {worker.address} failed to execute the plan "
                 f"({exc.code().name}: {exc.details()}); the step was not applied")
+        return True
 
     def close(self) -> None:
         with self._lock:

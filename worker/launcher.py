@@ -21,7 +21,6 @@ the command with exit 1, so a supervisor can restart it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import signal
@@ -59,10 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="auto: CUDA when this Ray node has a GPU per rank, else the CPU")
     f(parser, "--model", env="KVPAGER_MODEL", choices=("tiny", "small"),
       default_help="small on CUDA, tiny on the CPU", help="the model preset (worker.model.PRESETS)")
-    f(parser, "--kv-cache-dtype", env="KVPAGER_KV_CACHE_DTYPE", choices=("auto", "fp8_e4m3"), default="auto",
-      help="KV storage: the model's dtype, or fp8 e4m3 scaled by --kv-scale")
-    f(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=cli.positive_float, default=0.25, metavar="X",
-      help="per-tensor K/V scale of an fp8 cache")
+    cli.kv_cache_flags(parser)
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (must equal the manager's)")
     f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
@@ -281,7 +277,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
     import ray
 
     from kvpager.worker.cache_worker import WorkerConfig
-    from kvpager.worker.model import PRESETS
+    from kvpager.worker.model import preset
     from kvpager.worker.ray_group import RayWorkerGroup, actor_name
 
     tp = args.tensor_parallel_size
@@ -295,9 +291,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
     else:
         raise cli.Failure(f"a kvpager worker group already runs in Ray namespace {args.namespace!r}; "
                           "stop it or choose another --namespace")
-    model = PRESETS[args.model or ("small" if use_gpu else "tiny")]
-    if args.kv_cache_dtype != "auto":
-        model = dataclasses.replace(model, kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+    model = preset(args.model or ("small" if use_gpu else "tiny"), args.kv_cache_dtype, args.kv_scale)
     config = WorkerConfig(model=model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                           memory_fraction=args.memory_fraction, num_cpu_blocks=args.num_cpu_blocks,
                           manager_address=args.manager, host=args.host, advertise_host=args.advertise_host,

@@ -13,7 +13,7 @@ all-reduced. Every rank builds the full weights from the seed and keeps its slic
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -68,6 +68,14 @@ PRESETS = {
     "small": ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
                          intermediate_size=512, seed=7),
 }
+
+
+def preset(name: str, kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> ModelConfig:
+    """A named model (``PRESETS``) with the KV storage asked for."""
+    model = PRESETS[name]
+    if kv_cache_dtype == "auto":
+        return model
+    return replace(model, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
 
 
 @dataclass(slots=True)

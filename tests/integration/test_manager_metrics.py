@@ -7,33 +7,16 @@ Pool (conftest's ``served``): block size 4, 16 GPU blocks, 8 CPU blocks, no wate
 from __future__ import annotations
 
 import json
-import pathlib
-import re
 import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpager import client as C
 from kvpager.manager import errors
+from kvpager.metrics_http import scrape
 from kvpager.v1 import block_manager_pb2 as pb
-
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-
-
-def documented(section: str) -> list[str]:
-    """Metric names in the first column of a docs/metrics.md table, under '## <section>'."""
-    text = DOC.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^\| `(kvpager_\w+)` \|", text, flags=re.M)
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of one scrape."""
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+from tests.support.catalog import check_exports, scrape_families
 
 
 def value(samples, name: str, **labels) -> float:
@@ -115,16 +98,8 @@ def test_scrape_matches_the_workload_and_get_stats(metrics_url):
 def test_every_documented_manager_metric_is_exported(metrics_url):
     client, _, url = metrics_url
     workload(client)
-    names = {name for name, _ in scrape(url + "/metrics")}
-    exported = names | {n.removesuffix("_bucket") for n in names} | {n.removesuffix("_info") for n in names}
-    missing = [n for n in documented("Manager") if n not in exported and n + "_info" not in names]
-    assert not missing, f"documented but not exported: {missing}"
-    ours = {n for n in names if n.startswith("kvpager_")}
-    documented_names = set(documented("Manager"))
-    extra = [n for n in ours if not any(n == d or n.startswith(d + "_") or n == d + "_info"
-                                        for d in documented_names)
-             and not n.endswith("_created")]
-    assert not extra, f"exported but not documented: {extra}"
+    # Both ways, with types and labels: docs/metrics.md's Manager table is what a scrape has.
+    check_exports(scrape_families(url.removeprefix("http://")), "Manager")
 
 
 def test_a_rolled_back_step_counts_as_failures_not_operations(metrics_url):

@@ -9,13 +9,9 @@ checked with stand-in events.
 
 from __future__ import annotations
 
-import pathlib
-import re
-import urllib.request
-
+import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpager.kernels import ops
 from kvpager.manager import ManagerConfig
@@ -26,37 +22,11 @@ from kvpager.worker.cache_worker import CacheWorker, WorkerConfig, advertised_ho
 from kvpager.worker.metrics import DeviceClock
 from kvpager.worker.model import ModelConfig, ModelInput
 from kvpager.worker.ray_group import _rank_metrics_port
+from tests.support.catalog import check_exports, scrape_families
 
-import grpc
-
-CATALOG = pathlib.Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8,
                     intermediate_size=64, vocab_size=64, seed=1)
 BLOCK = 4
-
-
-def worker_catalog() -> dict[str, tuple[str, set[str]]]:
-    """name -> (type, label names) of each row of the Worker table."""
-    section = CATALOG.read_text().split("\n## Worker\n", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and cells[0].startswith("`kvpager_"):
-            labels = re.sub(r"\([^)]*\)", "", cells[2])  # drop the lists of values
-            rows[cells[0].strip("`")] = (cells[1], set(re.findall(r"`(\w+)`", labels)))
-    assert rows, "no Worker table found in docs/metrics.md"
-    return rows
-
-
-def scrape(address: str) -> dict[str, object]:
-    """Family name (as the catalog writes it) -> parsed family."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    families = {}
-    for family in text_string_to_metric_families(text):
-        # The text format's parser names a counter without _total; the catalog with it.
-        families[family.name + "_total" if family.type == "counter" else family.name] = family
-    return families
 
 
 def value(families, name: str, sample: str = "", **labels: str) -> float:
@@ -126,7 +96,7 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     # Timing changes nothing: the same step without a timer (rewriting the same K/V) gives the same logits.
     assert torch.equal(worker.model.forward_paged(decode, worker.cache.layer).cpu(), logits)
 
-    m = scrape(worker.metrics_address)
+    m = scrape_families(worker.metrics_address)
     assert value(m, "kvpager_worker_plans_total") == 3
     for direction, blocks in moved.items():
         assert value(m, "kvpager_worker_moved_blocks_total", direction=direction) == blocks
@@ -165,15 +135,7 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
 
     # The catalog's Worker table, both ways: each row exists with its type and labels, and
     # the worker exports no kvpager_ series the catalog does not list.
-    catalog = worker_catalog()
-    for name, (kind, labels) in catalog.items():
-        assert name in m, f"{name} is in docs/metrics.md but not exported"
-        family = m[name]
-        assert family.type == ("gauge" if kind == "info" else kind), name  # the text format has no info type
-        exported = {label for s in family.samples for label in s.labels} - {"le"}
-        assert exported == labels, (name, exported, labels)
-    # (prometheus-client adds a *_created gauge, the creation time, beside counters and histograms.)
-    assert {name for name in m if name.startswith("kvpager_") and not name.endswith("_created")} == set(catalog)
+    check_exports(m, "Worker")
 
 
 def test_a_worker_without_metrics_port_serves_none():
