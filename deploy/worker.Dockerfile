@@ -29,7 +29,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN python -c "import torch" 2>/dev/null || pip install --index-url "${CPU_TORCH_INDEX}" "${CPU_TORCH}"
 
 # An editable install: the kernels are compiled from kernels/csrc, which must stay beside the
-# Python modules. The base dependencies plus the ray and metrics extras; never the torch extra,
+# Python modules. The base dependencies plus the ray, metrics and models extras; never the torch extra,
 # so the base image's CUDA build of torch is kept (checked below).
 WORKDIR /opt/kvpager
 COPY pyproject.toml README.md ./
@@ -39,7 +39,7 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY deploy/build_kernels.py ./deploy/build_kernels.py
 RUN torch_before="$(python -c 'import torch; print(torch.__version__)')" \
- && pip install ninja -e ".[ray,metrics]" \
+ && pip install ninja -e ".[ray,metrics,models]" \
  && torch_after="$(python -c 'import torch; print(torch.__version__)')" \
  && if [ "$torch_before" != "$torch_after" ]; then \
         echo "installing kvpager replaced torch $torch_before with $torch_after" >&2; exit 1; fi \

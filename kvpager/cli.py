@@ -41,6 +41,7 @@ TOP_EPILOG = f"""examples:
   kvpager manager --port 50051 --metrics-port 9400
   kvpager worker --manager 127.0.0.1:50051 --tensor-parallel-size 2
   kvpager stats --manager 127.0.0.1:50051
+  kvpager generate --model DIR "The capital of France is"
   kvpager demo
   kvpager bench --list
 
@@ -282,6 +283,7 @@ class _Bench:
 COMMANDS = {
     "manager": ("kvpager.manager.__main__", "serve the block manager over gRPC"),
     "worker": ("kvpager.worker.launcher", "start cache workers on Ray and register them with a manager"),
+    "generate": ("kvpager.generate", "generate text with a local Hugging Face checkpoint"),
     "demo": ("kvpager.demo", "serve a request mix end to end and check every token (what `make demo` runs)"),
     "stats": ("kvpager.stats_view", "a live table of a running manager's pools, sequences and workers"),
     "bench": (None, "run a benchmark script of the repository's benchmarks/ folder"),

@@ -23,6 +23,7 @@ import dataclasses
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from typing import Callable, Iterator
@@ -31,13 +32,11 @@ import torch
 
 from kvpager import cli
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
-from kvpager.manager.service import create_server
+from kvpager.manager import errors
 from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
-from kvpager.worker.model import Llama, ModelConfig, preset
+from kvpager.worker.model import Decoder, ModelConfig
 
 
 def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "req") -> list[tuple[int, Request]]:
@@ -91,54 +90,52 @@ class Deployment:
     metrics: list[str] = dataclasses.field(default_factory=list)  # /metrics URLs: the manager's, then each rank's
 
 
-def start_workers(model: ModelConfig, target: str, block_size: int, gpu_blocks: int, use_ray: bool):
-    """Two tensor-parallel workers as Ray actors (GPU ones when there are GPUs), or one in-process."""
-    config = WorkerConfig(model=model, block_size=block_size, num_gpu_blocks=gpu_blocks, num_cpu_blocks=4 * gpu_blocks,
-                          manager_address=target, metrics_port=0)
-    if not use_ray:
-        worker = CacheWorker(config)
-        worker.start()
-        return worker.execute_model, worker.stop, "1 in-process worker", [worker.metrics_address]
-    from kvpager.worker.ray_group import RayWorkerGroup, init_local_ray
+# The model `make demo` serves when no --model is given: a small Llama built here with random
+# weights, saved in Hugging Face format with a tokenizer, and loaded like any checkpoint. Head
+# dim 64 on CUDA (our decode kernel's), 16 on the CPU (fast).
+def demo_checkpoint_shape(cuda: bool) -> dict:
+    head_dim = 64 if cuda else 16
+    return dict(num_layers=2, hidden_size=8 * head_dim, num_heads=8, num_kv_heads=4, head_dim=head_dim,
+                intermediate_size=16 * head_dim, vocab_size=384)
 
-    gpus = torch.cuda.device_count()
-    init_local_ray(num_cpus=4, num_gpus=gpus)
-    tp = min(2, gpus) if gpus else 2
-    group = RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=gpus > 0)
-    kind = f"{tp} Ray {'GPU' if gpus else 'CPU'} worker(s), tensor parallel {tp}"
-    return group, group.stop, kind, group.metrics_addresses
+
+@contextlib.contextmanager
+def demo_model(args: argparse.Namespace) -> Iterator[ModelConfig]:
+    """The model to serve: the checkpoint at --model, else a small random one built in a
+    temporary directory (removed at the end)."""
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda and args.model else "float32")
+    if args.model:
+        yield ModelConfig.from_pretrained(args.model, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                          kv_scale=args.kv_scale)
+        return
+    from kvpager.checkpoints import build_random_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="kvpager-demo-model-") as path:
+        build_random_checkpoint(path, "llama", seed=7, **demo_checkpoint_shape(cuda))
+        yield ModelConfig.from_pretrained(path, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                          kv_scale=args.kv_scale)
 
 
 @contextlib.contextmanager
 def embedded(args: argparse.Namespace) -> Iterator[Deployment]:
     """A manager in this process (pools sized from the workers) and workers started here."""
-    config = ManagerConfig(block_size=args.block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.01)
-    server, port, service, _ = create_server(config, "127.0.0.1:0")
-    server.start()
-    metrics = service.serve_metrics("127.0.0.1", args.metrics_port)  # loopback only
-    client = C.BlockManagerClient(f"127.0.0.1:{port}")
-    stop_workers = None
-    try:
-        model = preset("small" if torch.cuda.is_available() else "tiny", args.kv_cache_dtype, args.kv_scale)
-        runner, stop_workers, kind, worker_metrics = start_workers(model, client.target, args.block_size,
-                                                                   args.gpu_blocks, not args.no_ray)
+    from kvpager.embedded import embedded as embedded_system
+
+    with demo_model(args) as model, embedded_system(
+            model, block_size=args.block_size, use_ray=not args.no_ray,
+            tensor_parallel_size=1 if args.no_ray else None, num_gpu_blocks=args.gpu_blocks,
+            num_cpu_blocks=4 * args.gpu_blocks, metrics_port=args.metrics_port,
+            device="cpu" if args.device == "cpu" else None) as system:
+        urls = [f"http://{a}/metrics" for a in [system.manager_metrics, *system.worker_metrics]]
         if not args.quiet:
-            print(f"metrics on http://{metrics.address}/metrics (workers: "
-                  f"{', '.join(f'http://{a}/metrics' for a in worker_metrics)})", file=sys.stderr, flush=True)
+            print(f"metrics on {urls[0]} (workers: {', '.join(urls[1:])})", file=sys.stderr, flush=True)
 
         def check() -> str:
-            with service.lock:
-                service.manager.check_invariants()
+            system.check_invariants()
             return "OK"
 
-        yield Deployment(client, runner, model, kind, check,
-                         metrics=[f"http://{a}/metrics" for a in [metrics.address, *worker_metrics]])
-    finally:
-        if stop_workers is not None:
-            stop_workers()
-        client.close()
-        server.stop(None)
-        service.close()
+        yield Deployment(system.client, system.runner, model, system.kind, check, metrics=urls)
 
 
 @contextlib.contextmanager
@@ -229,8 +226,13 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     progress.close()
 
     requests = [r for _, r in arrivals]
-    expected = generate_contiguous(Llama(model), requests)
-    matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
+    check = args.check if args.check is not None else not args.model
+    if check:  # the same weights in float32 on the CPU, over a contiguous cache
+        reference = Decoder(dataclasses.replace(model, dtype="float32"))
+        expected = generate_contiguous(reference, requests)
+        matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
+    else:
+        matches = len(requests)
     final = client.get_stats()
     invariants = d.check()
     st, lat = scheduler.stats, [t * 1e3 for t in scheduler.stats.step_latencies]
@@ -251,7 +253,10 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
           f"{delta('blocks_swapped_in')} in; {st.restarts} restarts")
     print(f"  copy-on-write      {delta('cow_copies')} block copies")
     print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms")
-    print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
+    if check:
+        print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
+    else:
+        print("  correctness        not checked (--check compares with a float32 contiguous-cache reference)")
     leftover = max(0, live_state(final) - live_state(before))  # others may hold state on a shared manager
     left = f" but {leftover} sequences/blocks left over" if leftover else (", nothing left over" if d.remote else "")
     print(f"  invariants         {invariants}{left}")
@@ -304,6 +309,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="with --manager: the Ray namespace of those workers")
     f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
       help="with --manager: the IP of this machine's Ray node")
+    f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", default_help="a small random Llama built here",
+      help="a local Hugging Face checkpoint to serve (embedded)")
+    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+      help="weights and activations: auto is bfloat16 for --model on CUDA, else float32 (embedded)")
+    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
+      help="where the embedded workers run: auto is CUDA when there is a GPU (embedded)")
+    f(parser, "--check", env="KVPAGER_DEMO_CHECK", type=cli.parse_bool, default_help="on, off with --model",
+      help="compare every token with a float32 contiguous-cache reference (true/false)")
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (embedded; a running manager has its own)")
     f(parser, "--gpu-blocks", env="KVPAGER_DEMO_GPU_BLOCKS", type=cli.positive_int, default=160, metavar="N",
@@ -321,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
         raise cli.UsageError("--manager needs --ray-address (where the workers run)")
     if args.ray_address and not args.manager:
         raise cli.UsageError("--ray-address needs --manager (the deployment's block manager)")
+    if args.manager and args.model:
+        raise cli.UsageError("--model is for the embedded workers: a running deployment serves its own")
     if args.manager and args.no_ray:
         raise cli.UsageError("--no-ray runs a worker in this process: not with --manager")
     with (remote(args) if args.manager else embedded(args)) as deployment:

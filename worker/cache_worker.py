@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -31,16 +32,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+from kvpager.kernels import cuda as cuda_kernels
 from kvpager.kernels import ops
 from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 from .kv_cache import CacheSpec, KVCache
 from .metrics import WorkerInfo, WorkerMetrics
-from .model import Llama, ModelConfig, ModelInput
+from kvpager.step import PlanNotApplied, StepInput
+
+from .model import Decoder, ModelConfig
 from .service import CacheWorkerService
 
 log = logging.getLogger("kvpager.worker")
+APPLIED_PLANS_KEPT = 4096  # plan step ids remembered for PlanNotApplied checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,11 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def _result(step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+    """What rank 0 sends back: the logits, or their argmax for a greedy step (on the CPU)."""
+    return (logits.argmax(dim=-1) if step.greedy else logits).cpu()
+
+
 class CacheWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -100,7 +110,7 @@ class CacheWorker:
         self.address = ""          # host:port of the gRPC service, as advertised to the manager
         self.metrics_address = ""  # host:port of /metrics, as advertised; empty when metrics are off
         self.cache: Optional[KVCache] = None
-        self.model: Optional[Llama] = None
+        self.model: Optional[Decoder] = None
         self.metrics: Optional[WorkerMetrics] = None
         self._lock = threading.Lock()
         self._server: Optional[grpc.Server] = None
@@ -109,6 +119,9 @@ class CacheWorker:
         self._heartbeat: Optional[threading.Thread] = None
         self._stats = dict(plans_executed=0, blocks_swapped_out=0, blocks_swapped_in=0, blocks_copied=0,
                            last_step_id=0)
+        # Step ids of the plans applied, newest last (bounded: a step needs a recent plan).
+        self._applied_plans: deque[int] = deque(maxlen=APPLIED_PLANS_KEPT)
+        self._applied_set: set[int] = set()
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def start(self) -> str:
@@ -116,7 +129,7 @@ class CacheWorker:
         (``endpoints()`` has the metrics address too)."""
         cfg = self.config
         device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        all_reduce = None
+        cfg.model.check_tensor_parallel(cfg.tensor_parallel_size)
         if cfg.tensor_parallel_size > 1:
             import torch.distributed as dist
 
@@ -124,8 +137,10 @@ class CacheWorker:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep traffic on loopback
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=cfg.dist_init_method,
                                     rank=cfg.rank, world_size=cfg.tensor_parallel_size)
-            all_reduce = dist.all_reduce
-        self.model = Llama(cfg.model, cfg.rank, cfg.tensor_parallel_size, device, all_reduce)
+        self.model = Decoder(cfg.model, cfg.rank, cfg.tensor_parallel_size, device)
+        if device.type == "cuda" and cfg.model.head_dim not in cuda_kernels.HEAD_DIMS:
+            log.warning("rank %d: our CUDA decode kernel serves head dims %s, not %d: decode attention runs on the "
+                        "torch reference (slow)", cfg.rank, cuda_kernels.HEAD_DIMS, cfg.model.head_dim)
         spec = CacheSpec(cfg.model.num_layers, self.model.kv_heads, cfg.model.head_dim, cfg.block_size,
                          cfg.model.cache_dtype)
         # Ranks on the CPU share one host's memory (each rank of a GPU group has its own device).
@@ -241,29 +256,50 @@ class CacheWorker:
             s["blocks_swapped_in"] += len(swap_in[0])
             s["blocks_copied"] += len(copy[0])
             s["last_step_id"] = step_id
+            if len(self._applied_plans) == self._applied_plans.maxlen:
+                self._applied_set.discard(self._applied_plans[0])
+            self._applied_plans.append(step_id)
+            self._applied_set.add(step_id)
 
-    def execute_model(self, inp: ModelInput) -> Optional[torch.Tensor]:
-        """Run one step; rank 0 returns the float32 logits of each sequence's last token (on the CPU)."""
+    def execute_model(self, step: StepInput) -> Optional[torch.Tensor]:
+        """Run one step (``kvpager.step``); rank 0 returns, on the CPU, for each sequence that
+        computed tokens, its last token's float32 logits ``[S, vocab]`` or, for a greedy step,
+        their argmax ``[S]`` (int64). Raises ValueError for an inconsistent
+        input and PlanNotApplied when the plan the step needs has not been applied here; in
+        both cases nothing ran."""
+        step.check()
         metrics = self.metrics
         if metrics is None:
             with self._lock:
-                logits = self.model.forward_paged(inp, self.cache.layer)
-            return logits.cpu() if self.config.rank == 0 else None
+                self._require_plan(step)
+                logits = self.model.forward_paged(step, self.cache.layer)
+            return _result(step, logits) if self.config.rank == 0 else None
         attention = metrics.attention_span()
         with self._lock:
+            self._require_plan(step)
             metrics.poll()
             started = time.perf_counter()
-            logits = self.model.forward_paged(inp, self.cache.layer, attention_timer=attention)
+            logits = self.model.forward_paged(step, self.cache.layer, attention_timer=attention)
         if self.config.rank == 0:
-            out = logits.cpu()
+            out = _result(step, logits)
         else:
             out = None
             if self.cache.device.type == "cuda":
                 # Other ranks return nothing to copy; wait for the step here so that its wall time
                 # is the step's, not its launch's. Free: the caller waits for every rank anyway.
                 torch.cuda.current_stream(self.cache.device).synchronize()
-        metrics.observe_model_step(len(inp.token_ids), time.perf_counter() - started, attention)
+        metrics.observe_model_step(len(step.token_ids), time.perf_counter() - started, attention)
         return out
+
+    def _require_plan(self, step: StepInput) -> None:
+        """Under the lock: refuse a step whose plan has not been applied (delayed, dropped or
+        reordered on the way), before any K/V is written."""
+        if step.plan_step_id and step.plan_step_id not in self._applied_set:
+            last = self._applied_plans[-1] if self._applied_plans else "none"
+            raise PlanNotApplied(
+                f"rank {self.config.rank}: step {step.step_id} needs the swap/copy plan of step "
+                f"{step.plan_step_id}, which this worker has not applied (last applied plan: step {last}); "
+                "nothing was run")
 
     def memory_stats(self) -> worker_pb2.WorkerMemoryStats:
         cache = self.cache

@@ -56,8 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
       metavar="N", help="ranks (one worker each; one GPU each on CUDA)")
     f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
       help="auto: CUDA when this Ray node has a GPU per rank, else the CPU")
-    f(parser, "--model", env="KVPAGER_MODEL", choices=("tiny", "small"),
-      default_help="small on CUDA, tiny on the CPU", help="the model preset (worker.model.PRESETS)")
+    f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR",
+      default_help="the random-weight preset small on CUDA, tiny on the CPU",
+      help="a local Hugging Face checkpoint directory (nothing is downloaded), or a random-weight preset: "
+           "tiny or small (worker.model.PRESETS)")
+    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+      help="weights and activations of a checkpoint: auto is bfloat16 on CUDA, float32 on the CPU")
+    f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
+      default_help="the checkpoint's max_position_embeddings", help="longest sequence served (prompt + new tokens)")
     cli.kv_cache_flags(parser)
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (must equal the manager's)")
@@ -277,7 +283,6 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
     import ray
 
     from kvpager.worker.cache_worker import WorkerConfig
-    from kvpager.worker.model import preset
     from kvpager.worker.ray_group import RayWorkerGroup, actor_name
 
     tp = args.tensor_parallel_size
@@ -291,7 +296,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
     else:
         raise cli.Failure(f"a kvpager worker group already runs in Ray namespace {args.namespace!r}; "
                           "stop it or choose another --namespace")
-    model = preset(args.model or ("small" if use_gpu else "tiny"), args.kv_cache_dtype, args.kv_scale)
+    model = model_config(args, use_gpu)
     config = WorkerConfig(model=model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                           memory_fraction=args.memory_fraction, num_cpu_blocks=args.num_cpu_blocks,
                           manager_address=args.manager, host=args.host, advertise_host=args.advertise_host,
@@ -300,6 +305,23 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
         return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
     except ray.exceptions.RayError as err:
         raise cli.Failure(f"the workers did not start: {_cause(err)}") from err
+
+
+def model_config(args: argparse.Namespace, use_gpu: bool):
+    """The model the ranks serve: --model as a preset name or a checkpoint directory (whose
+    config.json is read here, so an unsupported model fails before any actor starts)."""
+    from kvpager.worker.hf_config import UnsupportedModel
+    from kvpager.worker.model import PRESETS, ModelConfig, preset
+
+    name = args.model or ("small" if use_gpu else "tiny")
+    if name in PRESETS:
+        return preset(name, args.kv_cache_dtype, args.kv_scale)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
+    try:
+        return ModelConfig.from_pretrained(name, dtype=dtype, max_model_len=args.max_model_len,
+                                           kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+    except (UnsupportedModel, ValueError, OSError) as err:
+        raise cli.Failure(f"cannot serve --model {name}: {cli.one_line(err)}") from err
 
 
 _RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')

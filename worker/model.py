@@ -1,174 +1,146 @@
-"""A small Llama-style decoder (RoPE, RMSNorm, GQA, SwiGLU) with deterministic random weights.
+"""The decoder the workers run: a Hugging Face Llama-family model (Llama, Mistral, Qwen2, Qwen3;
+``worker.hf_config``) loaded from a local checkpoint, or seeded random weights of the same
+layout (``worker.checkpoint``), computed as transformers computes it: RMSNorm in float32 with
+the weight applied after casting back, rotate-half RoPE from float32 inverse frequencies (llama3
+scaling included) cast to the activations' dtype, GQA attention, SiLU-gated MLP.
 
-Its attention reads and writes the worker's paged KV cache (``forward_paged``); the same
-weights also run over a plain contiguous cache (``forward_contiguous``: past keys and values
-concatenated per step), which is the oracle the paged path must match token for token.
+Its attention reads and writes the worker's paged KV cache (``forward_paged``, one
+``kvpager.step.StepInput``); the same weights also run over a plain contiguous cache
+(``forward_contiguous``: past keys and values concatenated per step), the oracle the paged path
+must match token for token. Both share one per-layer body.
 
-Tensor parallelism (Megatron style): rank r of N keeps query heads and KV heads
-[r*H/N, (r+1)*H/N), the matching columns of the Q/K/V and gate/up projections and rows of
-the output and down projections; the partial sums after attention and after the MLP are
-all-reduced. Every rank builds the full weights from the seed and keeps its slice.
+Tensor parallelism (Megatron style, over ``torch.distributed``): rank r of N keeps its heads'
+rows of q/k/v (fused into one projection), its slice of gate/up (fused) and the matching
+columns of o_proj and down_proj; the partial sums after attention and after the MLP are
+all-reduced. The embedding and lm_head are split by vocabulary rows: each rank embeds the ids
+in its range (the partial embeddings are all-reduced) and computes its slice of the logits,
+which rank 0 gathers. Each rank reads only its slices of the checkpoint.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from kvpager.kernels import ops
 from kvpager.kernels.reference import quantize_fp8
+from kvpager.step import StepInput
 
+from . import checkpoint
+from .hf_config import PRESETS, ModelConfig, UnsupportedModel, preset
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    vocab_size: int = 512
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_q_heads: int = 8
-    num_kv_heads: int = 4
-    head_dim: int = 32
-    intermediate_size: int = 512
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    seed: int = 0
-    dtype: str = "float32"
-    # KV cache storage: "auto" (the model's dtype) or "fp8_e4m3" (K / kv_scale and V / kv_scale
-    # in float8_e4m3fn, half the bytes of a 16-bit cache; kv_scale per tensor, every layer).
-    kv_cache_dtype: str = "auto"
-    kv_scale: float = 1.0
+__all__ = ["Decoder", "ModelConfig", "PRESETS", "UnsupportedModel", "preset"]
 
-    def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
-        if not 0 < self.kv_scale < float("inf"):
-            raise ValueError(f"kv_scale must be finite and > 0, got {self.kv_scale}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else self.torch_dtype
-
-    @property
-    def cache_scales(self) -> tuple[float, float]:
-        """(k_scale, v_scale) for the kernels: 1 unless the cache is fp8."""
-        return (self.kv_scale, self.kv_scale) if self.kv_cache_dtype == "fp8_e4m3" else (1.0, 1.0)
-
-
-# The named models of `kvpager worker --model` and the demo: "tiny" runs anywhere; "small" has a
-# head dim the CUDA decode kernel is built for (64, 128 or 256), so it is the default on GPUs.
-PRESETS = {
-    "tiny": ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=16,
-                        intermediate_size=256, seed=7),
-    "small": ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
-                         intermediate_size=512, seed=7),
-}
-
-
-def preset(name: str, kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> ModelConfig:
-    """A named model (``PRESETS``) with the KV storage asked for."""
-    model = PRESETS[name]
-    if kv_cache_dtype == "auto":
-        return model
-    return replace(model, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
+LayerCache = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(slots=True)
-class ModelInput:
-    """The tokens to compute in one step, sequence after sequence (S sequences, T tokens)."""
-
-    token_ids: list[int]        # [T]
-    positions: list[int]        # [T] position of each token in its sequence
-    slot_mapping: list[int]     # [T] cache slot each token's K/V is written to
-    query_start_loc: list[int]  # [S+1] sequence i's tokens are [query_start_loc[i], query_start_loc[i+1])
-    context_lens: list[int]     # [S] tokens in the cache after this step, the new ones included
-    block_tables: list[list[int]]  # [S][blocks] each sequence's block table
-
-
-def _full_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(cfg.seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) / shape[0] ** 0.5  # keeps activations O(1)
-
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    weights = {"embed": torch.randn(cfg.vocab_size, h, generator=gen), "lm_head": rand(h, cfg.vocab_size),
-               "final_norm": 1 + 0.1 * torch.randn(h, generator=gen)}
-    for layer in range(cfg.num_layers):
-        p = f"layers.{layer}."
-        weights |= {
-            p + "attn_norm": 1 + 0.1 * torch.randn(h, generator=gen),
-            p + "wq": rand(h, cfg.num_q_heads * d), p + "wk": rand(h, cfg.num_kv_heads * d),
-            p + "wv": rand(h, cfg.num_kv_heads * d), p + "wo": rand(cfg.num_q_heads * d, h),
-            p + "mlp_norm": 1 + 0.1 * torch.randn(h, generator=gen),
-            p + "w_gate": rand(h, i), p + "w_up": rand(h, i), p + "w_down": rand(i, h),
-        }
-    return weights
+class _Layer:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor                   # [(q + 2 kv) local heads * head_dim, hidden]
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]      # [head_dim] (Qwen3)
+    k_norm: Optional[torch.Tensor]
+    o: torch.Tensor                     # [hidden, local q heads * head_dim]
+    o_bias: Optional[torch.Tensor]      # added after the all-reduce
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor               # [2 * local intermediate, hidden]
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor                  # [hidden, local intermediate]
+    down_bias: Optional[torch.Tensor]   # added after the all-reduce
 
 
-class Llama:
+class Decoder:
     def __init__(self, cfg: ModelConfig, rank: int = 0, tp_size: int = 1, device: torch.device | str = "cpu",
-                 all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        if cfg.num_q_heads % cfg.num_kv_heads or cfg.num_kv_heads % tp_size or cfg.intermediate_size % tp_size:
-            raise ValueError(f"heads {cfg.num_q_heads}/{cfg.num_kv_heads} and intermediate size "
-                             f"{cfg.intermediate_size} must divide evenly over {tp_size} ranks")
+                 group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
+        """Rank ``rank`` of ``tp_size``'s shard of ``cfg``'s model on ``device``. With
+        ``tp_size`` > 1, ``torch.distributed`` must be initialized; ``group`` (default: the
+        default group) holds the ranks, group rank 0 receiving the logits."""
+        cfg.check_tensor_parallel(tp_size)
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} outside a tensor-parallel group of {tp_size}")
         self.cfg = cfg
+        self.rank, self.tp_size = rank, tp_size
         self.device = torch.device(device)
         self.q_heads = cfg.num_q_heads // tp_size
         self.kv_heads = cfg.num_kv_heads // tp_size
         self.scale = cfg.head_dim ** -0.5
-        self._all_reduce = all_reduce if tp_size > 1 else None
-        d, i = cfg.head_dim, cfg.intermediate_size // tp_size
+        self._group = group
+        self._dist = None
+        if tp_size > 1:
+            import torch.distributed as dist
 
-        def cols(w: torch.Tensor, width: int) -> torch.Tensor:
-            return w[:, rank * width:(rank + 1) * width]
+            if not dist.is_initialized():
+                raise RuntimeError(f"tensor-parallel rank {rank} of {tp_size}: torch.distributed is not initialized")
+            self._dist = dist
+            self._gather_dst = 0 if group is None else dist.get_global_rank(group, 0)
+        self.vocab_start, _, self.vocab_rows = checkpoint.vocab_range(cfg.vocab_size, rank, tp_size)
 
-        def rows(w: torch.Tensor, height: int) -> torch.Tensor:
-            return w[rank * height:(rank + 1) * height]
+        w = checkpoint.load_shard(cfg, rank, tp_size, self.device)
+        self.embed = self._pad_vocab(w.pop("model.embed_tokens.weight"))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else self._pad_vocab(w.pop("lm_head.weight"))
+        self.final_norm = w.pop("model.norm.weight")
+        self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        assert not w, f"tensors loaded but unused: {sorted(w)}"
+        self._inv_freq = cfg.rope.inv_freq(cfg.head_dim).to(self.device)
 
-        shard = {}
-        for name, w in _full_weights(cfg).items():
-            kind = name.rsplit(".", 1)[-1]
-            if kind == "wq":
-                w = cols(w, self.q_heads * d)
-            elif kind in ("wk", "wv"):
-                w = cols(w, self.kv_heads * d)
-            elif kind == "wo":
-                w = rows(w, self.q_heads * d)
-            elif kind in ("w_gate", "w_up"):
-                w = cols(w, i)
-            elif kind == "w_down":
-                w = rows(w, i)
-            shard[name] = w.contiguous().to(device=self.device, dtype=cfg.torch_dtype)
-        self.w = shard
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-        self._inv_freq = inv_freq.to(self.device)
+    def _pad_vocab(self, rows: torch.Tensor) -> torch.Tensor:
+        missing = self.vocab_rows - rows.shape[0]
+        return rows if not missing else torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], p: str) -> _Layer:
+        def fused(*names: str) -> Optional[torch.Tensor]:
+            parts = [w.pop(p + n) for n in names if p + n in w]
+            return torch.cat(parts) if parts else None
+
+        return _Layer(attn_norm=w.pop(p + "input_layernorm.weight"),
+                      qkv=fused("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                      qkv_bias=fused("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                      q_norm=w.pop(p + "self_attn.q_norm.weight", None),
+                      k_norm=w.pop(p + "self_attn.k_norm.weight", None),
+                      o=w.pop(p + "self_attn.o_proj.weight"), o_bias=w.pop(p + "self_attn.o_proj.bias", None),
+                      mlp_norm=w.pop(p + "post_attention_layernorm.weight"),
+                      gate_up=fused("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                      gate_up_bias=fused("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+                      down=w.pop(p + "mlp.down_proj.weight"), down_bias=w.pop(p + "mlp.down_proj.bias", None))
 
     # ---- the two ways to run ----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_paged(self, inp: ModelInput, layer_cache: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                      attention_timer: Optional[AbstractContextManager] = None) -> torch.Tensor:
-        """Compute the step's tokens over the paged cache; returns float32 logits of each
-        sequence's last token, ``[S, vocab]``. ``layer_cache(l)`` gives layer l's K and V views.
+    def forward_paged(self, step: StepInput, layer_cache: LayerCache,
+                      attention_timer: Optional[AbstractContextManager] = None) -> Optional[torch.Tensor]:
+        """Compute the step's tokens over the paged cache. Returns, on rank 0, the float32 logits
+        ``[sequences with query_len > 0, vocab]`` of each such sequence's last token (in the
+        step's order); None on the other ranks. ``layer_cache(l)`` gives layer l's K and V views.
         ``attention_timer``, if given, is entered around every layer's attention call (after
         the cache's wait for the plan and the K/V write, so neither counts as attention); a
         reusable context manager that must not make the host wait (``worker.metrics.Span``)."""
         timer = attention_timer if attention_timer is not None else nullcontext()
-        dev = self.device
-        tokens = torch.tensor(inp.token_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)
-        slots = torch.tensor(inp.slot_mapping, dtype=torch.long, device=dev)
-        starts = torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev)
-        context_lens = torch.tensor(inp.context_lens, dtype=torch.int32, device=dev)
-        width = max(len(t) for t in inp.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in inp.block_tables], dtype=torch.int32, device=dev)
-        decode_only = len(inp.token_ids) == len(inp.context_lens)
-
+        dev, n = self.device, len(step.token_ids)
+        # Two host-to-device copies: the int64 token data, the int32 tables and lengths.
+        longs = torch.tensor(step.token_ids + step.positions + step.slot_mapping, dtype=torch.long).to(dev)
+        tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:]
+        num_seqs = step.num_seqs
+        table_len = num_seqs * step.max_blocks
+        computing = [i for i, q in enumerate(step.query_lens) if q] if 0 in step.query_lens else None
+        if computing is None:
+            query_lens, context_lens = step.query_lens, step.context_lens
+        else:  # sequences that compute nothing (forked, swapped in) leave the batch
+            query_lens = [step.query_lens[i] for i in computing]
+            context_lens = [step.context_lens[i] for i in computing]
+        starts = [0, *accumulate(query_lens)]
+        ints = torch.tensor(step.block_tables + context_lens + starts, dtype=torch.int32).to(dev)
+        tables = ints[:table_len].view(num_seqs, step.max_blocks)
+        if computing is not None:
+            tables = tables.index_select(0, torch.tensor(computing, device=dev))
+        context = ints[table_len:table_len + len(context_lens)]
+        query_starts = ints[table_len + len(context_lens):]
+        decode_only = step.decode_only
         k_scale, v_scale = self.cfg.cache_scales
 
         def attend(layer: int, q, k, v):
@@ -176,31 +148,31 @@ class Llama:
             ops.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
             with timer:
                 if decode_only:
-                    return ops.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, self.scale, k_scale,
+                    return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale,
                                                       v_scale)
-                return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context_lens, starts, self.scale,
-                                                   k_scale, v_scale,
-                                                   host_lengths=(inp.query_start_loc, inp.context_lens))
+                return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context, query_starts, self.scale,
+                                                   k_scale, v_scale, host_lengths=(starts, context_lens))
 
         hidden = self._run_layers(tokens, positions, attend)
-        last = starts[1:].long() - 1
-        return self._logits(hidden[last])
+        if not decode_only:
+            hidden = hidden.index_select(0, query_starts[1:].long() - 1)
+        return self._logits(hidden)
 
     @torch.inference_mode()
     def forward_contiguous(self, token_ids: list[int], start_pos: int,
-                           past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One sequence over a contiguous cache: ``past[l]`` is layer l's (K, V), each
-        ``[tokens, kv_heads, head_dim]``, extended in place of the list. Returns the float32
-        logits of the last token, ``[vocab]``."""
+                           past: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+        """One sequence over a contiguous cache (the oracle; meant for tensor-parallel size 1):
+        ``past[l]`` is layer l's (K, V), each ``[tokens, kv_heads, head_dim]``, extended in place
+        of the list. Returns the float32 logits of the last token, ``[vocab]`` (None off rank 0)."""
         dev = self.device
         tokens = torch.tensor(token_ids, dtype=torch.long, device=dev)
         positions = torch.arange(start_pos, start_pos + len(token_ids), device=dev)
         group = self.q_heads // self.kv_heads
-
+        fp8 = self.cfg.kv_cache_dtype == "fp8_e4m3"
         k_scale, v_scale = self.cfg.cache_scales
 
         def attend(layer: int, q, k, v):
-            if self.cfg.kv_cache_dtype == "fp8_e4m3":   # the values an fp8 cache gives back
+            if fp8:   # the values an fp8 cache gives back
                 k = (quantize_fp8(k, k_scale).float() * k_scale).to(k.dtype)
                 v = (quantize_fp8(v, v_scale).float() * v_scale).to(v.dtype)
             if len(past) <= layer:
@@ -216,45 +188,66 @@ class Llama:
             return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
 
         hidden = self._run_layers(tokens, positions, attend)
-        return self._logits(hidden[-1:])[0]
+        logits = self._logits(hidden[-1:])
+        return None if logits is None else logits[0]
 
     # ---- shared body ------------------------------------------------------------------------------
     def _run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        cfg, w, d = self.cfg, self.w, self.cfg.head_dim
-        x = w["embed"][tokens]
-        cos, sin = self._rope(positions)
-        for layer in range(cfg.num_layers):
-            p = f"layers.{layer}."
-            h = self._norm(x, w[p + "attn_norm"])
-            q = (h @ w[p + "wq"]).view(-1, self.q_heads, d)
-            k = (h @ w[p + "wk"]).view(-1, self.kv_heads, d)
-            v = (h @ w[p + "wv"]).view(-1, self.kv_heads, d)
+        d, hq, hkv = self.cfg.head_dim, self.q_heads, self.kv_heads
+        x = self._embed(tokens)
+        cos, sin = self._rope(positions, x.dtype)
+        for index, layer in enumerate(self.layers):
+            h = self._norm(x, layer.attn_norm)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
+            if layer.q_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            out = attend(layer, q, k, v).reshape(-1, self.q_heads * d) @ w[p + "wo"]
-            x = x + self._reduce(out)
-            h = self._norm(x, w[p + "mlp_norm"])
-            mlp = (torch.nn.functional.silu(h @ w[p + "w_gate"]) * (h @ w[p + "w_up"])) @ w[p + "w_down"]
-            x = x + self._reduce(mlp)
+            out = attend(index, q, k, v).reshape(-1, hq * d)
+            x = x + self._reduce(F.linear(out, layer.o), layer.o_bias)
+            h = self._norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + self._reduce(F.linear(F.silu(gate) * up, layer.down), layer.down_bias)
         return x
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self._norm(hidden, self.w["final_norm"]) @ self.w["lm_head"]).float()
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._dist is None:
+            return F.embedding(tokens, self.embed)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[:, None], 0)
+        self._dist.all_reduce(x, group=self._group)
+        return x
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        if self._all_reduce is not None:
-            self._all_reduce(partial)
-        return partial
+    def _logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Float32 logits of these hidden states, whole vocabulary, on rank 0; None elsewhere."""
+        local = F.linear(self._norm(hidden, self.final_norm), self.lm_head)
+        if self._dist is None:
+            return local.float()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.rank == 0 else None
+        self._dist.gather(local, parts, dst=self._gather_dst, group=self._group)
+        if self.rank != 0:
+            return None
+        return torch.cat(parts, dim=-1)[:, :self.cfg.vocab_size].float()
+
+    def _reduce(self, partial: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._dist is not None:
+            self._dist.all_reduce(partial, group=self._group)
+        return partial if bias is None else partial + bias
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(x.dtype) * weight
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
+        return weight * xf.to(x.dtype)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self._inv_freq[None, :]
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, 1, head_dim]`` in the activations' dtype."""
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        scaling = self.cfg.rope.attention_scaling
+        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin

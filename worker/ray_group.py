@@ -18,8 +18,9 @@ from typing import Optional
 
 import torch
 
+from kvpager.step import StepInput
+
 from .cache_worker import CacheWorker, WorkerConfig
-from .model import ModelInput
 
 
 class WorkerDied(RuntimeError):
@@ -126,10 +127,10 @@ class RayWorkerGroup:
         group.metrics_addresses = [e["metrics"] for e in endpoints]
         return group
 
-    def __call__(self, inp: ModelInput) -> torch.Tensor:
+    def __call__(self, step: StepInput) -> torch.Tensor:
         """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
         rank's call fails (the others may be blocked in a collective waiting for it)."""
-        refs = [a.execute_model.remote(inp) for a in self.actors]
+        refs = [a.execute_model.remote(step) for a in self.actors]
         pending = list(refs)
         while pending:
             ready, pending = self._ray.wait(pending, num_returns=1)

@@ -27,13 +27,17 @@ import torch
 
 from kvpager import client as C
 from kvpager.manager import errors
+from kvpager.step import StepInput
 from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.worker.model import ModelInput
 from kvpager.worker.ray_group import WorkerDied
 
 from .request import Group, Request, RequestOutput, SeqState, sample
 
-Runner = Callable[[ModelInput], torch.Tensor]
+# Runs one step on the workers: for each sequence that computed tokens, the float32 logits of its
+# last token, or (a greedy step) their argmax.
+Runner = Callable[[StepInput], torch.Tensor]
+# Called for every sampled token: (request id, sample index, token id, finish reason or "").
+TokenCallback = Callable[[str, int, int, str], None]
 
 
 @dataclass(slots=True)
@@ -51,8 +55,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, client: C.BlockManagerClient, runner: Runner, block_size: int,
                  max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None,
-                 recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0) -> None:
+                 recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0,
+                 on_token: Optional[TokenCallback] = None, max_model_len: Optional[int] = None) -> None:
+        """``on_token``: streaming, called for each token as it is sampled; ``max_model_len``: the
+        longest sequence (prompt + new tokens) the model serves; longer requests are refused."""
         self.client = client
+        self.on_token = on_token
+        self.max_model_len = max_model_len
         self.runner = runner
         self.recover = recover
         self.recover_timeout = recover_timeout
@@ -73,6 +82,14 @@ class Scheduler:
         self._reserve = stats.watermark_blocks
 
     def add(self, request: Request) -> None:
+        """Queue a request; ValueError (nothing queued) when it cannot be served."""
+        if not request.prompt:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        total = len(request.prompt) + request.params.max_new_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: {len(request.prompt)} prompt tokens + "
+                             f"{request.params.max_new_tokens} new tokens exceed the model's context of "
+                             f"{self.max_model_len} tokens")
         self.waiting.append(self._new_group(request))
 
     @property
@@ -142,37 +159,36 @@ class Scheduler:
                 handler(result, err)
             elif err is not None:
                 raise err  # a fork or free the scheduler believed valid
-        return self._compute(reply.batch)
+        return self._compute(reply)
 
-    def _compute(self, batch: pb.BatchTables) -> bool:
-        inp = ModelInput([], [], [], [0], [], [])
-        computed: list[SeqState] = []
-        offset, width = 0, batch.max_blocks
-        for i, seq_id in enumerate(batch.seq_ids):
-            q, ctx = batch.query_lens[i], batch.context_lens[i]
-            if q == 0:
+    def _compute(self, reply: pb.StepResponse) -> bool:
+        """Run the model on the tokens of the step's batch (its tables as the manager sent them)."""
+        batch = reply.batch
+        token_ids: list[int] = []
+        positions: list[int] = []
+        computed: list[tuple[SeqState, int]] = []
+        for seq_id, q, ctx in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            if q == 0:  # forked or swapped in: nothing to compute
                 continue
             seq = self._seqs[seq_id]
-            inp.token_ids.extend(seq.tokens[ctx - q:ctx])
-            inp.positions.extend(range(ctx - q, ctx))
-            inp.slot_mapping.extend(batch.slot_mapping[offset:offset + q])
-            inp.query_start_loc.append(inp.query_start_loc[-1] + q)
-            inp.context_lens.append(ctx)
-            inp.block_tables.append(list(batch.block_tables[i * width:i * width + -(-ctx // self.block_size)]))
-            offset += q
-            computed.append(seq)
+            token_ids += seq.tokens[ctx - q:ctx]
+            positions += range(ctx - q, ctx)
+            computed.append((seq, ctx))
         if not computed:
             return False
-        logits = self.runner(inp)
-        self.stats.tokens_computed += len(inp.token_ids)
-        for seq, row, ctx in zip(computed, logits, inp.context_lens):
+        # All greedy: the workers pick the tokens, and only their ids cross the wire.
+        greedy = all(self._group_of[seq.seq_id].request.params.temperature <= 0 for seq, _ in computed)
+        rows = self.runner(StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy))
+        self.stats.tokens_computed += len(token_ids)
+        for (seq, ctx), row in zip(computed, rows):
             seq.num_cached = ctx
             group = self._group_of[seq.seq_id]
             # A prompt just computed gives the first token of every sample of its request.
             targets = group.seqs if ctx == len(group.request.prompt) and seq is group.seqs[0] else [seq]
             for target in targets:
                 target.num_cached = ctx
-                self._emit(group, target, sample(row, group.request.params, target.generator))
+                token = int(row) if greedy else sample(row, group.request.params, target.generator)
+                self._emit(group, target, token)
         return True
 
     # ---- results of operations -------------------------------------------------------------------------
@@ -206,17 +222,25 @@ class Scheduler:
         return handle
 
     def _emit(self, group: Group, seq: SeqState, token: int) -> None:
+        params = group.request.params
         seq.tokens.append(token)
         seq.num_generated += 1
         self.stats.tokens_generated += 1
-        if seq.num_generated == group.request.params.max_new_tokens:
+        if token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.num_generated == params.max_new_tokens:
+            seq.finish_reason = "length"
+        if self.on_token is not None:
+            self.on_token(group.request.request_id, group.seqs.index(seq), token, seq.finish_reason)
+        if seq.finish_reason:
             self._to_free.append(seq)
             if group.done:
                 self.running.remove(group)
                 self.stats.requests_finished += 1
                 prompt_len = len(group.request.prompt)
                 self.outputs[group.request.request_id] = RequestOutput(
-                    group.request.request_id, [s.tokens[prompt_len:] for s in group.seqs])
+                    group.request.request_id, [s.tokens[prompt_len:] for s in group.seqs],
+                    [s.finish_reason for s in group.seqs])
 
     # ---- losing the workers ----------------------------------------------------------------------------
     def _restart_after_worker_loss(self) -> None:
@@ -279,7 +303,11 @@ class Scheduler:
         return need
 
     def _blocks(self, group: Group) -> int:
-        return sum(-(-(s.num_cached + 1) // self.block_size) for s in group.unfinished())
+        """GPU blocks the group's live samples hold once swapped back in, with room for their next
+        token. Samples forked from one prompt share its full blocks: counted once."""
+        B = self.block_size
+        shared = len(group.request.prompt) // B if len(group.seqs) > 1 else 0
+        return shared + sum(-(-(s.num_cached + 1) // B) - shared for s in group.unfinished())
 
     # ---- plumbing ---------------------------------------------------------------------------------------
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from kvpager.worker.model import Llama
-
 from .request import Request
 
 
-def generate_contiguous(model: Llama, requests: list[Request]) -> dict[str, list[list[int]]]:
+def generate_contiguous(model, requests: list[Request]) -> dict[str, list[list[int]]]:
     """Greedy tokens per request (all n samples are equal under greedy decoding), computed one
-    sequence at a time with past keys and values concatenated per step."""
+    sequence at a time with past keys and values concatenated per step (``model`` is a
+    ``worker.model`` decoder of tensor-parallel size 1: its ``forward_contiguous``). A sample
+    ends at a stop token (included) or after ``max_new_tokens``."""
     outputs = {}
     for request in requests:
-        if request.params.temperature > 0:
+        params = request.params
+        if params.temperature > 0:
             raise ValueError("the contiguous reference checks greedy decoding only")
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = model.forward_contiguous(request.prompt, 0, past)
         generated = [int(torch.argmax(logits))]
-        while len(generated) < request.params.max_new_tokens:
+        while len(generated) < params.max_new_tokens and generated[-1] not in params.stop_token_ids:
             position = len(request.prompt) + len(generated) - 1
             logits = model.forward_contiguous([generated[-1]], position, past)
             generated.append(int(torch.argmax(logits)))
-        outputs[request.request_id] = [list(generated) for _ in range(request.params.n)]
+        outputs[request.request_id] = [list(generated) for _ in range(params.n)]
     return outputs

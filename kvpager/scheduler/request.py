@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from .sampling import sample as sample_logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,7 +16,22 @@ class SamplingParams:
     max_new_tokens: int = 16
     n: int = 1                  # parallel samples (the prompt is computed once, then forked)
     temperature: float = 0.0    # 0: greedy
+    top_p: float = 1.0          # nucleus sampling: the smallest set of tokens holding this probability (1: off)
+    top_k: int = 0              # sample among the k most likely tokens (0: off)
     seed: Optional[int] = None  # seeded sampling: the same seed gives the same tokens
+    stop_token_ids: tuple[int, ...] = ()  # generation of a sample ends after any of these (EOS)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +45,8 @@ class Request:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    samples: list[list[int]]  # n generated token lists
+    samples: list[list[int]]  # n generated token lists (a stop token, when one ended the sample, included)
+    finish_reasons: list[str] = field(default_factory=list)  # per sample: "stop" (a stop token) or "length"
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +56,7 @@ class SeqState:
     num_cached: int = 0        # tokens whose K/V the cache holds (as of the last step)
     num_generated: int = 0
     generator: Optional[torch.Generator] = None
+    finish_reason: str = ""    # "" while generating, then "stop" or "length"
 
     @property
     def next_token(self) -> int:
@@ -51,7 +71,7 @@ class Group:
     seqs: list[SeqState] = field(default_factory=list)
 
     def unfinished(self) -> list[SeqState]:
-        return [s for s in self.seqs if s.num_generated < self.request.params.max_new_tokens]
+        return [s for s in self.seqs if not s.finish_reason]
 
     @property
     def done(self) -> bool:
@@ -59,8 +79,5 @@ class Group:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> int:
-    """One token from float32 logits ``[vocab]``: argmax when greedy, else seeded multinomial."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from float32 logits ``[vocab]`` under ``params`` (``sampling.sample``)."""
+    return sample_logits(logits, params.temperature, params.top_p, params.top_k, generator)

@@ -10,7 +10,8 @@ import torch
 
 from kvpager.kernels import ops
 from kvpager.worker.kv_cache import CacheSpec, KVCache
-from kvpager.worker.model import Llama, ModelConfig, ModelInput
+from kvpager.step import StepInput
+from kvpager.worker.model import Decoder, ModelConfig
 
 pytestmark = pytest.mark.gpu
 BLOCK = 16
@@ -25,7 +26,7 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype):
     cfg = ModelConfig(num_layers=2, hidden_size=128, num_q_heads=8, num_kv_heads=2, head_dim=64,
                       intermediate_size=256, vocab_size=128, seed=4, dtype=dtype, kv_cache_dtype="fp8_e4m3",
                       kv_scale=0.5)
-    model = Llama(cfg, device="cuda")
+    model = Decoder(cfg, device="cuda")
     cache = KVCache(CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, cfg.cache_dtype), 64, 4, "cuda")
     assert ops.backend(cache.layer(0)[0]) == "cuda"
     gen = torch.Generator().manual_seed(0)
@@ -36,16 +37,16 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype):
     lens = [0] * len(prompts)
     step_tokens = prompts
     for step in range(3):
-        inp = ModelInput(token_ids=[], positions=[], slot_mapping=[], query_start_loc=[0], context_lens=[],
-                         block_tables=tables)
+        token_ids, positions, slots = [], [], []
         for i, toks in enumerate(step_tokens):
             for t in toks:
-                inp.token_ids.append(t)
-                inp.positions.append(lens[i])
-                inp.slot_mapping.append(tables[i][lens[i] // BLOCK] * BLOCK + lens[i] % BLOCK)
+                token_ids.append(t)
+                positions.append(lens[i])
+                slots.append(tables[i][lens[i] // BLOCK] * BLOCK + lens[i] % BLOCK)
                 lens[i] += 1
-            inp.query_start_loc.append(len(inp.token_ids))
-            inp.context_lens.append(lens[i])
+        inp = StepInput(step_id=step + 1, plan_step_id=0, token_ids=token_ids, positions=positions,
+                        slot_mapping=slots, query_lens=[len(t) for t in step_tokens], context_lens=list(lens),
+                        block_tables=[b for t in tables for b in t], max_blocks=4)
         paged = model.forward_paged(inp, cache.layer)
         for i, toks in enumerate(step_tokens):
             contiguous = model.forward_contiguous(toks, lens[i] - len(toks), past[i])

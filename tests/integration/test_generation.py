@@ -25,7 +25,7 @@ from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import worker_pb2, worker_pb2_grpc, plan_pb2
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
 from kvpager.worker.kv_cache import CacheSpec
-from kvpager.worker.model import Llama, ModelConfig
+from kvpager.worker.model import Decoder, ModelConfig
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=128, vocab_size=128, seed=3)
@@ -62,7 +62,7 @@ def manager_sized_by_workers(heartbeat_timeout: float = 5.0, block_size: int = B
 def check_against_reference(client, service, runner, requests, model: ModelConfig = MODEL, block_size: int = BLOCK):
     scheduler = Scheduler(client, runner, block_size=block_size)
     outputs = scheduler.run(requests)
-    expected = generate_contiguous(Llama(model), requests)
+    expected = generate_contiguous(Decoder(model), requests)
     for request in requests:
         assert outputs[request.request_id].samples == expected[request.request_id], request.request_id
     with service.lock:
@@ -228,7 +228,7 @@ def test_scheduler_restarts_the_live_requests_when_a_worker_dies_mid_run(ray_clu
             requests = make_requests(24, 4)
             scheduler = Scheduler(client, runner, block_size=BLOCK, recover=recover)
             outputs = scheduler.run(requests)
-            expected = generate_contiguous(Llama(MODEL), requests)
+            expected = generate_contiguous(Decoder(MODEL), requests)
             for request in requests:
                 assert outputs[request.request_id].samples == expected[request.request_id], request.request_id
             assert scheduler.stats.recoveries == 1 and scheduler.stats.restarts > 0 and len(groups) == 2

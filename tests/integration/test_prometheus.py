@@ -21,7 +21,7 @@ from kvpager.manager.service import create_server
 from kvpager.scheduler import Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
-from kvpager.worker.model import Llama, ModelConfig
+from kvpager.worker.model import Decoder, ModelConfig
 from tests.support.prometheus import PrometheusServer
 from tests.support.promql import dashboard_queries, grafana_to_promql, metric_names
 
@@ -113,7 +113,7 @@ def test_prometheus_reports_what_the_manager_reports(stack):
 
     scheduler = Scheduler(client, runner, BLOCK)
     outputs = scheduler.run(requests)
-    expected = generate_contiguous(Llama(MODEL), requests)
+    expected = generate_contiguous(Decoder(MODEL), requests)
     assert all(outputs[r.request_id].samples == expected[r.request_id] for r in requests)
     for i, n in enumerate((5, 17, 30, 41)):
         client.allocate(f"held-{i}", token_ids=[(i * 7 + t) % MODEL.vocab_size for t in range(n)])

@@ -327,7 +327,7 @@ def test_worker_image_is_cuda_pytorch_with_ray_and_builds_the_kernels():
     assert instructions[1] == ("FROM", "${BASE_IMAGE}")
     installs = pip_installs(DEPLOY / "worker.Dockerfile")
     kvpager_install = [c for c in installs if "-e" in c.split()]
-    assert len(kvpager_install) == 1 and '".[ray,metrics]"' in kvpager_install[0]
+    assert len(kvpager_install) == 1 and '".[ray,metrics,models]"' in kvpager_install[0]
     assert "torch" not in kvpager_install[0]
     runs = " ".join(args for inst, args in instructions if inst == "RUN")
     assert "python deploy/build_kernels.py" in runs

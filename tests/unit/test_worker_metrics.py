@@ -16,11 +16,12 @@ import torch
 from kvpager.kernels import ops
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
+from kvpager.step import StepInput
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 from kvpager.worker import metrics as worker_metrics
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig, advertised_host, host_port
 from kvpager.worker.metrics import DeviceClock
-from kvpager.worker.model import ModelConfig, ModelInput
+from kvpager.worker.model import ModelConfig
 from kvpager.worker.ray_group import _rank_metrics_port
 from tests.support.catalog import check_exports, scrape_families
 
@@ -85,11 +86,11 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     parts = {"swap_out": 2, "swap_in": 1, "copy": 1}
 
     # A prefill of two sequences (5 and 3 tokens), then one decode token for each.
-    prefill = ModelInput(token_ids=[3, 1, 4, 1, 5, 9, 2, 6], positions=[0, 1, 2, 3, 4, 0, 1, 2],
-                         slot_mapping=[0, 1, 2, 3, 4, 8, 9, 10], query_start_loc=[0, 5, 8], context_lens=[5, 3],
-                         block_tables=[[0, 1], [2]])
-    decode = ModelInput(token_ids=[7, 8], positions=[5, 3], slot_mapping=[5, 11], query_start_loc=[0, 1, 2],
-                        context_lens=[6, 4], block_tables=[[0, 1], [2]])
+    prefill = StepInput(step_id=4, plan_step_id=0, token_ids=[3, 1, 4, 1, 5, 9, 2, 6],
+                        positions=[0, 1, 2, 3, 4, 0, 1, 2], slot_mapping=[0, 1, 2, 3, 4, 8, 9, 10],
+                        query_lens=[5, 3], context_lens=[5, 3], block_tables=[0, 1, 2, 0], max_blocks=2)
+    decode = StepInput(step_id=5, plan_step_id=0, token_ids=[7, 8], positions=[5, 3], slot_mapping=[5, 11],
+                       query_lens=[1, 1], context_lens=[6, 4], block_tables=[0, 1, 2, 0], max_blocks=2)
     for inp in (prefill, decode):
         logits = worker.execute_model(inp)
         assert logits.shape == (2, MODEL.vocab_size) and torch.isfinite(logits).all()

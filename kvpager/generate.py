@@ -1,0 +1,216 @@
+"""Generate text with a local Hugging Face checkpoint (`kvpager generate --model DIR PROMPT ...`).
+
+Runs the whole system in this process (``kvpager.embedded``: the block manager, Ray workers or
+one in-process worker, the reference scheduler), tokenizes each prompt with the checkpoint's
+tokenizer (``--chat``: through its chat template), generates until a stop token (EOS from
+generation_config.json or config.json) or --max-new-tokens, and prints each completion.
+
+Greedy unless --temperature is given; --top-p and --top-k narrow sampling, --seed makes it
+repeatable (prompt i, sample j always draws the same tokens). --n samples N continuations of
+each prompt: the prompt is computed once and forked (copy-on-write) into N sequences.
+
+Output: in order of the prompts, each completion's text, streamed as it is generated (later
+prompts' text waits for the earlier ones, so nothing interleaves); with several prompts or
+samples each completion has a header line. --json prints one JSON object per line per prompt
+and sample instead: prompt, prompt index, sample index, token_ids (generated only, a stop
+token included), text (special tokens skipped) and finish_reason ("stop" or "length").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Optional, TextIO
+
+from kvpager import cli
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    f = cli.flag
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="the text(s) to continue")
+    f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", required=True,
+      help="a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    f(parser, "--max-new-tokens", env="KVPAGER_MAX_NEW_TOKENS", type=cli.positive_int, default=64, metavar="N",
+      help="most tokens to generate per completion")
+    f(parser, "--temperature", env="KVPAGER_TEMPERATURE", type=_non_negative, default=0.0, metavar="T",
+      help="sampling temperature; 0 is greedy")
+    f(parser, "--top-p", env="KVPAGER_TOP_P", type=_probability, default=1.0, metavar="P",
+      help="nucleus sampling: keep the most likely tokens holding probability P (1: off)")
+    f(parser, "--top-k", env="KVPAGER_TOP_K", type=cli.integer, default=0, metavar="K",
+      help="sample among the K most likely tokens (0: off)")
+    f(parser, "--seed", env="KVPAGER_SEED", type=cli.integer, default=0, metavar="S",
+      help="seed of the sampling (the same seed gives the same text)")
+    f(parser, "--n", env="KVPAGER_N", type=cli.positive_int, default=1, metavar="N",
+      help="completions per prompt, forked from the computed prompt")
+    f(parser, "--chat", env="KVPAGER_CHAT", type=bool, default=False,
+      help="wrap each prompt as a user message in the checkpoint's chat template")
+    f(parser, "--json", env="KVPAGER_JSON", type=bool, default=False,
+      help="one JSON object per line per prompt and sample, no streaming")
+    f(parser, "--tensor-parallel-size", env="KVPAGER_TENSOR_PARALLEL_SIZE", type=cli.positive_int, default=1,
+      metavar="N", help="ranks (Ray actors; one GPU each on CUDA)")
+    f(parser, "--no-ray", env="KVPAGER_NO_RAY", type=bool, default=False,
+      help="one worker in this process instead of Ray actors (tensor parallel 1)")
+    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
+      help="where the workers run: auto is CUDA when there is a GPU per rank")
+    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+      help="weights and activations: auto is bfloat16 on CUDA, float32 on the CPU")
+    cli.kv_cache_flags(parser)
+    f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
+      default_help="the checkpoint's max_position_embeddings", help="longest sequence served (prompt + new tokens)")
+    f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
+      default_help="what the prompts need on the CPU; --memory-fraction of free memory on CUDA",
+      help="KV cache blocks per rank")
+    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=_probability, default=0.8,
+      metavar="X", help="fraction of free device memory (after the weights) for the cache on CUDA")
+
+
+def _non_negative(text: str) -> float:
+    value = cli.number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = cli.number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample of one prompt, as it is generated."""
+
+    prompt_index: int
+    sample: int
+    detokenizer: object
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    printed: int = -1        # characters of text on the terminal; -1: not started (no header yet)
+
+
+class Printer:
+    """Prints completions in prompt order, streaming the earliest unfinished one: later ones
+    wait (their text is kept) until every earlier one has finished."""
+
+    def __init__(self, prompts: list[str], n: int, as_json: bool, out: TextIO) -> None:
+        self.prompts, self.n, self.as_json, self.out = prompts, n, as_json, out
+        self.headers = len(prompts) > 1 or n > 1
+        self.order: list[Completion] = []
+        self.cursor = 0  # index in order of the completion on the terminal now
+
+    def update(self) -> None:
+        while self.cursor < len(self.order):
+            current = self.order[self.cursor]
+            if not self.as_json:
+                self._stream(current)
+            if not current.finish_reason:
+                break
+            if self.as_json:
+                self.out.write(json.dumps({
+                    "prompt": self.prompts[current.prompt_index], "prompt_index": current.prompt_index,
+                    "sample": current.sample, "token_ids": current.token_ids, "text": current.text,
+                    "finish_reason": current.finish_reason}, ensure_ascii=False) + "\n")
+            else:
+                self.out.write("\n")
+            self.cursor += 1
+        self.out.flush()
+
+    def _stream(self, c: Completion) -> None:
+        if c.printed < 0:
+            if self.headers:
+                sample = f", sample {c.sample + 1}/{self.n}" if self.n > 1 else ""
+                self.out.write(f"=== prompt {c.prompt_index + 1}{sample} ===\n")
+            c.printed = 0
+        self.out.write(c.text[c.printed:])
+        c.printed = len(c.text)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.no_ray and args.tensor_parallel_size != 1:
+        raise cli.UsageError("--no-ray runs one worker in this process: --tensor-parallel-size must be 1")
+    if args.top_k < 0:
+        raise cli.UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    import torch
+
+    from kvpager.embedded import embedded
+    from kvpager.scheduler import Request, SamplingParams, Scheduler
+    from kvpager.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+    from kvpager.worker.hf_config import UnsupportedModel
+    from kvpager.worker.model import ModelConfig
+
+    cuda = args.device != "cpu" and torch.cuda.device_count() >= args.tensor_parallel_size
+    if args.device == "cuda" and not cuda:
+        raise cli.Failure(f"--device cuda: {torch.cuda.device_count()} GPU(s) here, "
+                          f"{args.tensor_parallel_size} needed")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    try:
+        tokenizer = Tokenizer.from_pretrained(args.model)
+        model = ModelConfig.from_pretrained(args.model, dtype=dtype, max_model_len=args.max_model_len,
+                                            kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+    except (TokenizerError, UnsupportedModel, ValueError, OSError) as err:
+        raise cli.Failure(f"cannot serve {args.model}: {cli.one_line(err)}") from err
+
+    prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p) for p in args.prompts]
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise cli.UsageError(f"prompt {i + 1} encodes to no tokens")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.n, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
+    requests = [Request(f"prompt-{i}", ids, dataclasses.replace(params, seed=args.seed + i))
+                for i, ids in enumerate(prompt_ids)]
+    block_size = DEFAULT_BLOCK_SIZE
+    gpu_blocks = args.num_gpu_blocks
+    if gpu_blocks is None and not cuda:  # the CPU: just what these requests need, with room to spare
+        need = sum(-(-(len(ids) + args.max_new_tokens) // block_size) + 1 for ids in prompt_ids) * args.n
+        gpu_blocks = max(64, 2 * need)
+
+    printer = Printer(list(args.prompts), args.n, args.json, sys.stdout)
+    completions: dict[tuple[str, int], Completion] = {}
+    for i, request in enumerate(requests):
+        for j in range(args.n):
+            # Plain prompts: the text continues the prompt's (its leading space kept); chat: a reply.
+            c = Completion(i, j, IncrementalDetokenizer(tokenizer, request.prompt, prompt_context=not args.chat))
+            completions[(request.request_id, j)] = c
+            printer.order.append(c)
+
+    def on_token(request_id: str, sample: int, token: int, finish_reason: str) -> None:
+        c = completions[(request_id, sample)]
+        c.token_ids.append(token)
+        c.text += c.detokenizer.push(token)
+        if finish_reason:
+            c.text += c.detokenizer.finish()
+            c.finish_reason = finish_reason
+        printer.update()
+
+    try:
+        system_context = embedded(model, block_size=block_size, tensor_parallel_size=args.tensor_parallel_size,
+                                  use_ray=not args.no_ray, num_gpu_blocks=gpu_blocks, num_cpu_blocks=64,
+                                  memory_fraction=args.memory_fraction, device=None if cuda else "cpu")
+        with system_context as system:
+            scheduler = Scheduler(system.client, system.runner, block_size, on_token=on_token,
+                                  max_model_len=model.max_model_len)
+            try:
+                for request in requests:
+                    scheduler.add(request)
+            except ValueError as err:
+                raise cli.UsageError(str(err)) from err
+            scheduler.run()
+    except UnsupportedModel as err:
+        raise cli.Failure(f"cannot serve {args.model}: {cli.one_line(err)}") from err
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return cli.run_main("kvpager generate", sys.modules[__name__], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

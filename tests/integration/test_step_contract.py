@@ -1,0 +1,103 @@
+"""The step contract between scheduler and workers (``kvpager.step``): a worker runs a step only
+after the swap/copy plan that step needs, whatever the order in which plans reach it.
+
+Plans go through the worker's real gRPC service (ExecutePlan) on a loopback port; model steps
+through ``CacheWorker.execute_model``, as a Ray actor or the in-process runner calls it. A
+delayed, dropped or reordered plan makes the step fail with PlanNotApplied before any K/V is
+written; once the plan arrives the same step runs, and its logits equal those of an
+undisturbed worker.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvpager.step import PlanNotApplied, StepInput
+from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
+from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
+from kvpager.worker.model import preset
+
+BLOCK = 4
+
+
+@pytest.fixture
+def worker():
+    w = CacheWorker(WorkerConfig(model=preset("tiny"), block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=8,
+                                 device="cpu"))
+    w.start()
+    channel = grpc.insecure_channel(w.address)
+    w.stub = worker_pb2_grpc.CacheWorkerStub(channel)
+    yield w
+    channel.close()
+    w.stop()
+
+
+def send_plan(w: CacheWorker, step_id: int, copy: tuple[list[int], list[int]] = ([], [])) -> None:
+    plan = plan_pb2.ExecutionPlan(step_id=step_id, blocks_to_copy=plan_pb2.BlockMapping(src=copy[0], dst=copy[1]))
+    w.stub.ExecutePlan(worker_pb2.ExecutePlanRequest(plan=plan), timeout=10)
+
+
+def prefill(step_id: int, plan_step_id: int, tokens: list[int], table: list[int]) -> StepInput:
+    """One sequence computing its whole prompt into the blocks of ``table``."""
+    slots = [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(len(tokens))]
+    return StepInput(step_id=step_id, plan_step_id=plan_step_id, token_ids=tokens, positions=list(range(len(tokens))),
+                     slot_mapping=slots, query_lens=[len(tokens)], context_lens=[len(tokens)], block_tables=table,
+                     max_blocks=len(table))
+
+
+def test_a_delayed_plan_refuses_the_step_until_it_arrives(worker):
+    before = worker.cache.gpu.clone()
+    step = prefill(7, 7, [3, 1, 4, 1, 5, 9], [5, 2])
+    with pytest.raises(PlanNotApplied, match="step 7 needs the swap/copy plan of step 7"):
+        worker.execute_model(step)
+    assert torch.equal(worker.cache.gpu, before), "a refused step wrote K/V"
+    send_plan(worker, 7, copy=([9], [10]))  # the plan arrives late
+    logits = worker.execute_model(step)
+    assert logits.shape == (1, worker.config.model.vocab_size)
+
+
+def test_a_dropped_plan_is_never_assumed(worker):
+    send_plan(worker, 3, copy=([1], [2]))
+    step = prefill(4, 4, [7, 7, 7], [6])  # plan 4 never arrives; plan 3 does not stand in for it
+    for _ in range(2):
+        with pytest.raises(PlanNotApplied, match="last applied plan: step 3"):
+            worker.execute_model(step)
+
+
+def test_reordered_plans_run_each_step_after_its_own(worker):
+    reference = CacheWorker(WorkerConfig(model=preset("tiny"), block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=8,
+                                         device="cpu"))
+    reference.start()
+    try:
+        first = prefill(10, 0, [2, 7, 1, 8, 2, 8], [4, 11])
+        second = StepInput(step_id=11, plan_step_id=11, token_ids=[5], positions=[6], slot_mapping=[11 * BLOCK + 2],
+                           query_lens=[1], context_lens=[7], block_tables=[4, 11], max_blocks=2)
+        expected_first = reference.execute_model(first)
+        reference.execute_plan(11, ([], []), ([], []), ([0], [1]))
+        expected_second = reference.execute_model(second)
+
+        send_plan(worker, 12, copy=([0], [3]))  # a later step's plan overtakes step 11's
+        torch.testing.assert_close(worker.execute_model(first), expected_first, rtol=0, atol=0)  # needs no plan
+        with pytest.raises(PlanNotApplied):
+            worker.execute_model(second)
+        send_plan(worker, 11, copy=([0], [1]))
+        torch.testing.assert_close(worker.execute_model(second), expected_second, rtol=0, atol=0)
+    finally:
+        reference.stop()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(positions=[0]), "positions"),
+    (dict(query_lens=[2], context_lens=[2]), "add up"),
+    (dict(block_tables=[1, 2, 3]), "not 1 rows of 2"),
+    (dict(query_lens=[4], context_lens=[3]), "computes 4 tokens of a 3-token context"),
+])
+def test_inconsistent_step_inputs_are_refused(worker, change, message):
+    fields = dict(step_id=1, plan_step_id=0, token_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3],
+                  slot_mapping=[4, 5, 6, 7], query_lens=[4], context_lens=[4], block_tables=[1, 2], max_blocks=2)
+    before = worker.cache.gpu.clone()
+    with pytest.raises(ValueError, match=message):
+        worker.execute_model(StepInput(**{**fields, **change}))
+    assert torch.equal(worker.cache.gpu, before)

@@ -1,0 +1,279 @@
+"""The workers' decoder against transformers itself: for each supported architecture a random
+checkpoint (written by transformers, sharded with an index), loaded by kvpager in float32 on the
+CPU, runs a ragged prefill (one prompt in two chunks, the second step with a sequence that
+computes nothing), then decode steps over a real paged cache in shuffled blocks; the logits of
+each prompt's last token match transformers' forward within 1e-4 and the greedy tokens match
+``generate(do_sample=False)``. Tensor parallelism (2 ranks over gloo, spawned processes) gives
+the same logits and tokens. Each refused configuration says what is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvpager.checkpoints import build_random_checkpoint
+from kvpager.step import StepInput
+from kvpager.worker.hf_config import Llama3RopeScaling, ModelConfig, Rope, UnsupportedModel, config_from_hf
+from kvpager.worker.kv_cache import CacheSpec, KVCache
+from kvpager.worker.model import Decoder
+
+# transformers is imported where it is used: the spawned tensor-parallel ranks import this module too.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+BLOCK = 4
+NUM_BLOCKS = 32
+MAX_BLOCKS = 8                      # table width: 32 tokens per sequence
+PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12, 13, 200, 150, 9, 77, 31, 64, 8, 190, 4])
+FIRST_CHUNK = 5                     # the second prompt is prefilled in two steps
+NEW_TOKENS = 8
+SHAPE = dict(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=301, intermediate_size=96)
+
+CASES = {
+    "llama-untied-biases": dict(model_type="llama", attention_bias=True, mlp_bias=True, max_shard_size="60KB"),
+    "llama-tied-llama3-rope": dict(model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+                                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=64),
+                                   max_position_embeddings=1024),
+    "mistral-window-covers-context": dict(model_type="mistral", sliding_window=4096, max_position_embeddings=4096),
+    "qwen2-qkv-biases": dict(model_type="qwen2"),
+    "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: build_random_checkpoint(root / name, **{**SHAPE, "seed": i, **case}, tokenizer=False)
+            for i, (name, case) in enumerate(CASES.items())}
+
+
+# ---- driving the paged model like a scheduler -------------------------------------------------------
+class PagedRun:
+    """Sequences in shuffled blocks of a real KVCache; builds each step's StepInput."""
+
+    def __init__(self, model: Decoder, num_seqs: int) -> None:
+        cfg = model.cfg
+        self.cache = KVCache(CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, BLOCK, cfg.cache_dtype),
+                             NUM_BLOCKS, 1, model.device)
+        free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+        self.tables = [[free.pop() for _ in range(MAX_BLOCKS)] for _ in range(num_seqs)]
+        self.lens = [0] * num_seqs
+        self.model = model
+        self.steps = 0
+
+    def step(self, chunks: list[list[int]]) -> torch.Tensor | None:
+        """chunks[i]: the tokens sequence i computes now (possibly none)."""
+        tokens, positions, slots = [], [], []
+        for i, chunk in enumerate(chunks):
+            for t in chunk:
+                tokens.append(t)
+                positions.append(self.lens[i])
+                slots.append(self.tables[i][self.lens[i] // BLOCK] * BLOCK + self.lens[i] % BLOCK)
+                self.lens[i] += 1
+        self.steps += 1
+        step = StepInput(step_id=self.steps, plan_step_id=0, token_ids=tokens, positions=positions,
+                         slot_mapping=slots, query_lens=[len(c) for c in chunks], context_lens=list(self.lens),
+                         block_tables=[b for t in self.tables for b in t], max_blocks=MAX_BLOCKS)
+        step.check()
+        return self.model.forward_paged(step, self.cache.layer)
+
+
+def paged_generate(model: Decoder, choose=lambda logits: logits.argmax(-1).tolist()):
+    """Returns (last-token logits of each prompt after its prefill, greedy tokens per prompt).
+    ``choose`` turns rank 0's logits (None elsewhere) into the tokens every rank feeds next."""
+    a, b = PROMPTS
+    run = PagedRun(model, 2)
+    first = run.step([a, b[:FIRST_CHUNK]])                      # prompt a whole, b's first chunk
+    assert first is None or first.shape == (2, model.cfg.vocab_size)
+    second = run.step([[], b[FIRST_CHUNK:]])                     # a computes nothing: one row back
+    assert second is None or second.shape == (1, model.cfg.vocab_size)
+    prefill_logits = None if first is None else torch.stack([first[0], second[0]])
+    tokens = [[t] for t in choose(prefill_logits)]
+    for _ in range(NEW_TOKENS - 1):                              # pure decode steps
+        logits = run.step([[seq[-1]] for seq in tokens])
+        for seq, t in zip(tokens, choose(logits)):
+            seq.append(t)
+    return prefill_logits, tokens
+
+
+def hf_reference(path):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None   # generate exactly NEW_TOKENS
+    logits, tokens = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            logits.append(hf(ids).logits[0, -1])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              pad_token_id=0)
+            tokens.append(out[0, len(prompt):].tolist())
+    return torch.stack(logits), tokens
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_decoder_matches_transformers(checkpoints, case):
+    path = checkpoints[case]
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.model_type == CASES[case]["model_type"] and cfg.dtype == "float32"
+    model = Decoder(cfg)
+    logits, tokens = paged_generate(model)
+    want_logits, want_tokens = hf_reference(path)
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=0)
+    assert tokens == want_tokens
+    # The contiguous-cache oracle computes the same.
+    past: list = []
+    oracle = model.forward_contiguous(PROMPTS[0], 0, past)
+    torch.testing.assert_close(oracle, want_logits[0], atol=1e-4, rtol=0)
+
+
+def test_checkpoint_features_reach_the_config(checkpoints):
+    cfgs = {case: ModelConfig.from_pretrained(path) for case, path in checkpoints.items()}
+    assert cfgs["llama-untied-biases"].attention_bias and cfgs["llama-untied-biases"].o_proj_bias
+    assert cfgs["llama-untied-biases"].mlp_bias and not cfgs["llama-untied-biases"].tie_word_embeddings
+    assert len(list(checkpoints["llama-untied-biases"].glob("model-*.safetensors"))) > 3   # sharded, indexed
+    tied = cfgs["llama-tied-llama3-rope"]
+    assert tied.tie_word_embeddings and tied.rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+    assert cfgs["mistral-window-covers-context"].sliding_window == 4096
+    assert cfgs["qwen2-qkv-biases"].attention_bias and not cfgs["qwen2-qkv-biases"].o_proj_bias
+    qwen3 = cfgs["qwen3-qk-norm"]
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.num_q_heads * qwen3.head_dim == 2 * qwen3.hidden_size
+
+
+def test_hub_style_rope_settings_read_like_transformers_5(checkpoints):
+    """Hub checkpoints write rope_theta + rope_scaling (with "rope_type" or the older "type")."""
+    written = json.loads((checkpoints["llama-tied-llama3-rope"] / "config.json").read_text())
+    params = written.pop("rope_parameters")
+    theta = params.pop("rope_theta")
+    for key in ("rope_type", "type"):
+        scaling = {(key if k == "rope_type" else k): v for k, v in params.items()}
+        hub = {**written, "rope_theta": theta, "rope_scaling": scaling}
+        assert config_from_hf(hub).rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+    assert config_from_hf({**written, "rope_theta": 1e6}).rope == Rope(1e6)
+
+
+def test_bfloat16_runs_close_to_float32(checkpoints):
+    path = checkpoints["qwen3-qk-norm"]
+    f32 = Decoder(ModelConfig.from_pretrained(path))
+    bf16 = Decoder(ModelConfig.from_pretrained(path, dtype="bfloat16"))
+    assert bf16.embed.dtype == torch.bfloat16
+    a, _ = paged_generate(f32)
+    b, _ = paged_generate(bf16)
+    assert b.dtype == torch.float32 and float((a - b).norm() / a.norm()) < 0.05
+
+
+def test_seeded_presets_use_the_same_loading_path():
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=64, vocab_size=256, seed=1)
+    a, b = Decoder(cfg), Decoder(cfg)
+    assert torch.equal(a.layers[1].qkv, b.layers[1].qkv)
+    assert not torch.equal(Decoder(replace(cfg, seed=2)).layers[1].qkv, a.layers[1].qkv)
+    logits, tokens = paged_generate(a)
+    past: list = []
+    torch.testing.assert_close(a.forward_contiguous(PROMPTS[0], 0, past), logits[0], atol=1e-5, rtol=0)
+
+
+# ---- tensor parallelism: 2 ranks over gloo -----------------------------------------------------------
+def _tp_rank(rank: int, port: int, path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model = Decoder(ModelConfig.from_pretrained(path), rank=rank, tp_size=2)
+
+        def choose(logits):
+            chosen = torch.zeros(2, dtype=torch.long) if logits is None else logits.argmax(-1)
+            dist.broadcast(chosen, src=0)
+            return chosen.tolist()
+
+        logits, tokens = paged_generate(model, choose)
+        assert (logits is None) == (rank != 0)
+        if rank == 0:
+            torch.save(dict(logits=logits, tokens=tokens, embed_rows=model.embed.shape[0]),
+                       os.path.join(out_dir, "rank0.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensor_parallel_ranks_match_one_rank(checkpoints, tmp_path):
+    path = checkpoints["llama-untied-biases"]
+    single_logits, single_tokens = paged_generate(Decoder(ModelConfig.from_pretrained(path)))
+    torch.multiprocessing.start_processes(_tp_rank, args=(_free_port(), str(path), str(tmp_path)), nprocs=2,
+                                          join=True, start_method="spawn")
+    result = torch.load(tmp_path / "rank0.pt")
+    assert result["embed_rows"] == 151          # vocabulary 301 over 2 ranks: the last slice padded
+    torch.testing.assert_close(result["logits"], single_logits, atol=1e-4, rtol=0)
+    assert result["tokens"] == single_tokens
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=10000.0)
+
+
+@pytest.mark.parametrize("config, words", [
+    (dict(LLAMA, model_type="gpt2"), ["model_type 'gpt2'"]),
+    (dict(LLAMA, model_type="llama4"), ["model_type 'llama4'"]),
+    (dict(LLAMA, rope_scaling=dict(rope_type="yarn", factor=4.0)), ["rope_type 'yarn'"]),
+    (dict(LLAMA, rope_scaling=dict(type="linear", factor=2.0)), ["rope_type 'linear'"]),
+    (dict(LLAMA, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), ["rope_type 'dynamic'"]),
+    (dict(LLAMA, rope_scaling=dict(rope_type="longrope", short_factor=[1.0], long_factor=[1.0])),
+     ["rope_type 'longrope'"]),
+    (dict(LLAMA, hidden_act="gelu"), ["hidden_act 'gelu'"]),
+    (dict(LLAMA, partial_rotary_factor=0.5), ["partial_rotary_factor 0.5"]),
+    (dict(LLAMA, quantization_config=dict(quant_method="awq")), ["quantized", "awq"]),
+    (dict(LLAMA, architectures=["LlamaForSequenceClassification"]), ["LlamaForSequenceClassification"]),
+    (dict(LLAMA, model_type="mistral", sliding_window=4096), ["sliding_window 4096", "8192"]),
+    (dict(LLAMA, model_type="qwen2", use_sliding_window=True, sliding_window=1024, max_window_layers=0),
+     ["sliding_window 1024"]),
+])
+def test_refused_configurations_say_what(config, words):
+    with pytest.raises(UnsupportedModel) as err:
+        config_from_hf(config)
+    message = str(err.value)
+    assert "\n" not in message and "llama, mistral, qwen2, qwen3" in message
+    for word in words:
+        assert word in message
+
+
+def test_sliding_window_is_accepted_when_it_covers_the_served_context():
+    mistral = dict(LLAMA, model_type="mistral", sliding_window=4096)
+    assert config_from_hf(mistral, max_model_len=4096).sliding_window == 4096
+    with pytest.raises(UnsupportedModel, match="sliding_window 4096 shorter than the served context of 4097"):
+        config_from_hf(mistral, max_model_len=4097)
+    # Qwen2 ignores its window unless use_sliding_window says otherwise.
+    assert config_from_hf(dict(LLAMA, model_type="qwen2", sliding_window=1024)).sliding_window is None
+    assert config_from_hf(dict(LLAMA, model_type="mistral", sliding_window=None)).sliding_window is None
+    with pytest.raises(UnsupportedModel, match="max_model_len 9000 beyond the model's max_position_embeddings 8192"):
+        config_from_hf(LLAMA, max_model_len=9000)
+
+
+def test_heads_that_do_not_divide_over_the_ranks_are_refused():
+    cfg = config_from_hf(LLAMA)
+    cfg.check_tensor_parallel(2)
+    with pytest.raises(UnsupportedModel, match="tensor_parallel_size 4 does not divide the 2 key/value heads"):
+        cfg.check_tensor_parallel(4)
+    with pytest.raises(UnsupportedModel, match="tensor_parallel_size 3 does not divide the 8 attention heads and "
+                                               "2 key/value heads"):
+        Decoder(cfg, rank=0, tp_size=3)
+
+
+def test_from_pretrained_refuses_an_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA, model_type="gpt_neox")))
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt_neox'"):
+        ModelConfig.from_pretrained(tmp_path)

@@ -1,0 +1,295 @@
+"""What model a worker serves: ``ModelConfig``, read from a Hugging Face ``config.json``.
+
+Supported: the Llama family of decoders that kvpager computes exactly as transformers does
+(``worker.model``): ``llama`` (Llama 2, 3, 3.1, 3.2, with rope_scaling type ``llama3``, tied or
+untied embeddings, ``attention_bias``, ``mlp_bias``), ``mistral``, ``qwen2`` (Qwen2, Qwen2.5:
+q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm). Anything else, or a feature the model code
+does not implement (another RoPE type, another activation, a sliding window shorter than the
+served context, a quantized checkpoint...), raises ``UnsupportedModel`` with a one-line message
+naming it; nothing is approximated.
+
+Both ways transformers writes RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (hub
+checkpoints) and ``rope_parameters`` (transformers 5). Keys a config.json omits take the
+defaults of transformers' own config class for that model type.
+
+``PRESETS`` are small models with seeded random weights (``path`` None), for tests and the demo.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModel(ValueError):
+    """The model (its type or one of its features) is not one kvpager computes exactly."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"unsupported model: {what} (kvpager serves model types "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} with default or llama3 RoPE, SiLU MLPs and "
+                         f"full causal attention)")
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """rope_type "llama3" (Llama 3.1, 3.2): low frequencies divided by ``factor``, a smooth
+    ramp between ``low_freq_factor`` and ``high_freq_factor`` wavelengths."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    theta: float = 10000.0
+    llama3: Optional[Llama3RopeScaling] = None
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """The float32 inverse frequencies ``[head_dim / 2]``, as transformers computes them."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        s = self.llama3
+        if s is None:
+            return inv
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    # Neither RoPE type kvpager implements scales cos/sin (transformers' attention_scaling is 1).
+    attention_scaling = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    # ---- the architecture (Hugging Face names in comments) ----
+    model_type: str = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4                  # num_hidden_layers
+    num_q_heads: int = 8                 # num_attention_heads
+    num_kv_heads: int = 4                # num_key_value_heads
+    head_dim: int = 32
+    intermediate_size: int = 512
+    rms_eps: float = 1e-5                # rms_norm_eps
+    rope: Rope = field(default_factory=Rope)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False         # q/k/v projection biases
+    o_proj_bias: bool = False            # output projection bias (Llama's attention_bias; Qwen2 has none)
+    mlp_bias: bool = False               # gate/up/down biases
+    qk_norm: bool = False                # Qwen3: RMSNorm of each q and k head before RoPE
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None  # only a window >= the served context is accepted (no masking)
+    max_model_len: Optional[int] = None   # the longest sequence served; None: no limit set
+    # ---- how it runs ----
+    dtype: str = "float32"               # weights and activations
+    # KV cache storage: "auto" (the model's dtype) or "fp8_e4m3" (K / kv_scale and V / kv_scale
+    # in float8_e4m3fn, half the bytes of a 16-bit cache; kv_scale per tensor, every layer).
+    kv_cache_dtype: str = "auto"
+    kv_scale: float = 1.0
+    path: Optional[str] = None           # the checkpoint directory; None: seeded random weights
+    seed: int = 0                        # of the random weights
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if not 0 < self.kv_scale < float("inf"):
+            raise ValueError(f"kv_scale must be finite and > 0, got {self.kv_scale}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(f"model_type {self.model_type!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise UnsupportedModel(f"{self.num_q_heads} attention heads are not a multiple of "
+                                   f"{self.num_kv_heads} key/value heads")
+        if self.head_dim % 2:
+            raise UnsupportedModel(f"odd head_dim {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < self.context_len:
+            raise UnsupportedModel(
+                f"sliding_window {self.sliding_window} shorter than the served context of {self.context_len} "
+                f"tokens (set max_model_len <= {self.sliding_window} to serve it with full attention)")
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise UnsupportedModel unless ``tp_size`` ranks split the heads (query and key/value)
+        and the MLP evenly."""
+        parts = {"attention heads": self.num_q_heads, "key/value heads": self.num_kv_heads,
+                 "intermediate size": self.intermediate_size}
+        bad = [f"{n} {what}" for what, n in parts.items() if n % tp_size]
+        if tp_size < 1 or bad:
+            raise UnsupportedModel(f"tensor_parallel_size {tp_size} does not divide the {' and '.join(bad)} "
+                                   f"evenly")
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence this config may serve: max_model_len, else max_position_embeddings."""
+        return self.max_model_len if self.max_model_len is not None else self.max_position_embeddings
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else self.torch_dtype
+
+    @property
+    def cache_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) for the kernels: 1 unless the cache is fp8."""
+        return (self.kv_scale, self.kv_scale) if self.kv_cache_dtype == "fp8_e4m3" else (1.0, 1.0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: Optional[str] = None, max_model_len: Optional[int] = None,
+                        kv_cache_dtype: str = "auto", kv_scale: float = 1.0, check_weights: bool = True
+                        ) -> "ModelConfig":
+        """The model of the checkpoint directory ``path`` (its config.json), computed in ``dtype``
+        (default float32), serving sequences of up to ``max_model_len`` tokens (default the
+        model's max_position_embeddings). Raises UnsupportedModel for a model kvpager does not
+        serve and ``worker.checkpoint.CheckpointError`` (a ValueError) for a missing or broken
+        config.json; with ``check_weights`` also for safetensors files that lack a tensor, hold
+        one too many or a mis-shaped one (headers only: no weights are read)."""
+        from . import checkpoint
+
+        cfg = config_from_hf(checkpoint.read_config_json(path), dtype=dtype or "float32",
+                             max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale,
+                             path=str(Path(path).resolve()))
+        if check_weights:
+            checkpoint.open_weights(cfg)
+        return cfg
+
+
+# Keys a config.json may omit, per model type: transformers' class defaults (5.x). head_dim None:
+# hidden_size // num_attention_heads; num_key_value_heads None: num_attention_heads.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                  mlp_bias=False, sliding_window=None),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                    max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, hidden_act="silu",
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+}
+
+
+def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", max_model_len: Optional[int] = None,
+                   kv_cache_dtype: str = "auto", kv_scale: float = 1.0, path: Optional[str] = None) -> ModelConfig:
+    """``ModelConfig`` of a parsed config.json; UnsupportedModel names the first feature refused."""
+    model_type = hf.get("model_type")
+    if model_type not in _DEFAULTS:
+        raise UnsupportedModel(f"model_type {model_type!r}")
+    c = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
+    for arch in hf.get("architectures") or ():
+        if not str(arch).endswith("ForCausalLM"):
+            raise UnsupportedModel(f"architecture {arch!r} (only ...ForCausalLM heads)")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?") if isinstance(hf["quantization_config"],
+                                                                                  dict) else "?"
+        raise UnsupportedModel(f"quantized checkpoint (quantization_config, quant_method {method!r})")
+    if c["hidden_act"] not in ("silu", "swish"):
+        raise UnsupportedModel(f"hidden_act {c['hidden_act']!r} (only silu)")
+    heads = _int(c, "num_attention_heads")
+    kv_heads = _int(c, "num_key_value_heads") if c["num_key_value_heads"] is not None else heads
+    head_dim = _int(c, "head_dim") if c.get("head_dim") is not None else _int(c, "hidden_size") // heads
+    max_pos = _int(c, "max_position_embeddings")
+    if max_model_len is not None and max_model_len > max_pos:
+        raise UnsupportedModel(f"max_model_len {max_model_len} beyond the model's max_position_embeddings {max_pos}")
+    return ModelConfig(
+        model_type=model_type, vocab_size=_int(c, "vocab_size"), hidden_size=_int(c, "hidden_size"),
+        num_layers=_int(c, "num_hidden_layers"), num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=_int(c, "intermediate_size"), rms_eps=float(c["rms_norm_eps"]), rope=_rope(c, head_dim),
+        tie_word_embeddings=bool(c["tie_word_embeddings"]),
+        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and bool(c["attention_bias"])),
+        o_proj_bias=model_type in ("llama", "qwen3") and bool(c["attention_bias"]),
+        mlp_bias=model_type == "llama" and bool(c["mlp_bias"]), qk_norm=model_type == "qwen3",
+        max_position_embeddings=max_pos,
+        sliding_window=_sliding_window(model_type, c), max_model_len=max_model_len or max_pos, dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, path=path)
+
+
+def _int(c: dict[str, Any], key: str) -> int:
+    value = c.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UnsupportedModel(f"{key} {value!r} (a positive integer expected)")
+    return value
+
+
+def _rope(c: dict[str, Any], head_dim: int) -> Rope:
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModel(f"rope parameters {params!r} (one flat dict expected)")
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModel(f"partial_rotary_factor {partial}")
+    if rope_type == "default":
+        return Rope(theta)
+    if rope_type != "llama3":
+        raise UnsupportedModel(f"rope_type {rope_type!r} (only default and llama3)")
+    try:
+        scaling = Llama3RopeScaling(
+            factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                            c["max_position_embeddings"])))
+    except KeyError as missing:
+        raise UnsupportedModel(f"llama3 rope scaling without {missing.args[0]}") from None
+    if scaling.high_freq_factor == scaling.low_freq_factor:
+        raise UnsupportedModel("llama3 rope scaling with high_freq_factor == low_freq_factor")
+    return Rope(theta, scaling)
+
+
+def _sliding_window(model_type: str, c: dict[str, Any]) -> Optional[int]:
+    """The window some layer applies, as transformers decides it (None: every layer attends to
+    the whole context)."""
+    window = c.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type in ("qwen2", "qwen3"):
+        if not c.get("use_sliding_window"):
+            return None
+        n, full = c["num_hidden_layers"], c["max_window_layers"]
+        layer_types = c.get("layer_types") or ["sliding_attention" if i >= full else "full_attention" for i in range(n)]
+        if "sliding_attention" not in layer_types:
+            return None
+    return _int(c, "sliding_window")
+
+
+# ---- seeded random-weight models -------------------------------------------------------------------
+# The named models of `kvpager worker --model` and the demo: "tiny" runs anywhere; "small" has a
+# head dim the CUDA decode kernel is built for (64, 128 or 256), so it is the default on GPUs.
+PRESETS = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=16,
+                        intermediate_size=256, seed=7),
+    "small": ModelConfig(vocab_size=256, hidden_size=256, num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=64,
+                         intermediate_size=512, seed=7),
+}
+
+
+def preset(name: str, kv_cache_dtype: str = "auto", kv_scale: float = 1.0) -> ModelConfig:
+    """A named model (``PRESETS``) with the KV storage asked for."""
+    model = PRESETS[name]
+    if kv_cache_dtype == "auto":
+        return model
+    return replace(model, kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale)
