@@ -37,7 +37,7 @@ ARCHS = {
 }
 SHAPE = dict(num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=2, vocab_size=512, intermediate_size=512)
 BF16_LOGIT_TOL = 0.05   # max |difference| of prefill logits, in units of the logits' std (bf16 has 8 bits)
-FP8_LOGIT_TOL = 0.25
+FP8_LOGIT_TOL = 0.5    # e4m3 keeps 3 mantissa bits: ~6% per K/V element
 
 
 @pytest.fixture(scope="module")
