@@ -110,6 +110,20 @@ def kv_cache_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
          help=f"per-tensor K/V scale of an fp8 cache{note}")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def dtype_flag(parser: argparse.ArgumentParser, auto_help: str = "bfloat16 on CUDA, float32 on the CPU") -> None:
+    """``--dtype``: the model's weights and activations (``kvpager worker``, ``generate``, the demo)."""
+    flag(parser, "--dtype", env="KVPAGER_DTYPE", choices=DTYPES, default="auto",
+         help=f"weights and activations of a checkpoint: auto is {auto_help}")
+
+
+def resolve_dtype(choice: str, cuda: bool) -> str:
+    """--dtype auto: bfloat16 where the model runs on CUDA, float32 on the CPU."""
+    return choice if choice != "auto" else ("bfloat16" if cuda else "float32")
+
+
 def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, type: Callable[[str], Any] = str,
          default: Any = None, default_help: Optional[str] = None, required: bool = False,
          choices: Optional[Sequence[Any]] = None, metavar: Optional[str] = None) -> argparse.Action:

@@ -104,7 +104,7 @@ def demo_model(args: argparse.Namespace) -> Iterator[ModelConfig]:
     """The model to serve: the checkpoint at --model, else a small random one built in a
     temporary directory (removed at the end)."""
     cuda = torch.cuda.is_available() and args.device != "cpu"
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda and args.model else "float32")
+    dtype = cli.resolve_dtype(args.dtype, cuda and bool(args.model))  # the built-in model: float32, checked
     if args.model:
         yield ModelConfig.from_pretrained(args.model, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
                                           kv_scale=args.kv_scale)
@@ -311,8 +311,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="with --manager: the IP of this machine's Ray node")
     f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", default_help="a small random Llama built here",
       help="a local Hugging Face checkpoint to serve (embedded)")
-    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-      help="weights and activations: auto is bfloat16 for --model on CUDA, else float32 (embedded)")
+    cli.dtype_flag(parser, "bfloat16 for --model on CUDA, else float32 (embedded)")
     f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
       help="where the embedded workers run: auto is CUDA when there is a GPU (embedded)")
     f(parser, "--check", env="KVPAGER_DEMO_CHECK", type=cli.parse_bool, default_help="on, off with --model",

@@ -57,8 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="one worker in this process instead of Ray actors (tensor parallel 1)")
     f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
       help="where the workers run: auto is CUDA when there is a GPU per rank")
-    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-      help="weights and activations: auto is bfloat16 on CUDA, float32 on the CPU")
+    cli.dtype_flag(parser)
     cli.kv_cache_flags(parser)
     f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
       default_help="the checkpoint's max_position_embeddings", help="longest sequence served (prompt + new tokens)")
@@ -150,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not cuda:
         raise cli.Failure(f"--device cuda: {torch.cuda.device_count()} GPU(s) here, "
                           f"{args.tensor_parallel_size} needed")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    dtype = cli.resolve_dtype(args.dtype, cuda)
     try:
         tokenizer = Tokenizer.from_pretrained(args.model)
         model = ModelConfig.from_pretrained(args.model, dtype=dtype, max_model_len=args.max_model_len,

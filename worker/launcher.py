@@ -60,8 +60,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       default_help="the random-weight preset small on CUDA, tiny on the CPU",
       help="a local Hugging Face checkpoint directory (nothing is downloaded), or a random-weight preset: "
            "tiny or small (worker.model.PRESETS)")
-    f(parser, "--dtype", env="KVPAGER_DTYPE", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-      help="weights and activations of a checkpoint: auto is bfloat16 on CUDA, float32 on the CPU")
+    cli.dtype_flag(parser)
     f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
       default_help="the checkpoint's max_position_embeddings", help="longest sequence served (prompt + new tokens)")
     cli.kv_cache_flags(parser)
@@ -316,7 +315,7 @@ def model_config(args: argparse.Namespace, use_gpu: bool):
     name = args.model or ("small" if use_gpu else "tiny")
     if name in PRESETS:
         return preset(name, args.kv_cache_dtype, args.kv_scale)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if use_gpu else "float32")
+    dtype = cli.resolve_dtype(args.dtype, use_gpu)
     try:
         return ModelConfig.from_pretrained(name, dtype=dtype, max_model_len=args.max_model_len,
                                            kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)

@@ -19,7 +19,7 @@ from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
 from kvpager.v1 import block_manager_pb2 as pb
 
-SUBCOMMANDS = ["manager", "worker", "demo", "stats", "bench"]
+SUBCOMMANDS = ["manager", "worker", "generate", "demo", "stats", "bench"]
 
 
 def kvpager(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -320,3 +320,20 @@ def test_stats_shows_a_manager_waiting_for_its_workers():
         server.stop(None)
         service.close()
     assert "not serving stats: no block pool yet" in out.getvalue()
+
+
+def test_worker_model_is_a_preset_or_a_checkpoint_read_before_any_actor_starts(tmp_path):
+    pytest.importorskip("transformers")
+    from kvpager.checkpoints import build_random_checkpoint
+    from kvpager.worker import launcher
+
+    path = build_random_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=320, tokenizer=False)
+    model = launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
+    assert (model.model_type, model.path, model.dtype) == ("qwen2", str(path), "float32")
+    model = launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=True)
+    assert model.dtype == "bfloat16"
+    assert launcher.model_config(parse("worker", "--manager", "127.0.0.1:1"), use_gpu=False).path is None  # tiny
+    config = (path / "config.json").read_text().replace('"qwen2"', '"phi3"')
+    (path / "config.json").write_text(config)
+    with pytest.raises(cli.Failure, match="cannot serve --model .*phi3.*llama, mistral, qwen2, qwen3"):
+        launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
