@@ -313,7 +313,7 @@ def manager_server(config: ManagerConfig, mode: str) -> Iterator[Server]:
     with tempfile.TemporaryDirectory(prefix="manager_bench-") as tmp:
         timings_path = os.path.join(tmp, "step_timings.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--serve-timed", timings_path,
-               "--port", "0", "--grace", "1", "--block-size", str(config.block_size),
+               "--insecure", "--port", "0", "--grace", "1", "--block-size", str(config.block_size),
                "--num-gpu-blocks", str(config.num_gpu_blocks), "--num-cpu-blocks", str(config.num_cpu_blocks)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:

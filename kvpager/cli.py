@@ -110,6 +110,25 @@ def kv_cache_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
          help=f"per-tensor K/V scale of an fp8 cache{note}")
 
 
+def client_security_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--auth-token`` and ``--tls-ca``: how a client reaches a secured manager (docs/security.md)."""
+    flag(parser, "--auth-token", env="KVPAGER_AUTH_TOKEN", metavar="FILE", default_help="unset: none sent",
+         help=f"file holding the bearer token to send the manager (a scheduler or admin role){note}")
+    flag(parser, "--tls-ca", env="KVPAGER_TLS_CA", metavar="FILE", default_help="unset: plaintext",
+         help=f"connect over TLS, verifying the manager's certificate with this PEM CA{note}")
+
+
+def client_security(args: argparse.Namespace) -> dict:
+    """BlockManagerClient's token and root_certificates from ``client_security_flags``."""
+    from kvpager import auth
+
+    try:
+        return dict(token=auth.read_token(args.auth_token, "--auth-token file"),
+                    root_certificates=auth.read_bytes(args.tls_ca, "--tls-ca file"))
+    except auth.CredentialError as err:
+        raise Failure(str(err)) from err
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

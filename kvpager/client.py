@@ -2,13 +2,18 @@
 
 Every method returns the RPC's protobuf response (typed by the generated .pyi stubs) or
 raises the ``ManagerError`` subclass of the status code it got (``NotFound``,
-``ResourceExhausted``, ``Unavailable``...). With ``retries > 0``, mutating calls get a
-request id and are retried with the same id on UNAVAILABLE or DEADLINE_EXCEEDED, which the
-server answers without applying anything twice.
+``ResourceExhausted``, ``Unavailable``...). Every mutating call carries a request id (a
+fresh uuid4 unless the caller gives one) and is retried with the same id, up to ``retries``
+times with jittered exponential backoff, on UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED: the
+call may have been applied although its answer was lost, and the server answers a retry with
+the first answer, applying nothing twice. An error that outlives the retries (``Unavailable``,
+``DeadlineExceeded``, ``Cancelled``) does not say whether the call was applied: retry it later
+with the same ``request_id`` (within the server's ``--request-cache-ttl``) to find out.
 """
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from typing import Iterable, Optional, Sequence
@@ -23,9 +28,10 @@ from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 _ERRORS = {cls.code: cls for cls in (
     errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
     errors.ResourceExhausted, errors.OutOfRange, errors.Aborted, errors.InvariantViolation,
-    errors.Unavailable, errors.DeadlineExceeded,
+    errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled,
 )}
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RETRYABLE = (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled)  # the answer may have been lost
+_MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
 _CODE_NAMES = {0: "OK", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS",
                8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE",
                13: "INTERNAL", 14: "UNAVAILABLE"}
@@ -87,14 +93,25 @@ def swap_in_op(seq_ids: Iterable[str]) -> pb.Operation:
 
 
 class BlockManagerClient:
-    def __init__(self, target: str, timeout: float = 10.0, retries: int = 0, retry_backoff: float = 0.05) -> None:
+    def __init__(self, target: str, timeout: float = 10.0, retries: int = 3, retry_backoff: float = 0.05, *,
+                 token: Optional[str] = None, root_certificates=None, certificate_chain=None,
+                 private_key=None) -> None:
+        """``token``: sent as ``authorization: Bearer TOKEN`` on every call. ``root_certificates``
+        (PEM bytes or a file path): use TLS, verifying the manager with this CA;
+        ``certificate_chain``/``private_key`` (PEM bytes or paths): a client certificate for
+        mutual TLS. Neither: plaintext, no token (docs/security.md)."""
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.retry_backoff = retry_backoff
-        self.channel = grpc.insecure_channel(target)
-        self.stub = pb_grpc.BlockManagerStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        from kvpager import auth
+
+        self.channel = auth.raw_channel(target, auth.read_bytes(root_certificates, "CA certificate"),
+                                        auth.read_bytes(certificate_chain, "client certificate"),
+                                        auth.read_bytes(private_key, "client key"))
+        calls = auth.with_token(self.channel, token)
+        self.stub = pb_grpc.BlockManagerStub(calls)
+        self._health = health_pb2_grpc.HealthStub(calls)
 
     def close(self) -> None:
         self.channel.close()
@@ -158,18 +175,23 @@ class BlockManagerClient:
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _mutate(self, method, request, request_id: Optional[str]):
-        if request_id is None and self.retries > 0:
+        """Send a mutating request with a request id (``request_id``, or a new uuid4); retry it
+        with the same id when its answer may have been lost. An empty ``request_id`` ("") sends
+        none and never retries."""
+        if request_id is None:
             request_id = uuid.uuid4().hex
         if request_id:
             request.request_id = request_id
-        attempts = 1 + (self.retries if request_id else 0)
+        attempts = 1 + (max(0, self.retries) if request_id else 0)
         for attempt in range(attempts):
             try:
                 return self._call(method, request)
-            except (errors.Unavailable, errors.DeadlineExceeded):
+            except _RETRYABLE:
                 if attempt + 1 == attempts:
                     raise
-                time.sleep(self.retry_backoff * (2 ** attempt))
+                # Jittered (half to all of the exponential wait): clients that failed together
+                # do not retry together.
+                time.sleep(random.uniform(0.5, 1.0) * min(_MAX_BACKOFF, self.retry_backoff * (2 ** attempt)))
         raise AssertionError("unreachable")
 
     def _call(self, method, request):

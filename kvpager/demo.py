@@ -146,7 +146,7 @@ def remote(args: argparse.Namespace) -> Iterator[Deployment]:
     from kvpager.worker.launcher import connect_ray
     from kvpager.worker.ray_group import RayWorkerGroup
 
-    client = C.BlockManagerClient(args.manager)
+    client = C.BlockManagerClient(args.manager, **cli.client_security(args))
     group = None
     try:
         try:
@@ -309,6 +309,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="with --manager: the Ray namespace of those workers")
     f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
       help="with --manager: the IP of this machine's Ray node")
+    cli.client_security_flags(parser, " (with --manager)")
     f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", default_help="a small random Llama built here",
       help="a local Hugging Face checkpoint to serve (embedded)")
     cli.dtype_flag(parser, "bfloat16 for --model on CUDA, else float32 (embedded)")

@@ -21,10 +21,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(target: str, service: str = "", timeout: float = 3.0) -> Optional[str]:
-    """None when ``service`` at ``target`` is SERVING, else a one-line reason."""
+def check(target: str, service: str = "", timeout: float = 3.0, ca: Optional[bytes] = None,
+          cert: Optional[bytes] = None, key: Optional[bytes] = None) -> Optional[str]:
+    """None when ``service`` at ``target`` is SERVING, else a one-line reason. ``ca``: over TLS,
+    verifying the server with it (``cert``/``key``: a client certificate for mutual TLS)."""
+    from kvpager import auth
+
     try:
-        with grpc.insecure_channel(target) as channel:
+        with auth.raw_channel(target, ca, cert, key) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as err:
@@ -45,8 +49,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("target", metavar="HOST:PORT", help="the gRPC server to ask")
     parser.add_argument("--service", default="", help="service name to ask about (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="connect over TLS, verifying the server with this PEM CA")
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", metavar="FILE", help="its private key (PEM)")
     args = parser.parse_args(argv)
-    reason = check(args.target, args.service, args.timeout)
+    from kvpager import auth
+
+    try:
+        tls = auth.TLS.load(args.tls_cert, args.tls_key, ca=args.tls_ca)
+    except auth.CredentialError as err:
+        print(f"unhealthy: {err}", file=sys.stderr)
+        return 1
+    reason = check(args.target, args.service, args.timeout, tls.ca, tls.cert, tls.key)
     if reason is not None:
         print(f"unhealthy: {reason}", file=sys.stderr)
         return 1

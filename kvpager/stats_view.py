@@ -33,6 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
              help="print one table and exit (same as --count 1)")
     cli.flag(parser, "--count", env="KVPAGER_STATS_COUNT", type=cli.positive_int, metavar="N",
              default_help="unset: until Ctrl-C", help="exit after N refreshes")
+    cli.client_security_flags(parser)
 
 
 @dataclass(slots=True)
@@ -127,10 +128,13 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
     count = 1 if args.once else args.count
     timeout = min(5.0, max(1.0, args.interval))
-    with C.BlockManagerClient(args.manager, timeout=timeout) as client:
+    with C.BlockManagerClient(args.manager, timeout=timeout, **cli.client_security(args)) as client:
         try:
             client.ping()
         except errors.ManagerError as err:
+            if err.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):  # reached, but refused (--auth-token)
+                raise cli.Failure(f"the block manager at {args.manager} refused the call: {err.code}: "
+                                  f"{cli.one_line(err)}") from err
             raise cli.Failure(f"cannot reach the block manager at {args.manager}: {cli.one_line(err)}") from err
         screen, previous, shown = Screen(out, live=count != 1), None, 0
         if screen.tty:

@@ -39,6 +39,16 @@ _CONFIG_HELP = {
     "max_seq_len": "longer sequences are rejected (INVALID_ARGUMENT)",
     "worker_heartbeat_timeout": "seconds without a heartbeat before a worker is dropped",
     "worker_plan_timeout": "deadline in seconds of one ExecutePlan call to a worker",
+    "max_prompt_tokens": "longest prompt one Allocate may name (INVALID_ARGUMENT above)",
+    "max_id_len": "longest seq_id, cache_namespace or request_id, in characters (INVALID_ARGUMENT above)",
+    "max_step_operations": "most operations in one Step; each sequence of an append_batch, swap_out or swap_in "
+                           "counts as one (INVALID_ARGUMENT above)",
+    "max_step_forks": "most forks in one Step (INVALID_ARGUMENT above)",
+    "max_reply_bytes": "largest answer in bytes; a call whose answer would be larger is refused, nothing "
+                       "applied (OUT_OF_RANGE)",
+    "request_cache_entries": "answers kept by request id for retries, at most this many",
+    "request_cache_bytes": "answers kept by request id, at most this many bytes (ids and answers)",
+    "request_cache_ttl": "seconds an answer is kept by request id for retries",
 }
 _KINDS = {bool: cli.parse_bool, "bool": cli.parse_bool, float: cli.number, "float": cli.number}
 _METAVARS = {bool: "BOOL", "bool": "BOOL", float: "X", "float": "X"}
@@ -56,10 +66,70 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cli.flag(parser, "--metrics-port", env="KVPAGER_METRICS_PORT", type=cli.port_number, metavar="PORT",
              default_help="unset: no metrics endpoint",
              help="serve /metrics and /sd/workers on this port (0: a free one)")
+    security_flags(parser)
     for f in fields(ManagerConfig):
         cli.flag(parser, f"--{f.name.replace('_', '-')}", env=f"KVPAGER_{f.name.upper()}", default=f.default,
                  type=_KINDS.get(f.type, cli.integer), metavar=_METAVARS.get(f.type, "N"),
                  help=_CONFIG_HELP.get(f.name, f.name.replace("_", " ")))
+
+
+def security_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, tokens and --insecure (docs/security.md)."""
+    f = cli.flag
+    f(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False,
+      help="serve without credentials (no token check; plaintext unless --tls-cert): anyone who reaches the "
+           "port can call everything, including RegisterWorker. Required when --auth-tokens is not given")
+    f(parser, "--auth-tokens", env="KVPAGER_AUTH_TOKENS", metavar="FILE", default_help="unset: no token check",
+      help='JSON {"tokens": [{"token" or "sha256": ..., "tenant": ..., "role": "scheduler|worker|admin"}]}: '
+           "every call but health and reflection needs 'authorization: Bearer TOKEN' of a role allowed to make it")
+    f(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
+      help="PEM certificate (chain) to serve TLS with (with --tls-key); also the client certificate the "
+           "manager shows the workers")
+    f(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+    f(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE", default_help="unset: no client certificate",
+      help="mutual TLS: accept only clients with a certificate signed by this PEM CA")
+    f(parser, "--worker-tls-ca", env="KVPAGER_WORKER_TLS_CA", metavar="FILE", default_help="unset: plaintext",
+      help="connect to the workers' CacheWorker service over TLS, verifying their certificates with this PEM CA")
+    f(parser, "--worker-service-token", env="KVPAGER_WORKER_SERVICE_TOKEN", metavar="FILE",
+      default_help="unset: none sent",
+      help="file holding the token the manager sends to the workers' CacheWorker service (the workers' "
+           "--manager-token)")
+
+
+def security(args: argparse.Namespace) -> dict:
+    """create_server's security arguments from the flags; refuses to run without credentials
+    unless --insecure."""
+    from kvpager import auth
+
+    if args.auth_tokens is None and not args.insecure:
+        raise cli.Failure("no credentials: pass --auth-tokens FILE (and --tls-cert FILE --tls-key FILE), or "
+                          "--insecure to serve without authentication")
+    if args.tls_client_ca and not args.tls_cert:
+        raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    try:
+        tokens = auth.TokenTable.load(args.auth_tokens) if args.auth_tokens else None
+        tls = auth.TLS.load(args.tls_cert, args.tls_key, args.tls_client_ca)
+        worker_token = auth.read_token(args.worker_service_token, "--worker-service-token file")
+        worker_tls = None
+        if args.worker_tls_ca:
+            worker_tls = auth.TLS(cert=tls.cert, key=tls.key, ca=auth.read_bytes(args.worker_tls_ca, "--worker-tls-ca"))
+    except auth.CredentialError as err:
+        raise cli.Failure(str(err)) from err
+    return dict(tokens=tokens, tls=tls if tls.serves else None, worker_tls=worker_tls, worker_token=worker_token)
+
+
+def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
+    from kvpager import auth
+
+    if secure["tokens"] is None:
+        log.warning("--insecure: serving WITHOUT authentication on %s:%s; anyone who reaches it can read and "
+                    "change every sequence and register workers", args.host, args.port)
+    if secure["tls"] is None and not auth.is_loopback(args.host):
+        log.warning("serving plaintext gRPC on %s: tokens and data cross the network unencrypted "
+                    "(pass --tls-cert and --tls-key)", args.host)
+    if args.metrics_port is not None and not auth.is_loopback(args.metrics_host):
+        log.warning("/metrics and /sd/workers on %s are plain HTTP without authentication: keep them on a "
+                    "private network or behind a TLS proxy (docs/security.md)", args.metrics_host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_mod.from_args(args)
     except ManagerError as err:
         raise cli.UsageError(str(err)) from err
+    secure = security(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()  # set by SIGTERM or SIGINT, even one that comes while starting
 
@@ -78,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     _check_bindable(args.host, args.port)
     try:
-        server, port, service, health_servicer = create_server(config, f"{args.host}:{args.port}")
+        server, port, service, health_servicer = create_server(config, f"{args.host}:{args.port}", **secure)
     except (OSError, RuntimeError) as err:  # grpc reports a failed bind as either
         raise cli.Failure(f"cannot serve on {args.host}:{args.port}: {cli.one_line(err)}") from err
     metrics = None
@@ -88,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as err:
             service.close()
             raise cli.Failure(cli.one_line(err)) from err
+    _warn_about_security(args, secure)  # once it can serve: a failure to start stays one line
     # The pools are hundreds of thousands of long-lived objects: keep the collector from
     # rescanning them (a full collection would otherwise stall every RPC for ~0.1-0.4 s), and
     # collect the young generation less often (each Step allocates thousands of short-lived ones).

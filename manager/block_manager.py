@@ -34,6 +34,7 @@ from .errors import (
     NotFound,
     OutOfRange,
     ResourceExhausted,
+    quote,
 )
 from .journal import Journal
 from .operations import (
@@ -57,7 +58,7 @@ from .plan import (
 from .prefix_hash import chain_hash, root_hash
 from .sequence import CPU, GPU, Sequence, SequenceTable
 
-MAX_SEQ_ID_LEN = 256
+MAX_SEQ_ID_LEN = 256  # the default of ManagerConfig.max_id_len
 
 
 # The kind of each operation, as counted in OperationCounts (and named in the metrics).
@@ -121,6 +122,9 @@ class _StepState:
     computed: set[int] = field(default_factory=set)
     # Running sequences touched, in first-touch order -> slots of the tokens to compute.
     touched: dict[str, list[int]] = field(default_factory=dict)
+    # A lower bound of the answer's size so far (every number in it takes at least a byte):
+    # lets an operation whose answer could not be sent be refused before it is applied.
+    reply_bytes: int = 0
 
 
 class BlockManager:
@@ -173,21 +177,25 @@ class BlockManager:
     def swap_in(self, seq_ids: Seq[str]) -> SwapResult:
         return self.run(SwapInOp(list(seq_ids)))
 
-    def run(self, op: Operation):
+    def run(self, op: Operation, before_commit: Optional[Callable[[StepResult], None]] = None):
         """Apply one operation on its own: a step of one, whose error is raised."""
-        outcome = self.step([op], batch=False).outcomes[0]
+        outcome = self.step([op], batch=False, before_commit=before_commit).outcomes[0]
         if outcome.error is not None:
             raise outcome.error
         return outcome.result
 
-    def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True) -> StepResult:
+    def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True,
+             before_commit: Optional[Callable[[StepResult], None]] = None) -> StepResult:
         """Apply ops in order, each atomically; merge their plans and block tables.
 
         Blocks released during the step are HELD until it ends, so no block is both freed and
         reused within one plan; with that, the worker's fixed order (swap-out, swap-in, copy,
         write) is always correct. If ``dispatch`` is set, it receives the plan before the step
         commits; if it raises (a worker is unreachable), the whole step is rolled back and the
-        error propagates.
+        error propagates. ``before_commit`` (the service's check of the answer's size) gets the
+        step's result before the plan is dispatched; if it raises, the step is rolled back the same
+        way. An ``InvariantViolation`` (a bug) inside any operation also rolls the whole step back
+        and propagates: it is never reported as one operation's refusal.
         """
         self.steps += 1
         state = _StepState(ExecutionPlan(self.steps))
@@ -202,11 +210,14 @@ class BlockManager:
         journal.begin()
         try:
             for i, op in enumerate(ops):
-                mark = journal.mark()
+                mark, charged = journal.mark(), state.reply_bytes
                 try:
                     result = self._run(op)
+                except InvariantViolation:
+                    raise
                 except ManagerError as err:
                     journal.rollback_to(mark)
+                    state.reply_bytes = charged
                     outcomes.append(OperationOutcome(error=err))
                     if all_or_nothing:
                         failed_at = i
@@ -218,7 +229,12 @@ class BlockManager:
                 self.counters = saved
                 outcomes = self._aborted(len(ops), failed_at, outcomes[failed_at].error)
                 state = _StepState(ExecutionPlan(state.plan.step_id))
-            elif self.dispatch is not None:
+            tables = self._batch(state.touched) if batch else BatchTables()
+            result = StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
+                                self.gpu.num_available + self.gpu.num_held, self.cpu.num_available + self.cpu.num_held)
+            if before_commit is not None:
+                before_commit(result)
+            if failed_at is None and self.dispatch is not None:
                 self.dispatch(state.plan)
             journal.commit()
         except BaseException as exc:
@@ -231,9 +247,7 @@ class BlockManager:
             self.gpu.end_hold()
             self.cpu.end_hold()
         self.op_counts.record(ops, outcomes, True)
-        tables = self._batch(state.touched) if batch else BatchTables()
-        return StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
-                          self.gpu.num_available, self.cpu.num_available)
+        return result
 
     def block_table(self, seq_id: str) -> Sequence:
         return self._get(seq_id)
@@ -288,14 +302,20 @@ class BlockManager:
 
     def _allocate(self, op: AllocateOp) -> AllocateResult:
         self._check_new_id(op.seq_id)
+        if len(op.namespace) > self.config.max_id_len:
+            raise InvalidArgument(
+                f"allocate {quote(op.seq_id)}: cache_namespace is {len(op.namespace)} characters; the limit is "
+                f"{self.config.max_id_len} (max_id_len)")
         tokens = op.token_ids or None
         n = self._count(tokens, op.num_tokens, "prompt")
         B, gpu = self.block_size, self.gpu
         num_blocks = -(-n // B)
+        # The answer holds the prompt's slots twice (result and batch) and its table three times.
+        self._charge(2 * n + 3 * num_blocks, f"allocate {quote(op.seq_id)}")
         usable = gpu.num_blocks - self.watermark_blocks
         if num_blocks > usable:
             raise OutOfRange(
-                f"allocate {op.seq_id!r}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
+                f"allocate {quote(op.seq_id)}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
                 f"never give more than {usable} ({gpu.num_blocks} minus a reserve of {self.watermark_blocks})")
 
         caching = self.config.enable_prefix_caching and tokens is not None
@@ -318,7 +338,7 @@ class BlockManager:
         available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
         if new > available - self.watermark_blocks:
             raise ResourceExhausted(
-                f"allocate {op.seq_id!r}: needs {new} free GPU blocks, {available} are free or evictable "
+                f"allocate {quote(op.seq_id)}: needs {new} free GPU blocks, {available} are free or evictable "
                 f"and {self.watermark_blocks} are kept in reserve")
 
         for b in hits:
@@ -350,6 +370,7 @@ class BlockManager:
         seq = self._get_running(op.seq_id, "append to")
         tokens = op.token_ids or None
         k = self._count(tokens, op.num_tokens, "append")
+        self._charge(2 * k, f"append to {quote(op.seq_id)}")
         slots, new_ids, copies = self._grow(seq, tokens, k)
         return AppendResult(op.seq_id, slots, new_ids, copies or BlockMapping(), seq.num_tokens)
 
@@ -379,6 +400,8 @@ class BlockManager:
                 if seq is None or seq.tier != GPU:
                     seq = self._get_running(seq_id, "append to")  # raises the precise error
                 grow(seq, None if token is None else (token,), 1)
+            except InvariantViolation:
+                raise
             except ManagerError as err:
                 if self._all_or_nothing:
                     raise
@@ -398,21 +421,21 @@ class BlockManager:
             return [slot], [], None
         if n + k > self.config.max_seq_len:
             raise InvalidArgument(
-                f"append to {seq_id!r}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
+                f"append to {quote(seq_id)}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
         table = seq.block_ids
         total = -(-(n + k) // B)
         if total > gpu.num_blocks:
-            raise OutOfRange(f"append to {seq_id!r}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+            raise OutOfRange(f"append to {quote(seq_id)}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
         step = self._step
         cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
         if cow and step is not None and table[-1] in step.computed:
             raise FailedPrecondition(
-                f"append to {seq_id!r}: its last block is shared and gets K/V in this step; copy-on-write "
+                f"append to {quote(seq_id)}: its last block is shared and gets K/V in this step; copy-on-write "
                 f"would copy it before it is written; append in a later step")
         need = total - len(table) + cow
         if need > gpu.num_available:
             raise ResourceExhausted(
-                f"append to {seq_id!r}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+                f"append to {quote(seq_id)}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
 
         self.seqs.save(seq)
         copies = BlockMapping() if cow else None
@@ -487,6 +510,8 @@ class BlockManager:
     def _fork(self, op: ForkOp) -> ForkResult:
         parent = self._get_running(op.parent_seq_id, "fork")
         self._check_new_id(op.child_seq_id)
+        # The answer holds the child's table three times (result, padded and CSR tables).
+        self._charge(3 * len(parent.block_ids), f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}")
         for b in parent.block_ids:
             self.gpu.incref(b)
         pending = list(parent.pending_tokens) if parent.pending_tokens is not None else None
@@ -502,7 +527,7 @@ class BlockManager:
         if self._step is not None and self._step.touched.get(op.seq_id):
             # Its tokens would not be computed, yet a fork or a prefix hit may share their blocks.
             raise FailedPrecondition(
-                f"free: sequence {op.seq_id!r} has tokens to compute in this step; free it in a later step")
+                f"free: sequence {quote(op.seq_id)} has tokens to compute in this step; free it in a later step")
         pool = self.gpu if seq.tier == GPU else self.cpu
         released = 0
         for b in reversed(seq.block_ids):  # tail first, so the LRU evicts a prefix's tail first
@@ -517,10 +542,10 @@ class BlockManager:
         step = self._step
         for s in seqs:
             if s.tier != GPU:
-                raise FailedPrecondition(f"swap out: sequence {s.seq_id!r} is already swapped out")
+                raise FailedPrecondition(f"swap out: sequence {quote(s.seq_id)} is already swapped out")
             if step is not None and not step.written.isdisjoint(s.block_ids):
                 raise FailedPrecondition(
-                    f"swap out: sequence {s.seq_id!r} has K/V written in this step; swap it out in a later step")
+                    f"swap out: sequence {quote(s.seq_id)} has K/V written in this step; swap it out in a later step")
         distinct = dict.fromkeys(b for s in seqs for b in s.block_ids)
         need, cpu, gpu = len(distinct), self.cpu, self.gpu
         if need > cpu.num_blocks:
@@ -551,7 +576,7 @@ class BlockManager:
         seqs = self._distinct(op.seq_ids, "swap in")
         for s in seqs:
             if s.tier != CPU:
-                raise FailedPrecondition(f"swap in: sequence {s.seq_id!r} is not swapped out")
+                raise FailedPrecondition(f"swap in: sequence {quote(s.seq_id)} is not swapped out")
         gpu, cpu = self.gpu, self.cpu
         distinct = dict.fromkeys(c for s in seqs for c in s.block_ids)
         reuse: dict[int, int] = {}  # CPU block -> GPU block already holding the same content
@@ -653,26 +678,44 @@ class BlockManager:
                 raise InvalidArgument(f"{what}: needs at least 1 token (token_ids or num_tokens), got {n}")
         if n > self.config.max_seq_len:
             raise InvalidArgument(f"{what}: {n} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        if n > self.config.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{what}: {n} tokens in one call exceeds max_prompt_tokens {self.config.max_prompt_tokens}")
         return n
+
+    def _charge(self, numbers: int, what: str) -> None:
+        """Count ``numbers`` more numbers in the step's answer (each takes at least one byte);
+        refuse the operation, before it changes anything, once they could not fit the answer."""
+        step = self._step
+        if step is None:
+            return
+        step.reply_bytes += numbers
+        if step.reply_bytes > self.config.max_reply_bytes:
+            step.reply_bytes -= numbers
+            raise OutOfRange(
+                f"{what}: the answer would exceed max_reply_bytes ({self.config.max_reply_bytes} bytes); "
+                f"nothing of it was applied: split the work over several calls")
 
     def _check_new_id(self, seq_id: str) -> None:
         if not seq_id:
             raise InvalidArgument("a sequence id must be a non-empty string")
-        if len(seq_id) > MAX_SEQ_ID_LEN:
-            raise InvalidArgument(f"sequence id is {len(seq_id)} characters; the limit is {MAX_SEQ_ID_LEN}")
+        if len(seq_id) > self.config.max_id_len:
+            raise InvalidArgument(
+                f"sequence id {quote(seq_id)} is {len(seq_id)} characters; the limit is {self.config.max_id_len} "
+                "(max_id_len)")
         if seq_id in self.seqs:
-            raise AlreadyExists(f"sequence {seq_id!r} already exists")
+            raise AlreadyExists(f"sequence {quote(seq_id)} already exists")
 
     def _get(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id)
         if seq is None:
-            raise NotFound(f"no sequence {seq_id!r}")
+            raise NotFound(f"no sequence {quote(seq_id)}")
         return seq
 
     def _get_running(self, seq_id: str, what: str) -> Sequence:
         seq = self._get(seq_id)
         if seq.tier != GPU:
-            raise FailedPrecondition(f"cannot {what} sequence {seq_id!r}: it is swapped out; swap it in first")
+            raise FailedPrecondition(f"cannot {what} sequence {quote(seq_id)}: it is swapped out; swap it in first")
         return seq
 
     def _distinct(self, seq_ids: Seq[str], what: str) -> list[Sequence]:
@@ -721,11 +764,11 @@ class BlockManager:
         for seq in self.seqs.values():
             table = seq.block_ids
             if seq.num_tokens < 1 or len(table) != -(-seq.num_tokens // B):
-                raise InvariantViolation(f"sequence {seq.seq_id!r}: {seq.num_tokens} tokens in {len(table)} blocks")
+                raise InvariantViolation(f"sequence {quote(seq.seq_id)}: {seq.num_tokens} tokens in {len(table)} blocks")
             if len(set(table)) != len(table):
-                raise InvariantViolation(f"sequence {seq.seq_id!r} names a block twice: {table}")
+                raise InvariantViolation(f"sequence {quote(seq.seq_id)} names a block twice: {table}")
             if seq.pending_tokens is not None and len(seq.pending_tokens) != seq.num_tokens % B:
-                raise InvariantViolation(f"sequence {seq.seq_id!r}: hash state out of step with its length")
+                raise InvariantViolation(f"sequence {quote(seq.seq_id)}: hash state out of step with its length")
             swapped += seq.tier == CPU
             refs[seq.tier].update(table)
             for i, b in enumerate(table):

@@ -19,6 +19,18 @@ class ManagerConfig:
     max_seq_len: int = 1 << 20        # longer sequences are rejected as INVALID_ARGUMENT
     worker_heartbeat_timeout: float = 5.0  # seconds without a heartbeat before a worker is dropped
     worker_plan_timeout: float = 30.0      # deadline of one ExecutePlan call to a worker
+    # Bounds that refuse, before anything is applied, what could not be answered (docs/design.md):
+    max_prompt_tokens: int = 131072   # tokens of one Allocate's prompt (INVALID_ARGUMENT above)
+    max_id_len: int = 256             # characters of a seq_id, cache_namespace or request_id
+    max_step_operations: int = 16384  # operations of one Step (each sequence of an append_batch,
+                                      # swap_out or swap_in counts as one)
+    max_step_forks: int = 1024        # forks in one Step
+    max_reply_bytes: int = 2 << 20    # serialized answer; a larger one is refused and rolled back
+                                      # (OUT_OF_RANGE); gRPC clients accept 4 MiB by default
+    # Answers kept by request id, so that a retry gets the first answer (manager/request_cache.py):
+    request_cache_entries: int = 65536
+    request_cache_bytes: int = 64 << 20  # ids plus serialized answers
+    request_cache_ttl: float = 600.0     # seconds an answer is kept
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -34,6 +46,16 @@ class ManagerConfig:
             raise InvalidArgument(f"watermark must be in [0, 1), got {self.watermark}")
         if self.max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        for name in ("max_prompt_tokens", "max_id_len", "max_step_operations", "max_reply_bytes",
+                     "request_cache_entries", "request_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_forks < 0:
+            raise InvalidArgument(f"max_step_forks must be >= 0, got {self.max_step_forks}")
+        if self.max_reply_bytes < 1024:
+            raise InvalidArgument(f"max_reply_bytes must be >= 1024, got {self.max_reply_bytes}")
+        if self.request_cache_ttl <= 0:
+            raise InvalidArgument(f"request_cache_ttl must be > 0 seconds, got {self.request_cache_ttl}")
 
     @property
     def sized_by_workers(self) -> bool:

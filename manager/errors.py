@@ -63,3 +63,22 @@ class Unavailable(ManagerError):
 
 class DeadlineExceeded(ManagerError):
     code = "DEADLINE_EXCEEDED"
+
+
+QUOTE_LIMIT = 64  # characters of an id quoted in a message; the rest is only counted
+
+
+def quote(value: str, limit: int = QUOTE_LIMIT) -> str:
+    """An id (or any caller-given string) as error messages show it: ``repr`` of at most
+    ``limit`` characters, then how long it really is, so that an oversized id never makes
+    an oversized message (messages are kept in answers and in the request-id cache)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}…({len(value)} chars)"
+
+
+class Cancelled(ManagerError):
+    """The call was cancelled before its answer arrived; it may have been applied: retry it with
+    the same request id to learn its answer."""
+
+    code = "CANCELLED"

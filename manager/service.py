@@ -26,24 +26,67 @@ from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 from . import wire
 from .block_manager import BlockManager
 from .config import ManagerConfig
-from .errors import FailedPrecondition, InvariantViolation, ManagerError, Unavailable
+from .errors import (
+    DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange, Unavailable,
+    quote,
+)
 from .metrics import ManagerMetrics, RpcMetricsInterceptor
 from .plan import ExecutionPlan
 from .request_cache import Answer, RequestCache, fingerprint
 from .workers import WorkerRegistry
 
 log = logging.getLogger("kvpager.manager")
+_NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+
+
+class Malformed:
+    """What a request that is not a valid message becomes (``MalformedRequestInterceptor``)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class MalformedRequestInterceptor(grpc.ServerInterceptor):
+    """Bytes that do not parse as the method's request (bad UTF-8 in a string field included)
+    are answered INVALID_ARGUMENT through the servicer's one mapping (gRPC itself would answer
+    INTERNAL, "Exception deserializing request")."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # protobuf's DecodeError, or whatever a parser raises
+                return Malformed(f"{method}: the request is not a valid message ({type(exc).__name__}: "
+                                 f"{str(exc)[:200]})")
+
+        def guarded(request, context):
+            if isinstance(request, Malformed):
+                return BlockManagerService._reply(Answer(error=InvalidArgument(request.reason)), context)
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=deserialize, response_serializer=handler.response_serializer)
 
 
 class BlockManagerService(pb_grpc.BlockManagerServicer):
     def __init__(self, config: ManagerConfig, manager: Optional[BlockManager] = None,
-                 health_servicer: Optional[health.HealthServicer] = None, request_cache_size: int = 65536) -> None:
+                 health_servicer: Optional[health.HealthServicer] = None,
+                 request_cache_size: Optional[int] = None) -> None:
         self.config = config
         # None while the pools wait to be sized from the workers' capacity (num_gpu_blocks == 0).
         self.manager = manager if manager is not None or config.sized_by_workers else BlockManager(config)
         self.lock = threading.Lock()
-        self.requests = RequestCache(request_cache_size)
+        self.requests = RequestCache(request_cache_size or config.request_cache_entries, config.request_cache_bytes,
+                                     config.request_cache_ttl)
         self.health = health_servicer
         timeout = config.worker_heartbeat_timeout
         self.registry = WorkerRegistry(config.block_size, heartbeat_interval=timeout / 5, heartbeat_timeout=timeout,
@@ -62,16 +105,22 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     # ---- the one path every RPC takes -----------------------------------------------------------
     def _call(self, method: str, request, context, work: Callable[[], object]):
         try:
+            request_id = getattr(request, "request_id", "")
+            if len(request_id) > self.config.max_id_len:
+                raise InvalidArgument(f"request_id {quote(request_id)} is {len(request_id)} characters; the limit "
+                                      f"is {self.config.max_id_len} (max_id_len)")
             with self.lock:
-                request_id = getattr(request, "request_id", "")
                 if not request_id:
-                    answer = self._answer(work)
+                    answer = self._answer(method, work)
                 else:
                     print_ = fingerprint(method, request.SerializeToString(deterministic=True))
                     answer = self.requests.get(request_id, print_)
                     if answer is None:
-                        answer = self._answer(work)
-                        self.requests.put(request_id, print_, answer)
+                        answer = self._answer(method, work)
+                        # Kept for retries, unless nothing was applied and trying again may help
+                        # (UNAVAILABLE) or the answer is a bug's (INTERNAL: rolled back too).
+                        if not isinstance(answer.error, _NOT_KEPT):
+                            self.requests.put(request_id, print_, answer)
         except ManagerError as err:
             answer = Answer(error=err)
         except Exception as exc:  # a bug: the manager rolled back; report it, keep serving
@@ -80,11 +129,36 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return self._reply(answer, context)
 
     @staticmethod
-    def _answer(work: Callable[[], object]) -> Answer:
+    def _answer(method: str, work: Callable[[], object]) -> Answer:
         try:
             return Answer(response=work())
+        except InvariantViolation as err:  # a bug: the step was rolled back whole
+            log.exception("%s failed: %s", method, err)
+            return Answer(error=err)
         except ManagerError as err:
             return Answer(error=err)
+
+    def _apply(self, op, encode: Callable[[object], object]):
+        """Run one operation as a step of one; its answer is encoded and its size checked
+        before the step commits (a too large one rolls it back)."""
+        replies = []
+
+        def check(result):
+            outcome = result.outcomes[0]
+            if outcome.error is None:
+                replies.append(self._bounded(encode(outcome.result)))
+
+        self._manager().run(op, before_commit=check)
+        return replies[0]
+
+    def _bounded(self, reply):
+        """The reply, unless it is larger than max_reply_bytes: then OUT_OF_RANGE (the caller
+        raises this before its step commits, so nothing is applied)."""
+        size = reply.ByteSize()
+        if size > self.config.max_reply_bytes:
+            raise OutOfRange(f"the answer would be {size} bytes, more than max_reply_bytes "
+                             f"({self.config.max_reply_bytes}); nothing was applied: split the work over several calls")
+        return reply
 
     @staticmethod
     def _reply(answer: Answer, context):
@@ -95,30 +169,33 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     # ---- RPCs ---------------------------------------------------------------------------------
     def Allocate(self, request, context):
         return self._call("Allocate", request, context,
-                          lambda: wire.allocate_pb(self._manager().run(wire.allocate_op(request))))
+                          lambda: self._apply(wire.allocate_op(request), wire.allocate_pb))
 
     def Append(self, request, context):
         return self._call("Append", request, context,
-                          lambda: wire.append_pb(self._manager().run(wire.append_op(request))))
+                          lambda: self._apply(wire.append_op(request), wire.append_pb))
 
     def Fork(self, request, context):
-        return self._call("Fork", request, context, lambda: wire.fork_pb(self._manager().run(wire.fork_op(request))))
+        return self._call("Fork", request, context, lambda: self._apply(wire.fork_op(request), wire.fork_pb))
 
     def Free(self, request, context):
-        return self._call("Free", request, context, lambda: wire.free_pb(self._manager().run(wire.free_op(request))))
+        return self._call("Free", request, context, lambda: self._apply(wire.free_op(request), wire.free_pb))
 
     def SwapOut(self, request, context):
         return self._call("SwapOut", request, context,
-                          lambda: wire.swap_out_pb(self._manager().run(wire.swap_out_op(request))))
+                          lambda: self._apply(wire.swap_out_op(request), wire.swap_out_pb))
 
     def SwapIn(self, request, context):
         return self._call("SwapIn", request, context,
-                          lambda: wire.swap_in_pb(self._manager().run(wire.swap_in_op(request))))
+                          lambda: self._apply(wire.swap_in_op(request), wire.swap_in_pb))
 
     def Step(self, request, context):
         def work():
-            ops = wire.step_ops(request)
-            return wire.step_pb(ops, self._manager().step(ops, request.all_or_nothing))
+            ops = wire.step_ops(request, self.config.max_step_operations, self.config.max_step_forks)
+            replies = []
+            self._manager().step(ops, request.all_or_nothing,
+                                 before_commit=lambda result: replies.append(self._bounded(wire.step_pb(ops, result))))
+            return replies[0]
 
         return self._call("Step", request, context, work)
 
@@ -229,9 +306,17 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
 
 def create_server(manager: BlockManager | ManagerConfig | None = None, address: str = "127.0.0.1:0",
-                  max_workers: int = 16):
+                  max_workers: int = 16, *, tokens=None, tls=None, worker_tls=None, worker_token: Optional[str] = None):
     """Build (not start) a server; returns (server, port, service, health_servicer).
-    Call ``service.close()`` after stopping the server."""
+    Call ``service.close()`` after stopping the server.
+
+    Plaintext and open by default (the library API, loopback tests, the embedded system);
+    ``kvpager manager`` requires credentials or --insecure. ``tokens`` (a ``kvpager.auth.TokenTable``)
+    turns on the bearer-token check of every call but health and reflection; ``tls`` (a
+    ``kvpager.auth.TLS`` with a certificate, and a client CA for mutual TLS) serves TLS. The
+    channels to the workers use ``worker_tls`` (its ``ca`` verifies them, its certificate is the
+    manager's client certificate) and send ``worker_token``."""
+    from kvpager import auth
     health_servicer = health.HealthServicer()
     if isinstance(manager, BlockManager):
         service = BlockManagerService(manager.config, manager, health_servicer)
@@ -239,14 +324,19 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
         service = BlockManagerService(manager or ManagerConfig(), None, health_servicer)
     # SO_REUSEPORT off: a second manager on a port in use must fail, not share it silently.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvpager-rpc"),
-                         interceptors=[RpcMetricsInterceptor(service.metrics)], options=[("grpc.so_reuseport", 0)])
+                         interceptors=[RpcMetricsInterceptor(service.metrics)]
+                         + ([auth.manager_interceptor(tokens)] if tokens is not None else [])
+                         + [MalformedRequestInterceptor()],
+                         options=[("grpc.so_reuseport", 0)])
+    if worker_tls is not None or worker_token:
+        service.registry.connect = lambda target: auth.channel(target, worker_tls, worker_token)
     pb_grpc.add_BlockManagerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = auth.add_port(server, address, tls)
     if port == 0:
         raise OSError(f"could not bind {address}")
     return server, port, service, health_servicer

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2
 
+from .errors import InvalidArgument, quote
 from .operations import (
     AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp,
 )
@@ -67,17 +68,34 @@ _OP_DECODERS = {
 }
 
 
-def step_ops(request: pb.StepRequest) -> list[Operation]:
+_MULTI = ("append_batch", "swap_out", "swap_in")  # operations that name many sequences
+
+
+def step_ops(request: pb.StepRequest, max_operations: int = 1 << 62, max_forks: int = 1 << 62) -> list[Operation]:
+    """The Step's operations; INVALID_ARGUMENT, before anything is applied, when there are more
+    than ``max_operations`` (each sequence named by an append_batch, swap_out or swap_in counting
+    as one) or more than ``max_forks`` forks."""
     ops: list[Operation] = []
+    count = forks = 0
     for i, operation in enumerate(request.operations):
         kind = operation.WhichOneof("op")
+        inner = getattr(operation, kind) if kind is not None else None
+        count += max(1, len(inner.seq_ids)) if kind in _MULTI else 1
+        if count > max_operations:
+            raise InvalidArgument(
+                f"step: more than {max_operations} operations (max_step_operations; each sequence of an "
+                f"append_batch, swap_out or swap_in counts as one); nothing was applied: split it")
+        if kind == "fork":
+            forks += 1
+            if forks > max_forks:
+                raise InvalidArgument(
+                    f"step: more than {max_forks} forks (max_step_forks); nothing was applied: split it")
         if kind is None:
             ops.append(RejectedOp(f"operation {i} sets none of {', '.join(_OP_DECODERS)}"))
             continue
-        inner = getattr(operation, kind)
         if kind != "append_batch" and inner.request_id:
             ops.append(RejectedOp(
-                f"operation {i} ({kind}) carries request_id {inner.request_id!r}; inside a Step only the "
+                f"operation {i} ({kind}) carries request_id {quote(inner.request_id)}; inside a Step only the "
                 "StepRequest's request_id is used: leave it empty"))
             continue
         ops.append(_OP_DECODERS[kind](inner))

@@ -54,6 +54,9 @@ class WorkerRegistry:
         self._by_rank: dict[int, WorkerRecord] = {}
         self.ranks_seen: set[int] = set()  # ranks that ever registered: a new one there is a replacement
         self._ids = itertools.count(1)
+        # Opens the channel to a worker's CacheWorker service (create_server sets TLS and the
+        # manager's token here when the workers require them).
+        self.connect: Callable[[str], grpc.Channel] = grpc.insecure_channel
 
     @property
     def expected(self) -> bool:
@@ -81,7 +84,7 @@ class WorkerRegistry:
                     f"{self.tensor_parallel_size}")
             self.tensor_parallel_size = req.tensor_parallel_size
             old = self._by_rank.get(req.rank)
-            channel = grpc.insecure_channel(req.address)
+            channel = self.connect(req.address)
             record = WorkerRecord(
                 worker_id=f"worker-{next(self._ids)}-rank{req.rank}", address=req.address, rank=req.rank,
                 num_gpu_blocks=req.num_gpu_blocks, num_cpu_blocks=req.num_cpu_blocks, channel=channel,

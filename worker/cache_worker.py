@@ -16,6 +16,7 @@ before the first write or attention: see ``worker.kv_cache``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -34,6 +35,7 @@ from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 from kvpager.kernels import cuda as cuda_kernels
 from kvpager.kernels import ops
+from kvpager import auth
 from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
@@ -63,6 +65,8 @@ class WorkerConfig:
     advertise_host: Optional[str] = None  # the host the manager and Prometheus reach it at; default: host
     metrics_port: Optional[int] = None    # serve Prometheus /metrics here (0: a free port); None: off
     device: Optional[str] = None          # default: the CUDA device Ray assigned, else the CPU
+    # TLS and tokens (kvpager.auth.WorkerCredentials); None: plaintext, no token check (loopback, tests).
+    credentials: Optional[auth.WorkerCredentials] = None
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -167,8 +171,9 @@ class CacheWorker:
 
     def worker_config(self) -> WorkerConfig:
         """This rank's configuration: a process attaching to a running group learns the group's
-        size from it and builds the same model (``.model``) for its reference check."""
-        return self.config
+        size from it and builds the same model (``.model``) for its reference check. Without
+        its credentials: they stay in this actor."""
+        return dataclasses.replace(self.config, credentials=None)
 
     def stop(self) -> None:
         self._stop.set()
@@ -184,12 +189,14 @@ class CacheWorker:
                 dist.destroy_process_group()
 
     def _serve(self) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpager-worker"))
+        creds = self.config.credentials or auth.WorkerCredentials()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpager-worker"),
+                             interceptors=creds.interceptors())
         worker_pb2_grpc.add_CacheWorkerServicer_to_server(CacheWorkerService(self), server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        port = server.add_insecure_port(host_port(self.config.host, 0))
+        port = auth.add_port(server, host_port(self.config.host, 0), creds.tls)
         server.start()
         self._server = server
         self.address = host_port(advertised_host(self.config), port)
@@ -212,7 +219,7 @@ class CacheWorker:
 
     def _register(self) -> None:
         cfg = self.config
-        with grpc.insecure_channel(cfg.manager_address) as channel:
+        with self._manager_channel() as channel:
             reply = pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(
                 address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
                 num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
@@ -223,8 +230,13 @@ class CacheWorker:
         if self.metrics is not None:
             self.metrics.set_info(self._info())
 
+    def _manager_channel(self) -> grpc.Channel:
+        """To the block manager: TLS and the worker token when the configuration has them."""
+        creds = self.config.credentials or auth.WorkerCredentials()
+        return creds.manager_channel(self.config.manager_address)
+
     def _beat(self) -> None:
-        with grpc.insecure_channel(self.config.manager_address) as channel:
+        with self._manager_channel() as channel:
             stub = pb_grpc.BlockManagerStub(channel)
             while not self._stop.wait(self._interval):
                 try:

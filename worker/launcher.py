@@ -21,6 +21,7 @@ the command with exit 1, so a supervisor can restart it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ from typing import Optional
 
 from kvpager import cli
 
+log = logging.getLogger("kvpager.worker")
 WATCH_INTERVAL_S = 5.0      # how often the ranks' gRPC health is checked
 WATCH_FAILURES = 3          # consecutive failed checks of one rank before giving up
 RAY_NODE_START_S = 90.0     # how long a joining Ray node may take to start
@@ -79,6 +81,51 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="the host the manager and Prometheus reach the workers at")
     f(parser, "--metrics-port", env="KVPAGER_WORKER_METRICS_PORT", type=cli.port_number, metavar="PORT",
       default_help="unset: no metrics", help="rank r serves Prometheus /metrics on PORT + r (0: free ports)")
+    security_flags(parser)
+
+
+def security_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, tokens and --insecure (docs/security.md)."""
+    f = cli.flag
+    f(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False,
+      help="run without credentials: the ranks' CacheWorker service accepts plans from anyone who reaches it. "
+           "Required unless --auth-token and one of --manager-token or --tls-client-ca are given")
+    f(parser, "--auth-token", env="KVPAGER_AUTH_TOKEN", metavar="FILE", default_help="unset: none sent",
+      help="file holding this group's worker-role token (RegisterWorker and Heartbeat on the manager)")
+    f(parser, "--manager-token", env="KVPAGER_MANAGER_TOKEN", metavar="FILE", default_help="unset: no token check",
+      help="file holding the token the manager presents (its --worker-service-token): the ranks' CacheWorker "
+           "service accepts only calls that carry it")
+    f(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
+      help="PEM certificate (chain) the ranks serve TLS with (with --tls-key); also their client certificate "
+           "towards the manager")
+    f(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+    f(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE", default_help="unset: no client certificate",
+      help="mutual TLS on the ranks' service: accept only clients (the manager) with a certificate from this PEM CA")
+    f(parser, "--tls-ca", env="KVPAGER_TLS_CA", metavar="FILE", default_help="unset: plaintext to the manager",
+      help="connect to the manager over TLS, verifying its certificate with this PEM CA (also used to verify "
+           "the ranks' own certificates in this command's health checks)")
+
+
+def credentials(args: argparse.Namespace):
+    """The ranks' WorkerCredentials from the flags (None: --insecure without any); refuses to run
+    without credentials unless --insecure."""
+    from kvpager import auth
+
+    guarded = bool(args.manager_token or args.tls_client_ca)
+    if not args.insecure and not (args.auth_token and guarded):
+        raise cli.Failure("no credentials: pass --auth-token FILE (the worker-role token) and --manager-token FILE "
+                          "or --tls-client-ca FILE (to accept plans only from the manager), or --insecure")
+    if args.tls_client_ca and not args.tls_cert:
+        raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    try:
+        tls = auth.TLS.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.tls_ca)
+        creds = auth.WorkerCredentials(tls=tls, auth_token=auth.read_token(args.auth_token, "--auth-token file"),
+                                       manager_token=auth.read_token(args.manager_token, "--manager-token file"))
+    except auth.CredentialError as err:
+        raise cli.Failure(str(err)) from err
+    if creds == auth.WorkerCredentials():
+        return None
+    return creds
 
 
 def _fraction(text: str) -> float:
@@ -93,8 +140,11 @@ def run(args: argparse.Namespace) -> int:
         raise cli.UsageError("--join needs --ray-address (the cluster to join)")
     if args.num_cpu_blocks < 0:
         raise cli.UsageError(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
+    creds = credentials(args)
     _stop_on_signals()
-    check_manager(args.manager)
+    check_manager(args.manager, credentials=creds)
+    if creds is None or not (creds.manager_token or creds.tls.client_ca):  # once it can start: failures stay one line
+        log.warning("--insecure: the ranks' CacheWorker service accepts plans from anyone who reaches it")
     node: Optional[RayNode] = None
     group = None
     try:
@@ -102,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             node = RayNode.start(args.ray_address, args.node_ip, args.device, args.tensor_parallel_size)
         node_id, gpus = connect(args)
         _stop_on_signals()  # ray.init installs its own SIGTERM handler
-        group = start_group(args, node_id, gpus)
+        group = start_group(args, node_id, gpus, creds)
         _stop_on_signals()
         for rank, (grpc_address, metrics) in enumerate(zip(group.addresses, group.metrics_addresses)):
             print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}", flush=True)
@@ -111,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
               f"model {args.model or ('small' if group.use_gpu else 'tiny')}, block size {cfg.block_size}, "
               f"registered with {args.manager}", flush=True)
         try:
-            watch(group.addresses)  # returns only by raising
+            watch(group.addresses, creds)  # returns only by raising
         except KeyboardInterrupt:  # SIGTERM or SIGINT: the normal way to stop
             pass
     finally:
@@ -148,16 +198,22 @@ def _stop(group, node: Optional["RayNode"]) -> None:
 
 
 # ---- the manager ----------------------------------------------------------------------------------
-def check_manager(target: str, timeout: float = 5.0) -> None:
-    """Fail with one clear line unless the block manager answers Ping."""
-    from kvpager.client import BlockManagerClient
-    from kvpager.manager.errors import ManagerError
+def check_manager(target: str, timeout: float = 5.0, credentials=None) -> None:
+    """Fail with one clear line unless the block manager answers a health check (open to all: the
+    worker-role token may not call Ping), over TLS when the credentials say so."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with BlockManagerClient(target, timeout=timeout) as client:
+    from kvpager import auth
+
+    creds = credentials or auth.WorkerCredentials()
+    with creds.manager_channel(target) as channel:
         try:
-            client.ping()
-        except ManagerError as err:
-            raise cli.Failure(f"cannot reach the block manager at {target}: {cli.one_line(err)}") from err
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as err:
+            code = err.code()
+            why = f"{code.name if code else 'UNKNOWN'}: {cli.one_line(err.details() or '')}"
+            raise cli.Failure(f"cannot reach the block manager at {target}: {why}") from err
 
 
 # ---- Ray --------------------------------------------------------------------------------------------
@@ -277,7 +333,7 @@ def connect_ray(address: str, namespace: str, node_ip: Optional[str] = None) -> 
 
 
 # ---- the group --------------------------------------------------------------------------------------
-def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
+def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int, credentials=None):
     """Create the named actors, start them (each registers with the manager) and return the group."""
     import ray
 
@@ -299,7 +355,8 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int):
     config = WorkerConfig(model=model, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                           memory_fraction=args.memory_fraction, num_cpu_blocks=args.num_cpu_blocks,
                           manager_address=args.manager, host=args.host, advertise_host=args.advertise_host,
-                          metrics_port=args.metrics_port, device=None if use_gpu else "cpu")
+                          metrics_port=args.metrics_port, device=None if use_gpu else "cpu",
+                          credentials=credentials)
     try:
         return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
     except ray.exceptions.RayError as err:
@@ -339,12 +396,17 @@ def _cause(err: BaseException) -> str:
     return finals[-1] if finals else cli.one_line(err)
 
 
-def watch(addresses: list[str]) -> None:
-    """Return never: check every rank's gRPC health every few seconds; fail when one stops answering."""
+def watch(addresses: list[str], credentials=None) -> None:
+    """Return never: check every rank's gRPC health every few seconds; fail when one stops answering.
+    Over TLS when the ranks serve it (verified with --tls-ca, else with their own certificate)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    channels = [grpc.insecure_channel(a) for a in addresses]
+    from kvpager import auth
+
+    tls = credentials.tls if credentials is not None else auth.TLS()
+    channels = [auth.raw_channel(a, tls.ca or tls.cert, tls.cert, tls.key) if tls.serves else grpc.insecure_channel(a)
+                for a in addresses]
     stubs = [health_pb2_grpc.HealthStub(c) for c in channels]
     failures = [0] * len(addresses)
     try:

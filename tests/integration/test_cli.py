@@ -108,7 +108,7 @@ def start_manager():
     started: list[Proc] = []
 
     def start(*args: str) -> tuple[Proc, str]:
-        proc = Proc.kvpager("manager", "--port", "0", *args)
+        proc = Proc.kvpager("manager", "--insecure", "--port", "0", *args)
         started.append(proc)
         return proc, proc.wait_for(r"^listening on (\S+)$", 30).group(1)
 
@@ -159,7 +159,7 @@ def test_manager_serves_health_and_metrics_and_stats_shows_its_pools(start_manag
 
 def test_worker_registers_its_group_and_stops_on_sigterm(start_manager):
     _, target = start_manager("--num-gpu-blocks", "0", "--num-cpu-blocks", "0")  # pools sized from the workers
-    worker = Proc.kvpager("worker", "--manager", target, "--tensor-parallel-size", "1", "--device", "cpu",
+    worker = Proc.kvpager("worker", "--insecure", "--manager", target, "--tensor-parallel-size", "1", "--device", "cpu",
                           "--num-gpu-blocks", "64", "--num-cpu-blocks", "16", "--node-ip", RAY_NODE_IP,
                           "--metrics-port", "0")
     try:
@@ -188,7 +188,7 @@ def test_demo_runs_embedded_without_ray():
 
 def test_demo_against_a_running_deployment(ray_head, start_manager):
     _, target = start_manager("--num-gpu-blocks", "0", "--num-cpu-blocks", "0")
-    worker = Proc.kvpager("worker", "--manager", target, "--ray-address", ray_head, "--node-ip", RAY_NODE_IP,
+    worker = Proc.kvpager("worker", "--insecure", "--manager", target, "--ray-address", ray_head, "--node-ip", RAY_NODE_IP,
                           "--tensor-parallel-size", "1", "--device", "cpu", "--num-gpu-blocks", "48",
                           "--num-cpu-blocks", "64")
     try:

@@ -16,7 +16,7 @@ from kvpager.client import BlockManagerClient
 
 def _start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpager.manager", "--port", "0", *args],
+        [sys.executable, "-m", "kvpager.manager", "--insecure", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
     )
     line = proc.stdout.readline()

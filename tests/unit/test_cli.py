@@ -179,7 +179,7 @@ def test_stats_against_an_unreachable_manager_exits_1():
 def test_worker_against_an_unreachable_manager_exits_1_before_starting_ray():
     port = closed_port()
     started = time.monotonic()
-    proc = kvpager("worker", "--manager", f"127.0.0.1:{port}", "--device", "cpu")
+    proc = kvpager("worker", "--insecure", "--manager", f"127.0.0.1:{port}", "--device", "cpu")
     assert_one_line_error(proc, 1, f"kvpager worker: cannot reach the block manager at 127.0.0.1:{port}")
     assert time.monotonic() - started < 30
 
@@ -189,7 +189,7 @@ def test_manager_on_a_port_in_use_exits_1():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        proc = kvpager("manager", "--port", str(port), timeout=30)
+        proc = kvpager("manager", "--insecure", "--port", str(port), timeout=30)
     assert_one_line_error(proc, 1, f"kvpager manager: cannot serve on 127.0.0.1:{port}", "in use")
 
 

@@ -350,7 +350,7 @@ def test_manager_runs_without_torch_or_ray(tmp_path):
     """What the manager image runs, `kvpager manager` with metrics, works with torch and Ray
     unimportable (as in that image)."""
     script = BLOCK_HEAVY + "from kvpager.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", script, "manager", "--host", "127.0.0.1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-c", script, "manager", "--insecure", "--host", "127.0.0.1", "--port", "0",
                              "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
