@@ -219,6 +219,33 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1]: a share of memory, a probability mass."""
+    value = number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def tls_server_flags(parser: argparse.ArgumentParser, who: str, client_role: str) -> None:
+    """``--tls-cert``, ``--tls-key`` and ``--tls-client-ca`` of a gRPC server (``who`` serves; its
+    certificate is also its client certificate towards ``client_role``'s peer)."""
+    flag(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
+         help=f"PEM certificate (chain) {who} serve(s) TLS with (with --tls-key); also the client certificate "
+              f"shown {client_role}")
+    flag(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
+    flag(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE",
+         default_help="unset: no client certificate",
+         help=f"mutual TLS on {who}'s service: accept only clients with a certificate signed by this PEM CA")
+
+
 # ---- running a subcommand -------------------------------------------------------------------------
 def one_line(message: object) -> str:
     """The first non-blank line of a message (exceptions from gRPC and Ray carry whole reports)."""

@@ -37,9 +37,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
     f(parser, "--max-new-tokens", env="KVPAGER_MAX_NEW_TOKENS", type=cli.positive_int, default=64, metavar="N",
       help="most tokens to generate per completion")
-    f(parser, "--temperature", env="KVPAGER_TEMPERATURE", type=_non_negative, default=0.0, metavar="T",
+    f(parser, "--temperature", env="KVPAGER_TEMPERATURE", type=cli.non_negative_float, default=0.0, metavar="T",
       help="sampling temperature; 0 is greedy")
-    f(parser, "--top-p", env="KVPAGER_TOP_P", type=_probability, default=1.0, metavar="P",
+    f(parser, "--top-p", env="KVPAGER_TOP_P", type=cli.fraction, default=1.0, metavar="P",
       help="nucleus sampling: keep the most likely tokens holding probability P (1: off)")
     f(parser, "--top-k", env="KVPAGER_TOP_K", type=cli.integer, default=0, metavar="K",
       help="sample among the K most likely tokens (0: off)")
@@ -64,22 +64,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
       default_help="what the prompts need on the CPU; --memory-fraction of free memory on CUDA",
       help="KV cache blocks per rank")
-    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=_probability, default=0.8,
+    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=cli.fraction, default=0.8,
       metavar="X", help="fraction of free device memory (after the weights) for the cache on CUDA")
-
-
-def _non_negative(text: str) -> float:
-    value = cli.number(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = cli.number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 @dataclass(slots=True)

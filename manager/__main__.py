@@ -82,12 +82,7 @@ def security_flags(parser: argparse.ArgumentParser) -> None:
     f(parser, "--auth-tokens", env="KVPAGER_AUTH_TOKENS", metavar="FILE", default_help="unset: no token check",
       help='JSON {"tokens": [{"token" or "sha256": ..., "tenant": ..., "role": "scheduler|worker|admin"}]}: '
            "every call but health and reflection needs 'authorization: Bearer TOKEN' of a role allowed to make it")
-    f(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
-      help="PEM certificate (chain) to serve TLS with (with --tls-key); also the client certificate the "
-           "manager shows the workers")
-    f(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
-    f(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE", default_help="unset: no client certificate",
-      help="mutual TLS: accept only clients with a certificate signed by this PEM CA")
+    cli.tls_server_flags(parser, "the manager", "to the workers")
     f(parser, "--worker-tls-ca", env="KVPAGER_WORKER_TLS_CA", metavar="FILE", default_help="unset: plaintext",
       help="connect to the workers' CacheWorker service over TLS, verifying their certificates with this PEM CA")
     f(parser, "--worker-service-token", env="KVPAGER_WORKER_SERVICE_TOKEN", metavar="FILE",

@@ -70,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="tokens per KV block (must equal the manager's)")
     f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
       default_help="sized from free device memory x --memory-fraction", help="device cache size per rank, in blocks")
-    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=_fraction, default=0.5, metavar="X",
+    f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=cli.fraction, default=0.5, metavar="X",
       help="fraction of free device memory for the cache when --num-gpu-blocks is unset")
     f(parser, "--num-cpu-blocks", env="KVPAGER_WORKER_NUM_CPU_BLOCKS", type=cli.integer, default=256, metavar="N",
       help="CPU swap space per rank, in blocks")
@@ -95,12 +95,7 @@ def security_flags(parser: argparse.ArgumentParser) -> None:
     f(parser, "--manager-token", env="KVPAGER_MANAGER_TOKEN", metavar="FILE", default_help="unset: no token check",
       help="file holding the token the manager presents (its --worker-service-token): the ranks' CacheWorker "
            "service accepts only calls that carry it")
-    f(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
-      help="PEM certificate (chain) the ranks serve TLS with (with --tls-key); also their client certificate "
-           "towards the manager")
-    f(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
-    f(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE", default_help="unset: no client certificate",
-      help="mutual TLS on the ranks' service: accept only clients (the manager) with a certificate from this PEM CA")
+    cli.tls_server_flags(parser, "the ranks", "to the manager")
     f(parser, "--tls-ca", env="KVPAGER_TLS_CA", metavar="FILE", default_help="unset: plaintext to the manager",
       help="connect to the manager over TLS, verifying its certificate with this PEM CA (also used to verify "
            "the ranks' own certificates in this command's health checks)")
@@ -126,13 +121,6 @@ def credentials(args: argparse.Namespace):
     if creds == auth.WorkerCredentials():
         return None
     return creds
-
-
-def _fraction(text: str) -> float:
-    value = cli.number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
