@@ -30,7 +30,8 @@ RUN python -c "import torch" 2>/dev/null || pip install --index-url "${CPU_TORCH
 
 # An editable install: the kernels are compiled from kernels/csrc, which must stay beside the
 # Python modules. The base dependencies plus the ray, metrics and models extras; never the torch extra,
-# so the base image's CUDA build of torch is kept (checked below).
+# so the base image's CUDA build of torch is kept (checked below). Ray 2.52 or later: the compose
+# file runs Ray with token authentication (RAY_AUTH_MODE=token), which older Ray ignores.
 WORKDIR /opt/kvpager
 COPY pyproject.toml README.md ./
 COPY kvpager ./kvpager
@@ -39,7 +40,7 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY deploy/build_kernels.py ./deploy/build_kernels.py
 RUN torch_before="$(python -c 'import torch; print(torch.__version__)')" \
- && pip install ninja -e ".[ray,metrics,models]" \
+ && pip install ninja -e ".[ray,metrics,models]" "ray>=2.52" \
  && torch_after="$(python -c 'import torch; print(torch.__version__)')" \
  && if [ "$torch_before" != "$torch_after" ]; then \
         echo "installing kvpager replaced torch $torch_before with $torch_after" >&2; exit 1; fi \

@@ -2,8 +2,8 @@
 ``kvpager-manager``).
 
 It serves the standard gRPC health service and reflection, prints ``listening on HOST:PORT``
-(and ``metrics on HOST:PORT`` with --metrics-port) once it accepts calls, and stops gracefully
-on SIGTERM or SIGINT. With --num-gpu-blocks 0 the pools are sized from the capacity of the
+(and ``metrics on HOST:PORT`` with --metrics-port: HTTPS when it serves TLS) once it accepts
+calls, and stops gracefully on SIGTERM or SIGINT. With --num-gpu-blocks 0 the pools are sized from the capacity of the
 workers once every tensor-parallel rank registered.
 """
 
@@ -62,7 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cli.flag(parser, "--grace", env="KVPAGER_GRACE", type=cli.number, default=5.0, metavar="SECONDS",
              help="seconds to finish RPCs in flight on shutdown")
     cli.flag(parser, "--metrics-host", env="KVPAGER_METRICS_HOST", default="127.0.0.1", metavar="HOST",
-             help="address to bind the Prometheus /metrics endpoint")
+             help="address to bind the Prometheus /metrics endpoint (HTTPS with --tls-cert; without it, only a "
+                  "loopback address unless --insecure)")
     cli.flag(parser, "--metrics-port", env="KVPAGER_METRICS_PORT", type=cli.port_number, metavar="PORT",
              default_help="unset: no metrics endpoint",
              help="serve /metrics and /sd/workers on this port (0: a free one)")
@@ -89,6 +90,9 @@ def security_flags(parser: argparse.ArgumentParser) -> None:
       default_help="unset: none sent",
       help="file holding the token the manager sends to the workers' CacheWorker service (the workers' "
            "--manager-token)")
+    f(parser, "--metrics-token", env="KVPAGER_METRICS_TOKEN", metavar="FILE", default_help="unset: no token check",
+      help="file holding the token /metrics and /sd/workers require ('Authorization: Bearer TOKEN'; Prometheus: "
+           "authorization.credentials_file)")
 
 
 def security(args: argparse.Namespace) -> dict:
@@ -113,6 +117,22 @@ def security(args: argparse.Namespace) -> dict:
     return dict(tokens=tokens, tls=tls if tls.serves else None, worker_tls=worker_tls, worker_token=worker_token)
 
 
+def metrics_security(args: argparse.Namespace, secure: dict) -> dict:
+    """MetricsServer's security arguments: HTTPS with the gRPC certificate, the --metrics-token;
+    refuses plain HTTP beyond loopback unless --insecure."""
+    from kvpager import auth
+    from kvpager.metrics_http import check_bind
+
+    if args.metrics_port is None:
+        return {}
+    try:
+        check_bind(args.metrics_host, secure["tls"] is not None, args.insecure)
+        token = auth.read_token(args.metrics_token, "--metrics-token file")
+    except (ValueError, auth.CredentialError) as err:
+        raise cli.Failure(str(err)) from err
+    return dict(tls=secure["tls"], token=token)
+
+
 def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
     from kvpager import auth
 
@@ -123,8 +143,12 @@ def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
         log.warning("serving plaintext gRPC on %s: tokens and data cross the network unencrypted "
                     "(pass --tls-cert and --tls-key)", args.host)
     if args.metrics_port is not None and not auth.is_loopback(args.metrics_host):
-        log.warning("/metrics and /sd/workers on %s are plain HTTP without authentication: keep them on a "
-                    "private network or behind a TLS proxy (docs/security.md)", args.metrics_host)
+        if secure["tls"] is None:
+            log.warning("--insecure: /metrics and /sd/workers on %s are plain HTTP: keep them on a private network "
+                        "(docs/security.md)", args.metrics_host)
+        elif args.metrics_token is None:
+            log.warning("/metrics and /sd/workers on %s need no token: anyone who reaches them can read them "
+                        "(--metrics-token FILE)", args.metrics_host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     except ManagerError as err:
         raise cli.UsageError(str(err)) from err
     secure = security(args)
+    metrics_secure = metrics_security(args, secure)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()  # set by SIGTERM or SIGINT, even one that comes while starting
 
@@ -149,9 +174,12 @@ def run(args: argparse.Namespace) -> int:
         raise cli.Failure(f"cannot serve on {args.host}:{args.port}: {cli.one_line(err)}") from err
     metrics = None
     if args.metrics_port is not None:
-        try:
-            metrics = service.serve_metrics(args.metrics_host, args.metrics_port)
-        except OSError as err:
+        from kvpager.metrics_http import MetricsServer
+
+        try:  # as service.serve_metrics does, with HTTPS and the token
+            metrics = MetricsServer(service.metrics.registry, args.metrics_host, args.metrics_port,
+                                    {"/sd/workers": service.worker_targets}, **metrics_secure)
+        except (OSError, ValueError) as err:
             service.close()
             raise cli.Failure(cli.one_line(err)) from err
     _warn_about_security(args, secure)  # once it can serve: a failure to start stays one line

@@ -80,7 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
       default_help="--host, or this Ray node's IP when --host is a wildcard",
       help="the host the manager and Prometheus reach the workers at")
     f(parser, "--metrics-port", env="KVPAGER_WORKER_METRICS_PORT", type=cli.port_number, metavar="PORT",
-      default_help="unset: no metrics", help="rank r serves Prometheus /metrics on PORT + r (0: free ports)")
+      default_help="unset: no metrics",
+      help="rank r serves Prometheus /metrics on PORT + r (0: free ports); HTTPS with --tls-cert, and without it "
+           "only on a loopback --host unless --insecure")
     security_flags(parser)
 
 
@@ -112,6 +114,13 @@ def credentials(args: argparse.Namespace):
                           "or --tls-client-ca FILE (to accept plans only from the manager), or --insecure")
     if args.tls_client_ca and not args.tls_cert:
         raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    if args.metrics_port is not None:  # the ranks' /metrics: HTTPS with --tls-cert, else loopback unless --insecure
+        from kvpager.metrics_http import check_bind
+
+        try:
+            check_bind(args.host, bool(args.tls_cert), args.insecure, flag="--host")
+        except ValueError as err:
+            raise cli.Failure(str(err)) from err
     try:
         tls = auth.TLS.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.tls_ca)
         creds = auth.WorkerCredentials(tls=tls, auth_token=auth.read_token(args.auth_token, "--auth-token file"),

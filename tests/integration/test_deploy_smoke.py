@@ -2,8 +2,9 @@
 
 There is no Docker engine on these machines. This test takes the compose file as docker-compose
 1.29 interpolates it (`config`, with every port variable set to a free port and the cpu
-profile) and starts the manager, the CPU Ray head, the CPU worker and Prometheus from their own
-command (entrypoint + command) and environment, as local processes:
+profile) and starts the one-shot certs service, the manager, the CPU Ray head, the CPU worker
+and Prometheus from their own command (entrypoint + command) and environment, as local
+processes:
 
 - service hostnames become loopback addresses, one per service (manager 127.0.0.1, the Ray
   head 127.0.0.2, the worker 127.0.0.3, Prometheus 127.0.0.4), and a service's own 0.0.0.0
@@ -11,15 +12,23 @@ command (entrypoint + command) and environment, as local processes:
   address, so the Ray nodes get other loopback addresses through the variables the compose
   file exposes for that (KVPAGER_RAY_HEAD_IP, KVPAGER_RAY_NODE_IP);
 - container paths become temporary files: Prometheus's mounted configuration is a copy of
-  deploy/prometheus/prometheus.yml with the hostnames replaced, its storage a temporary folder;
+  deploy/prometheus/prometheus.yml with the hostnames and paths replaced, its storage a
+  temporary folder; each named volume is a temporary folder, mapped at the path where each
+  service mounts it (the credentials volumes: secrets-*). The worker advertises its loopback
+  address, which the certificates name through KVPAGER_CERT_SANS (as the multinode override
+  adds a machine's address);
 - `kvpager`, `ray` and `python` are the ones of this virtual environment, `prometheus`
   Debian's (installed on demand).
 
 Services start in depends_on order, each waiting for the compose file's own health check of
-the services it depends on. Then: the manager is healthy (its gRPC health check), a worker
-group registered (the worker's health check, GetStats), Prometheus scraped the manager and every
-worker rank (found through the manager's /sd/workers), and `kvpager demo` served requests
-through the deployment, run with the worker's environment as `docker compose exec` would.
+the services it depends on (certs: its exit status). Then: the manager is healthy (its gRPC
+health check, over TLS), refuses plaintext and calls without a token, a worker group
+registered (the worker's health check, GetStats with the generated scheduler token),
+Prometheus scraped the manager and every worker rank over HTTPS (found through the manager's
+/sd/workers) and the manager's /metrics refuses a scrape without the metrics token, the Ray
+cluster runs with token authentication, and `kvpager demo` served requests through the
+deployment, run with the worker's environment and the generated scheduler token as `docker
+compose exec` would.
 
 Grafana cannot run here (no binary, none can be installed): only its service's mounts are
 checked against the repository. Every wait is bounded; teardown is SIGTERM, then SIGKILL of
@@ -38,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +55,8 @@ import pytest
 import yaml
 
 from kvpager.client import BlockManagerClient
+from kvpager.manager import errors
+from kvpager.metrics_http import fetch
 from tests.support.debian import Unavailable, ensure_program
 from tests.support.prometheus import PrometheusAPI
 
@@ -56,7 +68,7 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 BIN = Path(sys.executable).parent
 
 # One loopback address per service (and for the names it answers to).
-ADDRESSES = {"manager": "127.0.0.1", "ray-head": "127.0.0.2", "ray-head-cpu": "127.0.0.2",
+ADDRESSES = {"certs": "127.0.0.1", "manager": "127.0.0.1", "ray-head": "127.0.0.2", "ray-head-cpu": "127.0.0.2",
              "worker-cpu": "127.0.0.3", "prometheus": "127.0.0.4", "grafana": "127.0.0.5"}
 PORT_VARIABLES = ["KVPAGER_MANAGER_PORT", "KVPAGER_MANAGER_METRICS_PORT", "KVPAGER_RAY_PORT",
                   "KVPAGER_WORKER_METRICS_PORT", "KVPAGER_PROMETHEUS_PORT", "KVPAGER_GRAFANA_PORT"]
@@ -98,7 +110,7 @@ def free_ports(count: int, host: str = "0.0.0.0", consecutive: int = 1) -> list[
 class Localizer:
     """Rewrites a service's strings from the compose network to this machine."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, services: Optional[dict] = None) -> None:
         names = sorted(ADDRESSES, key=len, reverse=True)
         self._host = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, names)) + r")(?=:\d)")
         self.paths = {  # container path -> local path (longest first when applied)
@@ -106,17 +118,41 @@ class Localizer:
             "/prometheus/kvpager-prometheus.yml": str(tmp / "kvpager-prometheus.yml"),
             "/prometheus": str(tmp / "prometheus-data"),
         }
-        self._path = re.compile("(" + "|".join(map(re.escape, sorted(self.paths, key=len, reverse=True))) + r")(?![\w-])")
+        # Each service's named volumes (other than Prometheus's storage): a folder per volume,
+        # at the path where that service mounts it.
+        # A folder that a service names itself and mounts volumes in (the certs service writes
+        # /secrets/manager, /secrets/worker, ... given /secrets) becomes a folder of links.
+        self.volumes: dict[str, Path] = {}
+        self.mounts: dict[str, dict[str, str]] = {}
+        for name, service in (services or {}).items():
+            argv = set(service.get("entrypoint") or []) | set(service.get("command") or [])
+            for volume in service.get("volumes", []):
+                source, target = volume.split(":")[:2]
+                if not source.startswith(("/", ".")) and target not in self.paths:
+                    folder = self.volumes.setdefault(source, tmp / "volumes" / source)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    self.mounts.setdefault(name, {})[target] = str(folder)
+                    parent = os.path.dirname(target)
+                    if parent != "/" and parent in argv:
+                        local = tmp / "fs" / name / parent.lstrip("/")
+                        local.mkdir(parents=True, exist_ok=True)
+                        (local / os.path.basename(target)).symlink_to(folder, target_is_directory=True)
+                        self.mounts[name][parent] = str(local)
 
     def hosts(self, text: str) -> str:
         return self._host.sub(lambda m: ADDRESSES[m.group(1)], text)
+
+    def paths_of(self, text: str, service: str) -> str:
+        paths = {**self.paths, **self.mounts.get(service, {})}
+        pattern = "(" + "|".join(map(re.escape, sorted(paths, key=len, reverse=True))) + r")(?![\w-])"
+        return re.sub(pattern, lambda m: paths[m.group(0)], text)
 
     def __call__(self, text: str, service: str) -> str:
         own = ADDRESSES[service]
         text = text.replace("$$", "$")  # `config` prints $ escaped
         text = re.sub(r"(?<![\d.])(0\.0\.0\.0|127\.0\.0\.1)(?![\d])", own, text)
         text = self.hosts(text)
-        return self._path.sub(lambda m: self.paths[m.group(0)], text)
+        return self.paths_of(text, service)
 
 
 class Stack:
@@ -126,14 +162,25 @@ class Stack:
         self.services = config["services"]
         self.tmp = tmp
         self.base_env = env
-        self.localize = Localizer(tmp)
+        self.localize = Localizer(tmp, self.services)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
     def argv(self, name: str) -> list[str]:
         service = self.services[name]
         argv = list(service.get("entrypoint") or []) + list(service.get("command") or [])
+        if os.geteuid() != 0:  # the certs service gives folders to the containers' users: root only
+            argv = [a for a in argv if not a.startswith("--owner=")]
         return [self.localize(a, name) for a in argv]
+
+    def run_once(self, name: str, timeout: float) -> None:
+        """A one-shot service (depends_on condition service_completed_successfully): run it to the end."""
+        self.start(name)
+        try:
+            code = self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not finish in {timeout:.0f} s:\n{self.log(name)}")
+        assert code == 0, f"{name} exited with {code}:\n{self.log(name)}"
 
     def environment(self, name: str) -> dict[str, str]:
         env = dict(self.base_env)
@@ -164,13 +211,16 @@ class Stack:
         last = None
         while time.monotonic() < deadline:
             for started, proc in self.procs.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and not self.one_shot(started):
                     pytest.fail(f"{started} exited with {proc.returncode} while waiting for {name}:\n{self.log(started)}")
             last = self.healthcheck(name)
             if last.returncode == 0:
                 return
             time.sleep(1)
         pytest.fail(f"{name} not healthy after {timeout:.0f} s: {last.stdout}{last.stderr}\n{self.log(name)}")
+
+    def one_shot(self, name: str) -> bool:
+        return self.services[name].get("restart") == "no"
 
     def log(self, name: str, chars: int = 3000) -> str:
         try:
@@ -262,7 +312,9 @@ def tools():
 def test_compose_stack_serves_requests(tools, tmp_path):
     ports = dict(zip(PORT_VARIABLES, free_ports(len(PORT_VARIABLES), consecutive=TP_SIZE)))
     variables = {**{k: str(v) for k, v in ports.items()}, "COMPOSE_PROFILES": "cpu",
-                 "KVPAGER_RAY_HEAD_IP": ADDRESSES["ray-head"], "KVPAGER_RAY_NODE_IP": ADDRESSES["worker-cpu"]}
+                 "KVPAGER_RAY_HEAD_IP": ADDRESSES["ray-head"], "KVPAGER_RAY_NODE_IP": ADDRESSES["worker-cpu"],
+                 "KVPAGER_WORKER_ADVERTISE_HOST": ADDRESSES["worker-cpu"],
+                 "KVPAGER_CERT_SANS": ADDRESSES["worker-cpu"]}
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVPAGER_", "COMPOSE_", "RAY_"))}
     out = subprocess.run([tools["docker-compose"], "-f", str(COMPOSE), "config"], capture_output=True, text=True,
                          timeout=60, env={**clean, **variables}, cwd=ROOT)
@@ -276,34 +328,60 @@ def test_compose_stack_serves_requests(tools, tmp_path):
         if source.startswith("/"):
             assert Path(source).exists() and Path(source).is_relative_to(DEPLOY), volume
 
-    # Prometheus's mounted configuration, with the compose network's names made local.
-    localize = Localizer(tmp_path)
-    mounted = {v.split(":")[1]: v.split(":")[0] for v in config["services"]["prometheus"]["volumes"]}
-    Path(localize.paths["/etc/prometheus/prometheus.yml"]).write_text(
-        localize.hosts(Path(mounted["/etc/prometheus/prometheus.yml"]).read_text()))
-    Path(localize.paths["/prometheus"]).mkdir()
+    # The deployment as the compose file runs it: credentials on, nothing --insecure.
+    assert not any("--insecure" in str(a) for s in config["services"].values() for a in s.get("command") or [])
 
     # Ray's files in a short private folder (its socket paths must stay under 108 bytes).
     ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
     env = {**clean, "PATH": f"{BIN}{os.pathsep}{clean.get('PATH', '')}", "RAY_TMPDIR": ray_tmp,
            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     stack = Stack(config, tmp_path, env)
+    # Prometheus's mounted configuration, with the compose network's names and paths made local.
+    localize = stack.localize
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in config["services"]["prometheus"]["volumes"]}
+    Path(localize.paths["/etc/prometheus/prometheus.yml"]).write_text(
+        localize.paths_of(localize.hosts(Path(mounted["/etc/prometheus/prometheus.yml"]).read_text()), "prometheus"))
+    Path(localize.paths["/prometheus"]).mkdir()
+    client_files = localize.volumes["secrets-client"]
     try:
-        # depends_on order, each dependency's own health check first.
+        # depends_on order, each dependency's own health check first (certs: run to the end).
+        stack.run_once("certs", HEALTHY_TIMEOUT)
+        scheduler_token = (client_files / "scheduler.token").read_text().strip()
+        ca = str(client_files / "ca.pem")
         stack.start("manager")
         stack.wait_healthy("manager", HEALTHY_TIMEOUT)
         stack.start("prometheus")
         stack.start("ray-head-cpu")
         stack.wait_healthy("ray-head-cpu", HEALTHY_TIMEOUT)
+        # Ray runs with token authentication: a client with another token is turned away.
+        ray_head = f"{ADDRESSES['ray-head']}:{ports['KVPAGER_RAY_PORT']}"
+        assert stack.environment("ray-head-cpu")["RAY_AUTH_MODE"] == "token"
+        wrong = subprocess.run([str(BIN / "ray"), "health-check", "--address", ray_head], capture_output=True,
+                               text=True, timeout=60, env={**env, "RAY_AUTH_MODE": "token",
+                                                           "RAY_AUTH_TOKEN": "not-the-token-0123456789abcdef"})
+        assert wrong.returncode != 0, wrong.stdout + wrong.stderr
         stack.start("worker-cpu")
         stack.wait_healthy("worker-cpu", WORKERS_TIMEOUT)  # the manager has every rank; rank 0 serves metrics
         stack.wait_healthy("prometheus", HEALTHY_TIMEOUT)
 
         manager = f"{ADDRESSES['manager']}:{ports['KVPAGER_MANAGER_PORT']}"
-        with BlockManagerClient(manager, timeout=10) as client:
+        with BlockManagerClient(manager, timeout=10, token=scheduler_token, root_certificates=ca) as client:
             assert client.health() == "SERVING"
             stats = client.get_stats()
         assert stats.workers_expected == TP_SIZE and stats.workers_registered == TP_SIZE, stats
+        # No way in without the credentials: no token, or plaintext.
+        with BlockManagerClient(manager, timeout=5, retries=0, root_certificates=ca) as anonymous:
+            with pytest.raises(errors.ManagerError) as refused:
+                anonymous.get_stats()
+            assert refused.value.code == "UNAUTHENTICATED"
+        with BlockManagerClient(manager, timeout=5, retries=0, token=scheduler_token) as plaintext:
+            with pytest.raises(errors.ManagerError) as refused:
+                plaintext.get_stats()
+            assert refused.value.code == "UNAVAILABLE"
+        metrics_url = f"https://{ADDRESSES['manager']}:{ports['KVPAGER_MANAGER_METRICS_PORT']}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:
+            fetch(metrics_url, 5, ca)
+        assert unauthorized.value.code == 401
 
         prom = PrometheusAPI(f"http://{ADDRESSES['prometheus']}:{ports['KVPAGER_PROMETHEUS_PORT']}")
         prom.wait_for('up{job="kvpager-manager"} == 1', SCRAPE_TIMEOUT)
@@ -314,11 +392,12 @@ def test_compose_stack_serves_requests(tools, tmp_path):
 
         # A request mix through the deployment, as `docker compose exec worker-cpu kvpager demo ...`.
         demo_env = stack.environment("worker-cpu")
-        ray_head = f"{ADDRESSES['ray-head']}:{ports['KVPAGER_RAY_PORT']}"
         try:
+            worker_secrets = stack.localize.paths_of("/run/secrets/kvpager", "worker-cpu")
             demo = subprocess.run([str(BIN / "kvpager"), "demo", "--manager", manager, "--ray-address", ray_head,
-                                   "--requests", "4"], capture_output=True, text=True, timeout=DEMO_TIMEOUT,
-                                  env=demo_env, cwd=tmp_path)
+                                   "--requests", "4", "--auth-token", f"{worker_secrets}/scheduler.token",
+                                   "--tls-ca", f"{worker_secrets}/ca.pem"], capture_output=True, text=True,
+                                  timeout=DEMO_TIMEOUT, env=demo_env, cwd=tmp_path)
         except subprocess.TimeoutExpired as err:
             pytest.fail(f"kvpager demo did not finish in {DEMO_TIMEOUT} s: {err.stdout}{err.stderr}")
         assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:] + stack.log("worker-cpu")
@@ -326,7 +405,8 @@ def test_compose_stack_serves_requests(tools, tmp_path):
         # The served requests reached the manager's metrics as Prometheus sees them, and the
         # pools table of docs/deploy.md's health checks reads the manager.
         prom.wait_for("sum(kvpager_operations_total) > 0", SCRAPE_TIMEOUT)
-        table = subprocess.run([str(BIN / "kvpager"), "stats", "--manager", manager, "--once"], capture_output=True,
+        table = subprocess.run([str(BIN / "kvpager"), "stats", "--manager", manager, "--once", "--auth-token",
+                                str(client_files / "admin.token"), "--tls-ca", ca], capture_output=True,
                                text=True, timeout=30, env=demo_env)
         assert table.returncode == 0 and "gpu" in table.stdout.lower(), table.stdout + table.stderr
     finally:

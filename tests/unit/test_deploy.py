@@ -6,6 +6,8 @@ Dockerfiles by reading them. The dashboard's PromQL is checked twice: each metri
 the catalog (docs/metrics.md), and each expression by a real Prometheus (Debian's), whose query
 API answers a syntax error with errorType "bad_data". Debian's packages are installed on demand
 (tests/support/debian.py); the tests skip only where that is impossible (not root, no apt-get).
+The security properties of every configuration are checked against the credentials that the
+compose file's own certs command makes here (assert_secure).
 tests/integration/test_deploy_smoke.py runs the services themselves.
 """
 
@@ -24,6 +26,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
+from kvpager import devcerts
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import SERVICE_NAME, create_server
 from tests.support.debian import Unavailable, ensure_program
@@ -41,7 +44,11 @@ CATALOG = ROOT / "docs" / "metrics.md"
 
 GPU_SERVICES = {"ray-head", "worker"}
 CPU_SERVICES = {"ray-head-cpu", "worker-cpu"}
-COMMON_SERVICES = {"manager", "prometheus", "grafana"}
+COMMON_SERVICES = {"certs", "manager", "prometheus", "grafana"}
+GRPC_SERVICES = {"manager", "worker", "worker-cpu"}
+WORKER_SERVICES = {"worker", "worker-cpu"}
+RAY_SERVICES = {"ray-head", "ray-head-cpu", "worker", "worker-cpu"}
+SECRETS = "/run/secrets/kvpager"
 
 
 # -- docker-compose --------------------------------------------------------------------------
@@ -87,7 +94,7 @@ def test_compose_file_is_valid_with_defaults(compose_bin):
     published = [p for s in services.values() for p in s.get("ports", [])]
     assert published and all(str(p).startswith("127.0.0.1:") for p in published), published
     # State that must outlive the containers lives in named volumes.
-    assert set(cfg["volumes"]) == {"prometheus-data", "grafana-data"}
+    assert {"prometheus-data", "grafana-data"} <= set(cfg["volumes"])
     assert "prometheus-data:/prometheus:rw" in services["prometheus"]["volumes"]
     assert "grafana-data:/var/lib/grafana:rw" in services["grafana"]["volumes"]
 
@@ -101,8 +108,9 @@ def test_compose_services_wiring(compose_bin):
                 "KVPAGER_ENABLE_PREFIX_CACHING", "KVPAGER_WORKER_HEARTBEAT_TIMEOUT", "KVPAGER_WORKER_PLAN_TIMEOUT"):
         assert var in manager["environment"], var
     assert manager["environment"]["KVPAGER_NUM_GPU_BLOCKS"] == "0"  # sized from the workers
-    # Health checks go through the gRPC health protocol.
-    assert manager["healthcheck"]["test"] == ["CMD", "python", "-m", "kvpager.healthcheck", "127.0.0.1:50051"]
+    # Health checks go through the gRPC health protocol (over TLS).
+    assert manager["healthcheck"]["test"][:5] == ["CMD", "python", "-m", "kvpager.healthcheck", "127.0.0.1:50051"]
+    assert "--tls-ca" in manager["healthcheck"]["test"]
     for name in ("worker", "worker-cpu"):
         assert "kvpager.healthcheck manager:50051" in services[name]["healthcheck"]["test"][1]
 
@@ -118,7 +126,7 @@ def test_compose_services_wiring(compose_bin):
     assert services["ray-head-cpu"]["networks"]["default"]["aliases"] == ["ray-head"]
     for name in ("ray-head", "ray-head-cpu"):
         head = services[name]
-        assert head["environment"]["RAY_AUTH_MODE"] == "disabled"
+        assert head["environment"]["RAY_AUTH_MODE"] == "token"
         assert "ray start --head --block --port=6379" in head["command"][2]
         assert head["healthcheck"]["test"][:3] == ["CMD", "ray", "health-check"]
     # Ray needs one image (same Ray and Python) per flavour for head and workers.
@@ -127,9 +135,10 @@ def test_compose_services_wiring(compose_bin):
 
     conditions = {name: {dep: spec["condition"] for dep, spec in s.get("depends_on", {}).items()}
                   for name, s in services.items()}
-    assert conditions["worker"] == {"manager": "service_healthy", "ray-head": "service_healthy"}
-    assert conditions["worker-cpu"] == {"manager": "service_healthy", "ray-head-cpu": "service_healthy"}
-    assert conditions["grafana"] == {"prometheus": "service_healthy"}
+    after_certs = {"certs": "service_completed_successfully"}
+    assert conditions["worker"] == {**after_certs, "manager": "service_healthy", "ray-head": "service_healthy"}
+    assert conditions["worker-cpu"] == {**after_certs, "manager": "service_healthy", "ray-head-cpu": "service_healthy"}
+    assert conditions["grafana"] == {**after_certs, "prometheus": "service_healthy"}
 
 
 def test_compose_settings_follow_variables(compose_bin):
@@ -159,7 +168,7 @@ def test_optional_worker_settings_stay_unset(compose_bin):
     value would be a bad value for the worker's typed flags)."""
     env = compose_config(compose_bin)["services"]["worker"]["environment"]
     for var in ("KVPAGER_RAY_NODE_IP", "KVPAGER_WORKER_NUM_GPU_BLOCKS", "KVPAGER_WORKER_MEMORY_FRACTION",
-                "KVPAGER_WORKER_NUM_CPU_BLOCKS", "KVPAGER_WORKER_ADVERTISE_HOST", "RAY_AUTH_TOKEN"):
+                "KVPAGER_WORKER_NUM_CPU_BLOCKS", "RAY_AUTH_TOKEN"):
         assert env[var] is None, var
 
 
@@ -190,7 +199,7 @@ def test_compose_profiles(compose_bin, profiles):
     assert started == COMMON_SERVICES | (CPU_SERVICES if profiles == "cpu" else GPU_SERVICES)
 
 
-def test_multinode_override(compose_bin):
+def test_multinode_override(compose_bin, tmp_path, monkeypatch):
     """The override puts the Ray head and the local worker on the host's network and refuses to
     start without the head's address."""
     files = ["-f", str(DEPLOY / "docker-compose.multinode.yml")]
@@ -206,6 +215,143 @@ def test_multinode_override(compose_bin):
     assert {"--manager=10.0.0.1:50051", "--ray-address=10.0.0.1:6379", "--tensor-parallel-size=2"} <= set(worker["command"])
     assert "kvpager.healthcheck 10.0.0.1:50051" in worker["healthcheck"]["test"][1]
     assert worker["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "2"
+    # Still secured across machines: Ray's token, TLS and tokens, certificates that name the
+    # address the workers dial and advertise.
+    assert_secure(services, tmp_path, monkeypatch)
+    assert worker["environment"]["KVPAGER_WORKER_ADVERTISE_HOST"] == "10.0.0.1"
+    assert "10.0.0.1" in services["certs"]["environment"]["KVPAGER_CERT_SANS"].split(",")
+
+
+# -- secure by default ------------------------------------------------------------------------
+
+def _strings(service: dict) -> list[str]:
+    """Every string a service runs with: entrypoint, command, environment values, health check."""
+    out = [str(a) for a in (service.get("entrypoint") or []) + (service.get("command") or [])]
+    out += [str(v) for v in (service.get("environment") or {}).values() if v is not None]
+    out += [str(a) for a in (service.get("healthcheck") or {}).get("test", [])]
+    return out
+
+
+def _flags(service: dict) -> dict[str, str]:
+    return dict(a.split("=", 1) if "=" in a else (a, "") for a in service.get("command") or [] if a.startswith("--"))
+
+
+def _san_names(cert_path: Path) -> set[str]:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(n.value) for n in sans}
+
+
+def _verifies(cert_path: Path, ca_path: Path) -> bool:
+    from cryptography import x509
+
+    try:
+        x509.load_pem_x509_certificate(cert_path.read_bytes()).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(ca_path.read_bytes()))
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def assert_secure(services: dict, tmp_path: Path, monkeypatch) -> None:
+    """The security properties of a compose configuration (as `config` prints it):
+
+    - nothing runs --insecure; every gRPC server has TLS and requires tokens, and the workers
+      accept plans only from the manager; metrics beyond loopback are HTTPS;
+    - the certs service runs first, and what every service reads under /run/secrets is a file
+      that its command (python -m kvpager.devcerts, run here) makes, in a volume the service
+      mounts read-only; the CA's key is in a volume only certs mounts;
+    - the certificates verify against the CA and name the hosts they are dialed at;
+    - every Ray node runs with token authentication and publishes no port;
+    - Grafana has no anonymous access and its admin password comes from the generated file."""
+    certs = services["certs"]
+    assert certs["command"][:3] == ["python", "-m", "kvpager.devcerts"]
+    # Run the certs service's own command (less --owner: that needs root) into a local folder.
+    root = tmp_path / "certs-root"
+    container_root = certs["command"][3]
+    monkeypatch.setenv("KVPAGER_CERT_SANS", certs.get("environment", {}).get("KVPAGER_CERT_SANS") or "")
+    assert devcerts.main([str(root), *[a for a in certs["command"][4:] if not a.startswith("--owner")]]) == 0
+    volume_folder = {}
+    for volume in certs["volumes"]:
+        source, target = volume.split(":")[:2]
+        assert target.startswith(container_root + "/"), volume
+        volume_folder[source] = root / target[len(container_root) + 1:]
+
+    for name, service in services.items():
+        strings = _strings(service)
+        assert not any("--insecure" in a for a in strings), name
+        assert (service.get("environment") or {}).get("KVPAGER_INSECURE") in (None, "", "false", "0"), name
+        if name == "certs":
+            continue
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        mounts = {}
+        for volume in service.get("volumes", []):
+            source, target, *mode = volume.split(":")
+            if source.startswith("secrets-"):
+                assert source != "secrets-ca", f"{name} mounts the CA's private key"
+                assert mode == ["ro"], f"{name} mounts {source} writable"
+                mounts[target] = volume_folder[source]
+        paths = [p for a in strings for p in re.findall(r"/run/secrets/[\w./-]+\w", a)]
+        for path in paths:
+            target = max((t for t in mounts if path.startswith(t + "/")), key=len, default=None)
+            assert target, f"{name} reads {path}, which no secrets volume it mounts holds"
+            assert (mounts[target] / path[len(target) + 1:]).is_file(), f"{name}: certs makes no {path}"
+
+        def local(path: str) -> Path:
+            target = max(t for t in mounts if path.startswith(t + "/"))
+            return mounts[target] / path[len(target) + 1:]
+
+        flags = _flags(service)
+        if name in GRPC_SERVICES:
+            assert {"--tls-cert", "--tls-key"} <= set(flags), name
+            assert _verifies(local(flags["--tls-cert"]), local(next(p for p in paths if p.endswith("ca.pem"))))
+        if name == "manager":
+            assert {"--auth-tokens", "--worker-tls-ca", "--worker-service-token", "--metrics-token"} <= set(flags)
+            assert "manager" in _san_names(local(flags["--tls-cert"]))
+        if name in WORKER_SERVICES:
+            assert {"--auth-token", "--tls-ca"} <= set(flags) and ({"--manager-token", "--tls-client-ca"} & set(flags))
+            names = _san_names(local(flags["--tls-cert"]))
+            assert service["environment"]["KVPAGER_WORKER_ADVERTISE_HOST"] in names, name  # what the manager dials
+            manager_host = flags["--manager"].rsplit(":", 1)[0]
+            manager_cert = volume_folder["secrets-manager"] / "tls.pem"
+            assert manager_host in _san_names(manager_cert), f"{name} dials {manager_host}"
+        if name in RAY_SERVICES:
+            env = service["environment"]
+            assert env["RAY_AUTH_MODE"] == "token", name
+            assert local(env["RAY_AUTH_TOKEN_PATH"]).read_text().strip(), name
+        if name.startswith("ray-head"):
+            assert not service.get("ports"), f"{name} publishes Ray's ports"
+        if name == "grafana":
+            env = service["environment"]
+            assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+            assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+            assert len(local(env["GF_SECURITY_ADMIN_PASSWORD__FILE"]).read_text()) >= 16
+        if name == "prometheus":
+            assert any(v.startswith("secrets-prometheus:") for v in service["volumes"])
+
+
+@pytest.mark.parametrize("profiles", ["gpu", "cpu"], ids=["COMPOSE_PROFILES=default", "COMPOSE_PROFILES=cpu"])
+def test_compose_is_secure_by_default(compose_bin, profiles, tmp_path, monkeypatch):
+    assert_secure(compose_config(compose_bin, COMPOSE_PROFILES=profiles)["services"], tmp_path, monkeypatch)
+
+
+def test_compose_secrets_go_to_the_users_that_read_them(compose_bin):
+    """The certs service gives each volume to the user its readers run as (0700 folders, 0600
+    secrets): the manager and worker images' kvpager (10001), Prometheus's nobody, Grafana's 472."""
+    services = compose_config(compose_bin)["services"]
+    owners = dict(a.removeprefix("--owner=").split("=") for a in services["certs"]["command"] if a.startswith("--owner="))
+    assert owners == {"manager": "10001:10001", "worker": "10001:10001", "client": "10001:10001",
+                      "prometheus": "65534:65534", "grafana": "472:0"}
+    assert services["certs"]["network_mode"] == "none" and services["certs"]["restart"] == "no"
+    for name in ("manager.Dockerfile", "worker.Dockerfile"):
+        assert "--uid 10001" in (DEPLOY / name).read_text()
+
+
+def test_anonymous_grafana_only_when_asked(compose_bin):
+    on = compose_config(compose_bin, KVPAGER_GRAFANA_ANONYMOUS="true")["services"]["grafana"]["environment"]
+    assert on["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and on["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
 
 
 def test_env_file_sets_project_and_profile():
@@ -407,19 +553,39 @@ def test_healthcheck_exit_codes():
 # -- Prometheus configuration ----------------------------------------------------------------
 
 def test_prometheus_config():
+    """Every scrape and the service discovery go over HTTPS, checked against the deployment's CA
+    (never insecure_skip_verify); the manager's endpoints with the metrics token."""
     cfg = yaml.safe_load(PROMETHEUS_YML.read_text())
     assert cfg["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in cfg["scrape_configs"]}
     assert jobs["kvpager-manager"]["static_configs"] == [{"targets": ["manager:9400"]}]
-    assert jobs["kvpager-workers"]["http_sd_configs"][0]["url"] == "http://manager:9400/sd/workers"
+    sd = jobs["kvpager-workers"]["http_sd_configs"][0]
+    assert sd["url"] == "https://manager:9400/sd/workers"
+    for where in (jobs["kvpager-manager"], jobs["kvpager-workers"], sd):
+        assert where.get("scheme", "https") == "https"
+        assert where["tls_config"]["ca_file"].startswith(SECRETS + "/")
+        assert not where["tls_config"].get("insecure_skip_verify", False)
+    for where in (jobs["kvpager-manager"], sd):
+        assert where["authorization"]["credentials_file"].startswith(SECRETS + "/")
 
 
-def test_promtool_accepts_prometheus_config():
+def prometheus_config_with_credentials(tmp_path: Path) -> Path:
+    """prometheus.yml with the credentials paths pointing at files devcerts made, as the
+    Prometheus container sees its volume."""
+    devcerts.ensure(tmp_path / "credentials")
+    folder = tmp_path / "credentials" / "prometheus"
+    copy = tmp_path / "prometheus.yml"
+    copy.write_text(PROMETHEUS_YML.read_text().replace(SECRETS + "/", f"{folder}/"))
+    return copy
+
+
+def test_promtool_accepts_prometheus_config(tmp_path):
     try:
         promtool = ensure_program("promtool", "prometheus")
     except Unavailable as why:
         pytest.skip(str(why))
-    done = subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([promtool, "check", "config", str(prometheus_config_with_credentials(tmp_path))],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -444,7 +610,7 @@ def test_grafana_provisioning_points_at_the_dashboard(compose_bin):
     sources = yaml.safe_load(DATASOURCES.read_text())["datasources"]
     assert len(sources) == 1 and sources[0]["type"] == "prometheus" and sources[0]["isDefault"]
     variable = re.fullmatch(r"\$\{(\w+)\}", sources[0]["url"]).group(1)
-    assert grafana["environment"][variable] == "http://prometheus:9090"
+    assert grafana["environment"][variable] == "http://prometheus:9090"  # the compose network's address
 
 
 def panels(dashboard: dict):
