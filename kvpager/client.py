@@ -153,10 +153,15 @@ class BlockManagerClient:
         return self._mutate(self.stub.SwapIn, pb.SwapInRequest(seq_ids=list(seq_ids)), request_id)
 
     def step(self, operations: Iterable[pb.Operation], all_or_nothing: bool = False,
-             request_id: Optional[str] = None) -> pb.StepResponse:
-        """One scheduler iteration. Per-operation failures are in ``results`` (see ``result_error``)."""
+             request_id: Optional[str] = None,
+             table_layout: pb.TableLayout.ValueType = pb.TABLE_LAYOUT_BOTH) -> pb.StepResponse:
+        """One scheduler iteration. Per-operation failures are in ``results`` (see ``result_error``).
+        ``table_layout``: the block-table forms the answer's batch carries (``TABLE_LAYOUT_PADDED``,
+        ``_CSR``, ``_NONE``, ``_PADDED_PACKED``; default both): each costs time in proportion to its
+        entries at every step, on both sides of the wire, so ask only for the one the kernels read
+        (``PADDED_PACKED``, raw int32 bytes, is the cheapest; ``kvpager.step.unpack_int32`` reads it)."""
         return self._mutate(self.stub.Step, pb.StepRequest(
-            operations=list(operations), all_or_nothing=all_or_nothing), request_id)
+            operations=list(operations), all_or_nothing=all_or_nothing, table_layout=table_layout), request_id)
 
     # ---- queries ---------------------------------------------------------------------------------
     def get_block_table(self, seq_id: str) -> pb.GetBlockTableResponse:

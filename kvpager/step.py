@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 
 class PlanNotApplied(RuntimeError):
@@ -38,7 +40,9 @@ class StepInput:
     slot_mapping: list[int]     # [T] cache slot each token's K/V is written to
     query_lens: list[int]       # [S] tokens each sequence computes (0: none; no logits for it)
     context_lens: list[int]     # [S] tokens in each sequence's cache after the step, the new ones included
-    block_tables: list[int]     # [S * max_blocks] the manager's padded block tables, row-major
+    # [S * max_blocks] the manager's padded block tables, row-major: a list, or the int32 array
+    # of the packed answer (no per-entry conversion anywhere between the manager and the GPU).
+    block_tables: Sequence[int]
     max_blocks: int             # row width of block_tables
     # What rank 0 returns for each sequence that computed tokens: False, its last token's float32
     # logits [vocab]; True, their argmax (greedy decoding: the token ids alone cross the wire).
@@ -84,10 +88,26 @@ class StepInput:
         """The input for a manager ``StepResponse`` (read by field name, so no protobuf import):
         its step id, whether its plan moved blocks, and its batch tables as they are, with the
         tokens the scheduler computes (``token_ids``/``positions``, sequence after sequence, as
-        many as ``batch.query_lens`` says)."""
+        many as ``batch.query_lens`` says). The reply must carry the padded tables (a Step asked
+        for ``TABLE_LAYOUT_PADDED_PACKED``, ``PADDED`` or both), else ValueError.
+        O(S + T) C-level copies (``[:]`` of a protobuf repeated field is cheaper than ``list()``)
+        plus, for the packed table, an O(1) int32 view of its bytes (else an O(S * max_blocks) copy)."""
         plan, batch = reply.plan, reply.batch
+        packed = getattr(batch, "block_tables_packed", b"")
+        block_tables = unpack_int32(packed) if packed else batch.block_tables[:]
+        if batch.max_blocks and len(block_tables) == 0:
+            raise ValueError(f"step {reply.step_id}: the answer carries no padded block tables; ask the manager "
+                             "for them (TABLE_LAYOUT_PADDED_PACKED or TABLE_LAYOUT_PADDED)")
         moved = bool(plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src)
         return cls(step_id=reply.step_id, plan_step_id=reply.step_id if moved else 0, token_ids=token_ids,
-                   positions=positions, slot_mapping=list(batch.slot_mapping), query_lens=list(batch.query_lens),
-                   context_lens=list(batch.context_lens), block_tables=list(batch.block_tables),
+                   positions=positions, slot_mapping=batch.slot_mapping[:], query_lens=batch.query_lens[:],
+                   context_lens=batch.context_lens[:], block_tables=block_tables,
                    max_blocks=batch.max_blocks, greedy=greedy)
+
+
+def unpack_int32(data: bytes) -> np.ndarray:
+    """Little-endian int32s (``BatchTables.block_tables_packed``) as a read-only int32 array
+    viewing ``data``: O(1), no copy. (numpy converts to the machine's order where it differs.)"""
+    if len(data) % 4:
+        raise ValueError(f"packed int32 table of {len(data)} bytes: not a multiple of 4")
+    return np.frombuffer(data, dtype="<i4")

@@ -10,13 +10,16 @@ Cost of each operation, independent of how many sequences are live (B = block si
 - fork: O(parent's blocks) ref-count increments.
 - free, swap_out, swap_in: O(blocks of the sequences named).
 - step: the sum of its operations, plus O(blocks of the sequences it touched) for the
-  block tables of its answer.
+  block tables of its answer (in C-level list operations: slices and extends, no Python loop
+  per entry; only the table layouts asked for are built).
 - stats: O(1). check_invariants: O(all blocks and sequences) (tests only).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from array import array
 from collections import Counter
 from itertools import accumulate, chain
 from dataclasses import dataclass, field
@@ -53,6 +56,7 @@ from .plan import (
     OperationOutcome,
     StepResult,
     SwapResult,
+    TableLayout,
     TierStats,
 )
 from .prefix_hash import chain_hash, root_hash
@@ -125,6 +129,9 @@ class _StepState:
     # A lower bound of the answer's size so far (every number in it takes at least a byte):
     # lets an operation whose answer could not be sent be refused before it is applied.
     reply_bytes: int = 0
+    # How many times the answer's batch holds the block table of each sequence it touches
+    # (2: padded and CSR; TableLayout.copies).
+    table_copies: int = 2
 
 
 class BlockManager:
@@ -185,8 +192,12 @@ class BlockManager:
         return outcome.result
 
     def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True,
-             before_commit: Optional[Callable[[StepResult], None]] = None) -> StepResult:
+             before_commit: Optional[Callable[[StepResult], None]] = None,
+             layout: TableLayout = TableLayout.BOTH) -> StepResult:
         """Apply ops in order, each atomically; merge their plans and block tables.
+
+        ``layout`` picks the block-table forms of the answer's batch (``batch`` False: no batch
+        at all, as a single operation's answer has none).
 
         Blocks released during the step are HELD until it ends, so no block is both freed and
         reused within one plan; with that, the worker's fixed order (swap-out, swap-in, copy,
@@ -198,7 +209,8 @@ class BlockManager:
         and propagates: it is never reported as one operation's refusal.
         """
         self.steps += 1
-        state = _StepState(ExecutionPlan(self.steps))
+        copies = layout.copies if batch else TableLayout.BOTH.copies
+        state = _StepState(ExecutionPlan(self.steps), table_copies=copies)
         saved = dataclasses.replace(self.counters)
         journal = self._journal
         self._step = state
@@ -228,8 +240,8 @@ class BlockManager:
                 journal.rollback()
                 self.counters = saved
                 outcomes = self._aborted(len(ops), failed_at, outcomes[failed_at].error)
-                state = _StepState(ExecutionPlan(state.plan.step_id))
-            tables = self._batch(state.touched) if batch else BatchTables()
+                state = _StepState(ExecutionPlan(state.plan.step_id), table_copies=copies)
+            tables = self._batch(state.touched, layout) if batch else BatchTables()
             result = StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
                                 self.gpu.num_available + self.gpu.num_held, self.cpu.num_available + self.cpu.num_held)
             if before_commit is not None:
@@ -310,8 +322,9 @@ class BlockManager:
         n = self._count(tokens, op.num_tokens, "prompt")
         B, gpu = self.block_size, self.gpu
         num_blocks = -(-n // B)
-        # The answer holds the prompt's slots twice (result and batch) and its table three times.
-        self._charge(2 * n + 3 * num_blocks, f"allocate {quote(op.seq_id)}")
+        # The answer holds the prompt's slots twice (result and batch) and its table once in the
+        # result and once per table layout of the batch.
+        self._charge(2 * n + (1 + self._table_copies()) * num_blocks, f"allocate {quote(op.seq_id)}")
         usable = gpu.num_blocks - self.watermark_blocks
         if num_blocks > usable:
             raise OutOfRange(
@@ -510,8 +523,9 @@ class BlockManager:
     def _fork(self, op: ForkOp) -> ForkResult:
         parent = self._get_running(op.parent_seq_id, "fork")
         self._check_new_id(op.child_seq_id)
-        # The answer holds the child's table three times (result, padded and CSR tables).
-        self._charge(3 * len(parent.block_ids), f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}")
+        # The answer holds the child's table once in the result and once per table layout of the batch.
+        self._charge((1 + self._table_copies()) * len(parent.block_ids),
+                     f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}")
         for b in parent.block_ids:
             self.gpu.incref(b)
         pending = list(parent.pending_tokens) if parent.pending_tokens is not None else None
@@ -683,6 +697,10 @@ class BlockManager:
                 f"{what}: {n} tokens in one call exceeds max_prompt_tokens {self.config.max_prompt_tokens}")
         return n
 
+    def _table_copies(self) -> int:
+        """Block-table copies the current step's batch holds per touched sequence (2 outside a step)."""
+        return self._step.table_copies if self._step is not None else TableLayout.BOTH.copies
+
     def _charge(self, numbers: int, what: str) -> None:
         """Count ``numbers`` more numbers in the step's answer (each takes at least one byte);
         refuse the operation, before it changes anything, once they could not fit the answer."""
@@ -725,33 +743,32 @@ class BlockManager:
             raise InvalidArgument(f"{what}: a sequence id is listed twice")
         return [self._get(s) for s in seq_ids]
 
-    def _batch(self, touched: dict[str, list[int]]) -> BatchTables:
-        """Block tables of the touched sequences, padded and CSR. O(their blocks)."""
-        B = self.block_size
+    def _batch(self, touched: dict[str, list[int]], layout: TableLayout = TableLayout.BOTH) -> BatchTables:
+        """The batch of the touched sequences, with the block-table forms ``layout`` asks for.
+        O(rows) Python steps plus O(entries) copied by C-level list operations."""
         get = self.seqs.get
         seqs = [get(seq_id) for seq_id in touched]
         tables = [seq.block_ids for seq in seqs]
-        lengths = [len(t) for t in tables]
+        lengths = list(map(len, tables))
         max_blocks = max(lengths, default=0)
-        padded: list[int] = []
-        zeros = [0] * max_blocks
-        for table, length in zip(tables, lengths):
-            padded += table
-            padded += zeros[:max_blocks - length]
-        slots: list[int] = []
-        for query in touched.values():
-            slots += query
-        return BatchTables(
+        queries = touched.values()
+        out = BatchTables(
             seq_ids=list(touched),
             context_lens=[seq.num_tokens for seq in seqs],
-            query_lens=[len(query) for query in touched.values()],
-            slot_mapping=slots,
+            query_lens=list(map(len, queries)),
+            slot_mapping=list(chain.from_iterable(queries)),
             max_blocks=max_blocks,
-            block_tables=padded,
-            kv_indptr=[0, *accumulate(lengths)],
-            kv_indices=list(chain.from_iterable(tables)),
-            kv_last_page_len=[seq.num_tokens - (length - 1) * B for seq, length in zip(seqs, lengths)],
+            kv_indptr=[],
         )
+        if layout.padded:
+            out.block_tables = _padded(tables, lengths, max_blocks)
+        if layout.csr:
+            out.kv_indptr = [0, *accumulate(lengths)]
+            out.kv_indices = list(chain.from_iterable(tables))
+            out.kv_last_page_len = _last_page_lens(out.context_lens, lengths, self.block_size)
+        if layout.packed:
+            out.block_tables_packed = packed_padded(seqs, lengths, max_blocks)
+        return out
 
     # ---- checking -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -784,3 +801,51 @@ class BlockManager:
                         f"{tier} block {b} records {pool.blocks[b].num_filled} filled slots; its sequences fill {filled}")
             if self._step is None and pool.num_held:
                 raise InvariantViolation(f"{tier} pool holds {pool.num_held} blocks outside a step")
+
+
+# ---- batch tables ---------------------------------------------------------------------------------
+def _padded(tables: list[list[int]], lengths: list[int], width: int) -> list[int]:
+    """Row-major ``[len(tables), width]`` table, each row a table followed by block-0 padding.
+    One zeroed list, then one slice assignment (a C-level copy) per row: O(rows + entries)."""
+    padded = [0] * (len(tables) * width)
+    start = 0
+    for table, length in zip(tables, lengths):
+        padded[start:start + length] = table
+        start += width
+    return padded
+
+
+_INT32 = "i" if array("i").itemsize == 4 else "l"  # a 4-byte array type code
+
+
+def packed_table(seq: Sequence) -> bytes:
+    """The sequence's block table as little-endian int32 bytes, reused from ``seq.packed_table``
+    while the table equals the copy kept there. A decode step changes one table in 1/block_size
+    steps, so most rows cost one C-level list comparison. O(blocks)."""
+    table, kept = seq.block_ids, seq.packed_table
+    if kept is not None and kept[0] == table:
+        return kept[1]
+    row = array(_INT32, table)
+    if sys.byteorder == "big":
+        row.byteswap()
+    data = row.tobytes()
+    seq.packed_table = (table[:], data)
+    return data
+
+
+def packed_padded(seqs: list[Sequence], lengths: list[int], width: int) -> bytes:
+    """Row-major ``[len(seqs), width]`` little-endian int32 table, rows padded with block 0 (the
+    bytes of ``_padded``'s list). O(rows) Python steps, the rest C-level copies."""
+    zeros = memoryview(bytes(4 * width))  # slices of it are views: no copy until the join
+    parts: list = []
+    for seq, length in zip(seqs, lengths):
+        kept = seq.packed_table  # packed_table's check, inline: this loop runs for every row of every step
+        parts.append(kept[1] if kept is not None and kept[0] == seq.block_ids else packed_table(seq))
+        if length < width:
+            parts.append(zeros[:4 * (width - length)])
+    return b"".join(parts)
+
+
+def _last_page_lens(context_lens: list[int], lengths: list[int], block_size: int) -> list[int]:
+    """Tokens filled in each sequence's last block (CSR ``kv_last_page_len``). O(rows)."""
+    return [n - (length - 1) * block_size for n, length in zip(context_lens, lengths)]

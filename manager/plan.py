@@ -3,6 +3,7 @@ the block tables of a step's sequences. Plain data; the wire format lives in the
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -94,16 +95,47 @@ class ExecutionPlan:
     blocks_to_copy: BlockMapping = field(default_factory=BlockMapping)
 
 
+class TableLayout(enum.Enum):
+    """Which block-table forms a step's ``BatchTables`` holds (``StepRequest.table_layout``).
+    Each costs time in proportion to its entries at every step, in the manager, on the wire and
+    in the caller: a caller asks only for the one its kernels read."""
+
+    BOTH = "both"      # padded and CSR (the default)
+    PADDED = "padded"  # block_tables (vLLM style)
+    CSR = "csr"        # kv_indptr, kv_indices, kv_last_page_len (FlashInfer style)
+    NONE = "none"      # no block table
+    PADDED_PACKED = "padded_packed"  # block_tables_packed: the padded table as little-endian int32 bytes
+
+    @property
+    def padded(self) -> bool:
+        return self in (TableLayout.BOTH, TableLayout.PADDED)
+
+    @property
+    def csr(self) -> bool:
+        return self in (TableLayout.BOTH, TableLayout.CSR)
+
+    @property
+    def packed(self) -> bool:
+        return self is TableLayout.PADDED_PACKED
+
+    @property
+    def copies(self) -> int:
+        """How many times the answer's batch holds each touched sequence's block table."""
+        return self.padded + self.csr + self.packed
+
+
 @dataclass(slots=True)
 class BatchTables:
-    """Running sequences a step touched, in both block-table forms kernels use."""
+    """Running sequences a step touched, in the block-table forms kernels use (both by default;
+    the forms its ``TableLayout`` leaves out are empty lists, ``kv_indptr`` included)."""
 
     seq_ids: list[str] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
-    max_blocks: int = 0
+    max_blocks: int = 0                                      # the longest table's length, whatever the layout
     block_tables: list[int] = field(default_factory=list)   # row-major [num_seqs, max_blocks], 0-padded
+    block_tables_packed: bytes = b""                         # the same, as little-endian int32s (PADDED_PACKED)
     kv_indptr: list[int] = field(default_factory=lambda: [0])
     kv_indices: list[int] = field(default_factory=list)
     kv_last_page_len: list[int] = field(default_factory=list)

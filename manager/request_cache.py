@@ -27,11 +27,15 @@ _ENTRY_OVERHEAD = 64  # bytes of bookkeeping counted per entry besides its id an
 class Answer:
     response: Any = None
     error: Optional[ManagerError] = None
+    nbytes: Optional[int] = None  # the response's serialized size, when the caller measured it already
 
     def size(self) -> int:
-        """Bytes this answer costs to keep: its serialized response, or its error message."""
+        """Bytes this answer costs to keep: its serialized response, or its error message.
+        O(1) when ``nbytes`` is known; else ``ByteSize`` walks the whole message."""
         if self.error is not None:
             return len(str(self.error))
+        if self.nbytes is not None:
+            return self.nbytes
         byte_size = getattr(self.response, "ByteSize", None)
         return byte_size() if byte_size is not None else 0
 

@@ -28,6 +28,10 @@ class Sequence:
     # after that point can be identified, so hashing stops for this sequence.
     last_hash: Optional[bytes]
     pending_tokens: Optional[list[int]]
+    # The table as packed int32 bytes, with the table it encodes (a copy): reused while the table
+    # still equals that copy. Derived data, never journaled: the equality check is what makes a
+    # stale entry (after a rollback, a swap, a copy-on-write) impossible to use.
+    packed_table: Optional[tuple[list[int], bytes]] = None
 
 
 class SequenceTable:

@@ -130,15 +130,18 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
+        """What ``work`` answers: its response (an ``Answer`` already, when it measured its size:
+        see ``_bounded``), or its error."""
         try:
-            return Answer(response=work())
+            response = work()
+            return response if isinstance(response, Answer) else Answer(response=response)
         except InvariantViolation as err:  # a bug: the step was rolled back whole
             log.exception("%s failed: %s", method, err)
             return Answer(error=err)
         except ManagerError as err:
             return Answer(error=err)
 
-    def _apply(self, op, encode: Callable[[object], object]):
+    def _apply(self, op, encode: Callable[[object], object]) -> Answer:
         """Run one operation as a step of one; its answer is encoded and its size checked
         before the step commits (a too large one rolls it back)."""
         replies = []
@@ -151,14 +154,16 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self._manager().run(op, before_commit=check)
         return replies[0]
 
-    def _bounded(self, reply):
-        """The reply, unless it is larger than max_reply_bytes: then OUT_OF_RANGE (the caller
-        raises this before its step commits, so nothing is applied)."""
+    def _bounded(self, reply) -> Answer:
+        """The reply with its size, unless it is larger than max_reply_bytes: then OUT_OF_RANGE
+        (the caller raises this before its step commits, so nothing is applied). The size is
+        measured once here (``ByteSize`` walks the whole message) and kept for the request-id
+        cache's byte bound."""
         size = reply.ByteSize()
         if size > self.config.max_reply_bytes:
             raise OutOfRange(f"the answer would be {size} bytes, more than max_reply_bytes "
                              f"({self.config.max_reply_bytes}); nothing was applied: split the work over several calls")
-        return reply
+        return Answer(response=reply, nbytes=size)
 
     @staticmethod
     def _reply(answer: Answer, context):
@@ -190,10 +195,11 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                           lambda: self._apply(wire.swap_in_op(request), wire.swap_in_pb))
 
     def Step(self, request, context):
-        def work():
+        def work() -> Answer:
+            layout = wire.step_layout(request)
             ops = wire.step_ops(request, self.config.max_step_operations, self.config.max_step_forks)
             replies = []
-            self._manager().step(ops, request.all_or_nothing,
+            self._manager().step(ops, request.all_or_nothing, layout=layout,
                                  before_commit=lambda result: replies.append(self._bounded(wire.step_pb(ops, result))))
             return replies[0]
 

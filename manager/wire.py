@@ -24,6 +24,7 @@ from .plan import (
     ManagerStats,
     StepResult,
     SwapResult,
+    TableLayout,
 )
 from .sequence import GPU, Sequence
 
@@ -100,6 +101,24 @@ def step_ops(request: pb.StepRequest, max_operations: int = 1 << 62, max_forks: 
             continue
         ops.append(_OP_DECODERS[kind](inner))
     return ops
+
+
+_LAYOUTS = {
+    pb.TABLE_LAYOUT_BOTH: TableLayout.BOTH, pb.TABLE_LAYOUT_PADDED: TableLayout.PADDED,
+    pb.TABLE_LAYOUT_CSR: TableLayout.CSR, pb.TABLE_LAYOUT_NONE: TableLayout.NONE,
+    pb.TABLE_LAYOUT_PADDED_PACKED: TableLayout.PADDED_PACKED,
+}
+
+
+def step_layout(request: pb.StepRequest) -> TableLayout:
+    """The block-table forms the Step asks for; INVALID_ARGUMENT, before anything is applied,
+    for a number the enum does not name (proto3 enums accept any). O(1)."""
+    layout = _LAYOUTS.get(request.table_layout)
+    if layout is None:
+        raise InvalidArgument(
+            f"step: table_layout {request.table_layout} is none of "
+            f"{', '.join(f'{pb.TableLayout.Name(n)} ({n})' for n in _LAYOUTS)}; nothing was applied")
+    return layout
 
 
 # ---- results -> responses ------------------------------------------------------------------------
@@ -185,6 +204,8 @@ def _fill_plan(m: plan_pb2.ExecutionPlan, p: ExecutionPlan) -> None:
 
 
 def _fill_batch(m: pb.BatchTables, b: BatchTables) -> None:
+    """One ``extend`` per field (each entry converted in C; the layouts not asked for are empty
+    lists); the packed table is one bytes copy. O(entries)."""
     m.seq_ids.extend(b.seq_ids)
     m.context_lens.extend(b.context_lens)
     m.query_lens.extend(b.query_lens)
@@ -194,6 +215,8 @@ def _fill_batch(m: pb.BatchTables, b: BatchTables) -> None:
     m.kv_indptr.extend(b.kv_indptr)
     m.kv_indices.extend(b.kv_indices)
     m.kv_last_page_len.extend(b.kv_last_page_len)
+    if b.block_tables_packed:
+        m.block_tables_packed = b.block_tables_packed
 
 
 _RESULT_FILLERS = {

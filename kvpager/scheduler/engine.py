@@ -311,8 +311,10 @@ class Scheduler:
 
     # ---- plumbing ---------------------------------------------------------------------------------------
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
+        """One Step RPC, asking for the padded block tables only (all that ``StepInput`` reads), packed:
+        the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
         started = time.perf_counter()
-        reply = self.client.step(ops)
+        reply = self.client.step(ops, table_layout=pb.TABLE_LAYOUT_PADDED_PACKED)
         self.stats.step_latencies.append(time.perf_counter() - started)
         self.stats.steps += 1
         self._available = reply.gpu_blocks_available

@@ -8,11 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TableLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TABLE_LAYOUT_BOTH: _ClassVar[TableLayout]
+    TABLE_LAYOUT_PADDED: _ClassVar[TableLayout]
+    TABLE_LAYOUT_CSR: _ClassVar[TableLayout]
+    TABLE_LAYOUT_NONE: _ClassVar[TableLayout]
+    TABLE_LAYOUT_PADDED_PACKED: _ClassVar[TableLayout]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_GPU: _ClassVar[Tier]
     TIER_CPU: _ClassVar[Tier]
+TABLE_LAYOUT_BOTH: TableLayout
+TABLE_LAYOUT_PADDED: TableLayout
+TABLE_LAYOUT_CSR: TableLayout
+TABLE_LAYOUT_NONE: TableLayout
+TABLE_LAYOUT_PADDED_PACKED: TableLayout
 TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier
 TIER_CPU: Tier
@@ -170,14 +183,16 @@ class Operation(_message.Message):
     def __init__(self, allocate: _Optional[_Union[AllocateRequest, _Mapping]] = ..., append: _Optional[_Union[AppendRequest, _Mapping]] = ..., fork: _Optional[_Union[ForkRequest, _Mapping]] = ..., free: _Optional[_Union[FreeRequest, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutRequest, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInRequest, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchRequest, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("request_id", "operations", "all_or_nothing")
+    __slots__ = ("request_id", "operations", "all_or_nothing", "table_layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     ALL_OR_NOTHING_FIELD_NUMBER: _ClassVar[int]
+    TABLE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     operations: _containers.RepeatedCompositeFieldContainer[Operation]
     all_or_nothing: bool
-    def __init__(self, request_id: _Optional[str] = ..., operations: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., all_or_nothing: _Optional[bool] = ...) -> None: ...
+    table_layout: TableLayout
+    def __init__(self, request_id: _Optional[str] = ..., operations: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., all_or_nothing: _Optional[bool] = ..., table_layout: _Optional[_Union[TableLayout, str]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
     __slots__ = ("code", "message", "allocate", "append", "fork", "free", "swap_out", "swap_in", "append_batch")
@@ -202,7 +217,7 @@ class OperationResult(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., allocate: _Optional[_Union[AllocateResponse, _Mapping]] = ..., append: _Optional[_Union[AppendResponse, _Mapping]] = ..., fork: _Optional[_Union[ForkResponse, _Mapping]] = ..., free: _Optional[_Union[FreeResponse, _Mapping]] = ..., swap_out: _Optional[_Union[SwapOutResponse, _Mapping]] = ..., swap_in: _Optional[_Union[SwapInResponse, _Mapping]] = ..., append_batch: _Optional[_Union[AppendBatchResponse, _Mapping]] = ...) -> None: ...
 
 class BatchTables(_message.Message):
-    __slots__ = ("seq_ids", "context_lens", "query_lens", "slot_mapping", "max_blocks", "block_tables", "kv_indptr", "kv_indices", "kv_last_page_len")
+    __slots__ = ("seq_ids", "context_lens", "query_lens", "slot_mapping", "max_blocks", "block_tables", "kv_indptr", "kv_indices", "kv_last_page_len", "block_tables_packed")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
     QUERY_LENS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +227,7 @@ class BatchTables(_message.Message):
     KV_INDPTR_FIELD_NUMBER: _ClassVar[int]
     KV_INDICES_FIELD_NUMBER: _ClassVar[int]
     KV_LAST_PAGE_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_PACKED_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     context_lens: _containers.RepeatedScalarFieldContainer[int]
     query_lens: _containers.RepeatedScalarFieldContainer[int]
@@ -221,7 +237,8 @@ class BatchTables(_message.Message):
     kv_indptr: _containers.RepeatedScalarFieldContainer[int]
     kv_indices: _containers.RepeatedScalarFieldContainer[int]
     kv_last_page_len: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., context_lens: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., block_tables: _Optional[_Iterable[int]] = ..., kv_indptr: _Optional[_Iterable[int]] = ..., kv_indices: _Optional[_Iterable[int]] = ..., kv_last_page_len: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_tables_packed: bytes
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., context_lens: _Optional[_Iterable[int]] = ..., query_lens: _Optional[_Iterable[int]] = ..., slot_mapping: _Optional[_Iterable[int]] = ..., max_blocks: _Optional[int] = ..., block_tables: _Optional[_Iterable[int]] = ..., kv_indptr: _Optional[_Iterable[int]] = ..., kv_indices: _Optional[_Iterable[int]] = ..., kv_last_page_len: _Optional[_Iterable[int]] = ..., block_tables_packed: _Optional[bytes] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "results", "applied", "plan", "batch", "gpu_blocks_available", "cpu_blocks_available")

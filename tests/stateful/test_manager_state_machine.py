@@ -24,8 +24,10 @@ from kvpager.manager import (
     Aborted, AlreadyExists, BlockManager, FailedPrecondition, InvalidArgument, ManagerConfig, ManagerError,
     NotFound, OutOfRange, ResourceExhausted,
 )
+from kvpager.manager.block_manager import packed_padded
 from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 from kvpager.manager.plan import AllocateResult, AppendBatchResult, AppendResult, ForkResult, FreeResult, SwapResult
+from kvpager.step import unpack_int32
 
 NAMES = [f"s{i}" for i in range(10)]
 NAMESPACES = ["", "", "", "tenant"]
@@ -553,6 +555,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self._write(batch.slot_mapping[offset:offset + q], seq.values[ctx_len - q:])
             offset += q
         assert set(batch.seq_ids) == set(ctx.query), (batch.seq_ids, ctx.query)
+        # The packed padded table (TABLE_LAYOUT_PADDED_PACKED), from rows the manager keeps across
+        # steps, rollbacks and swaps: it must always equal the list form.
+        seqs = [self.m.seqs.get(s) for s in batch.seq_ids]
+        packed = packed_padded(seqs, [len(s.block_ids) for s in seqs], batch.max_blocks)
+        assert unpack_int32(packed).tolist() == batch.block_tables
         assert batch.max_blocks == max((cdiv(len(self.model[s].values), B) for s in batch.seq_ids), default=0)
 
     # ---- invariants --------------------------------------------------------------------------------------
