@@ -549,7 +549,7 @@ def _start_embedded(stack: contextlib.ExitStack, embedded, model, args, cuda: bo
         cm = embedded(model, block_size=BLOCK_SIZE, tensor_parallel_size=1, use_ray=not args.no_ray,
                       num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                       memory_fraction=args.memory_fraction, metrics_port=0 if args.worker_metrics else None,
-                      device=None if cuda else "cpu")
+                      device=None if cuda else "cpu", cuda_graph_max_batch=args.cuda_graph_max_batch)
         try:
             system = stack.enter_context(cm)
             log(f"kvpager: {system.kind}, {num_gpu_blocks} GPU blocks + {num_cpu_blocks} CPU blocks of "
@@ -1228,6 +1228,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cpu-swap-gib", type=float, default=4.0, help="kvpager's CPU swap space")
     ap.add_argument("--memory-fraction", type=float, default=0.9,
                     help="kvpager worker's memory_fraction (unused: the KV budget sets its block count)")
+    ap.add_argument("--cuda-graph-max-batch", type=int, default=512,
+                    help="kvpager: decode steps of up to N sequences replay CUDA graphs (0: all eager)")
     ap.add_argument("--no-ray", action="store_true", help="kvpager: one in-process worker instead of a Ray actor")
     ap.add_argument("--worker-metrics", action="store_true",
                     help="kvpager: serve the worker's /metrics and report its own model-step time")

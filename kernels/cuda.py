@@ -34,11 +34,11 @@ from types import ModuleType
 import torch
 
 __all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "write_kv", "copy_blocks",
-           "swap_blocks", "SWAP_MODES"]
+           "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope", "silu_and_mul"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("binding.cpp", "launch.cu")
-_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh")
+_SOURCES = ("binding.cpp", "launch.cu", "layer_ops.cu")
+_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -272,6 +272,31 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Ten
     else:
         mod.swap_blocks_dma(src_cache, dst_cache, src.to("cpu", torch.int64).contiguous(),
                             dst.to("cpu", torch.int64).contiguous(), mode == "batch")
+
+
+# ---- the decoder's per-layer elementwise ops (kernels/layer_reference.py says what each computes) ----
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x ``[rows, hidden]`` (+= delta, in place, when given) normalized times weight; into
+    ``out`` (a new tensor if None). float32/float16/bfloat16, last dims contiguous."""
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _load().add_rms_norm(out, x, delta, weight, float(eps))
+    return out
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place by cos/sin ``[T, D]``; returns them."""
+    _load().rope(q, k, cos, sin)
+    return q, k
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` ``[rows, width]`` for gate_up ``[rows, 2 * width]``."""
+    if out is None:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _load().silu_and_mul(out, gate_up)
+    return out
 
 
 def _splits_arg(num_splits: int | None) -> int:

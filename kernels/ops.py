@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import prefill, reference
+from . import layer_reference, prefill, reference
 
 
 def _cuda(tensor: torch.Tensor):
@@ -67,6 +67,29 @@ def swap_blocks(src_cache, dst_cache, src, dst) -> None:
         impl.swap_blocks(src_cache, dst_cache, src, dst)
         return
     reference.swap_blocks(src_cache, dst_cache, src, dst)
+
+
+def add_rms_norm(x, delta, weight, eps):
+    """``x += delta`` (in place, when given), then ``weight * RMSNorm(x)``: our kernel for a CUDA
+    ``[rows, hidden]`` x with a contiguous last dim, the torch formulas otherwise (e.g. the
+    per-head q/k norms of Qwen3, which are strided 3-d views)."""
+    impl = _cuda(x)
+    if impl is None or x.dim() != 2 or x.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
+        return layer_reference.add_rms_norm(x, delta, weight, eps)
+    return impl.add_rms_norm(x, delta, weight, eps)
+
+
+def rope(q, k, cos, sin):
+    """q and k rotated (in place on CUDA); use the returned pair."""
+    impl = _cuda(q)
+    return (impl or layer_reference).rope(q, k, cos, sin)
+
+
+def silu_and_mul(gate_up):
+    impl = _cuda(gate_up)
+    if impl is None or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return layer_reference.silu_and_mul(gate_up)
+    return impl.silu_and_mul(gate_up)
 
 
 def backend(k_cache: torch.Tensor) -> str:

@@ -46,12 +46,14 @@ def default_tensor_parallel_size() -> int:
 def embedded(model: ModelConfig, *, block_size: int = 16, tensor_parallel_size: Optional[int] = None,
              use_ray: bool = True, num_gpu_blocks: Optional[int] = None, num_cpu_blocks: int = 256,
              memory_fraction: float = 0.5, metrics_port: Optional[int] = None, watermark: float = 0.01,
-             device: Optional[str] = None) -> Iterator[EmbeddedSystem]:
+             device: Optional[str] = None, cuda_graph_max_batch: int = 512) -> Iterator[EmbeddedSystem]:
     """Start a manager and workers serving ``model``; stop them on exit.
 
     ``num_gpu_blocks`` None sizes each rank's cache from ``memory_fraction`` of its free device
     memory (after the weights); ``metrics_port`` (0: a free one) serves the manager's and every
-    rank's /metrics on 127.0.0.1. ``use_ray=False`` runs one worker in this process (TP 1)."""
+    rank's /metrics on 127.0.0.1. ``use_ray=False`` runs one worker in this process (TP 1).
+    ``cuda_graph_max_batch``: decode steps of up to this many sequences replay CUDA graphs on a
+    single-rank CUDA worker (0: every step eager)."""
     config = ManagerConfig(block_size=block_size, num_gpu_blocks=0, num_cpu_blocks=0, watermark=watermark)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
@@ -65,7 +67,7 @@ def embedded(model: ModelConfig, *, block_size: int = 16, tensor_parallel_size: 
                                      num_cpu_blocks=num_cpu_blocks, memory_fraction=memory_fraction,
                                      manager_address=client.target,
                                      metrics_port=None if metrics_port is None else 0,
-                                     device=device)
+                                     device=device, cuda_graph_max_batch=cuda_graph_max_batch)
         if not use_ray:
             if tensor_parallel_size not in (None, 1):
                 raise ValueError("one in-process worker serves tensor parallel size 1 only (use Ray for more)")

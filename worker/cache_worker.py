@@ -43,6 +43,7 @@ from .kv_cache import CacheSpec, KVCache
 from .metrics import WorkerInfo, WorkerMetrics
 from kvpager.step import PlanNotApplied, StepInput
 
+from .decode_graphs import DecodeGraphs, supported as graphs_supported
 from .model import Decoder, ModelConfig
 from .service import CacheWorkerService
 
@@ -67,6 +68,8 @@ class WorkerConfig:
     device: Optional[str] = None          # default: the CUDA device Ray assigned, else the CPU
     # TLS and tokens (kvpager.auth.WorkerCredentials); None: plaintext, no token check (loopback, tests).
     credentials: Optional[auth.WorkerCredentials] = None
+    # Decode steps of up to this many sequences replay CUDA graphs (worker.decode_graphs); 0: eager.
+    cuda_graph_max_batch: int = 512
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -115,6 +118,7 @@ class CacheWorker:
         self.metrics_address = ""  # host:port of /metrics, as advertised; empty when metrics are off
         self.cache: Optional[KVCache] = None
         self.model: Optional[Decoder] = None
+        self.graphs: Optional[DecodeGraphs] = None   # CUDA graphs for decode steps, where they apply
         self.metrics: Optional[WorkerMetrics] = None
         self._lock = threading.Lock()
         self._server: Optional[grpc.Server] = None
@@ -154,6 +158,7 @@ class CacheWorker:
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
         self.cache = KVCache(spec, num_blocks, cfg.num_cpu_blocks, device)
+        self.graphs = self._decode_graphs()
         self._serve()
         if cfg.metrics_port is not None:
             self._serve_metrics()
@@ -164,6 +169,18 @@ class CacheWorker:
         log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s, metrics %s", cfg.rank,
                  device, num_blocks, cfg.num_cpu_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
         return self.address
+
+    def _decode_graphs(self) -> Optional[DecodeGraphs]:
+        cfg = self.config
+        if cfg.cuda_graph_max_batch <= 0:
+            return None
+        reason = graphs_supported(self.model, self.cache)
+        if reason is not None:
+            if self.cache.device.type == "cuda":
+                log.info("rank %d: decode steps run eagerly: %s", cfg.rank, reason)
+            return None
+        max_blocks = -(-cfg.model.context_len // cfg.block_size)
+        return DecodeGraphs(self.model, self.cache, cfg.cuda_graph_max_batch, max_blocks)
 
     def endpoints(self) -> dict[str, str]:
         """The advertised addresses: ``grpc`` and ``metrics`` (empty when metrics are off)."""
@@ -204,7 +221,9 @@ class CacheWorker:
     def _serve_metrics(self) -> None:
         cfg = self.config
         self.metrics = WorkerMetrics(self.cache, self._info())
-        self._metrics_server = MetricsServer(self.metrics.registry, host=cfg.host, port=cfg.metrics_port)
+        tls = (cfg.credentials or auth.WorkerCredentials()).tls   # /metrics over HTTPS with the gRPC certificate
+        self._metrics_server = MetricsServer(self.metrics.registry, host=cfg.host, port=cfg.metrics_port,
+                                             tls=tls if tls.serves else None)
         self.metrics_address = host_port(advertised_host(cfg), self._metrics_server.port)
 
     def _info(self) -> WorkerInfo:
@@ -284,14 +303,14 @@ class CacheWorker:
         if metrics is None:
             with self._lock:
                 self._require_plan(step)
-                logits = self.model.forward_paged(step, self.cache.layer)
+                logits = self._forward(step)
             return _result(step, logits) if self.config.rank == 0 else None
         attention = metrics.attention_span()
         with self._lock:
             self._require_plan(step)
             metrics.poll()
             started = time.perf_counter()
-            logits = self.model.forward_paged(step, self.cache.layer, attention_timer=attention)
+            logits = self._forward(step, attention)
         if self.config.rank == 0:
             out = _result(step, logits)
         else:
@@ -302,6 +321,13 @@ class CacheWorker:
                 torch.cuda.current_stream(self.cache.device).synchronize()
         metrics.observe_model_step(len(step.token_ids), time.perf_counter() - started, attention)
         return out
+
+    def _forward(self, step: StepInput, attention_timer=None) -> Optional[torch.Tensor]:
+        """Under the lock: the model on the step, from a CUDA graph when one serves it (then the
+        attention is not timed per layer: the graph runs as one launch)."""
+        if self.graphs is not None and self.graphs.serves(step):
+            return self.graphs.run(step)
+        return self.model.forward_paged(step, self.cache.layer, attention_timer=attention_timer)
 
     def _require_plan(self, step: StepInput) -> None:
         """Under the lock: refuse a step whose plan has not been applied (delayed, dropped or

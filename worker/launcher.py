@@ -66,6 +66,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
       default_help="the checkpoint's max_position_embeddings", help="longest sequence served (prompt + new tokens)")
     cli.kv_cache_flags(parser)
+    f(parser, "--cuda-graph-max-batch", env="KVPAGER_CUDA_GRAPH_MAX_BATCH", type=cli.non_negative_int, default=512,
+      metavar="N", help="decode steps of up to N sequences replay CUDA graphs (a single-rank CUDA worker; "
+                        "0: every step eager)")
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (must equal the manager's)")
     f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
@@ -353,7 +356,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int, cre
                           memory_fraction=args.memory_fraction, num_cpu_blocks=args.num_cpu_blocks,
                           manager_address=args.manager, host=args.host, advertise_host=args.advertise_host,
                           metrics_port=args.metrics_port, device=None if use_gpu else "cpu",
-                          credentials=credentials)
+                          credentials=credentials, cuda_graph_max_batch=args.cuda_graph_max_batch)
     try:
         return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
     except ray.exceptions.RayError as err:

@@ -2,7 +2,9 @@
 ``worker.hf_config``) loaded from a local checkpoint, or seeded random weights of the same
 layout (``worker.checkpoint``), computed as transformers computes it: RMSNorm in float32 with
 the weight applied after casting back, rotate-half RoPE from float32 inverse frequencies (llama3
-scaling included) cast to the activations' dtype, GQA attention, SiLU-gated MLP.
+scaling included) cast to the activations' dtype, GQA attention, SiLU-gated MLP. The elementwise
+ops between the matmuls (residual add fused with the next RMSNorm, RoPE, SiLU * up) go through
+``kernels.ops``: three CUDA kernels of ours per layer on a GPU, the same torch formulas elsewhere.
 
 Its attention reads and writes the worker's paged KV cache (``forward_paged``, one
 ``kvpager.step.StepInput``); the same weights also run over a plain contiguous cache
@@ -22,8 +24,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +56,13 @@ class _Layer:
     gate_up_bias: Optional[torch.Tensor]
     down: torch.Tensor                  # [hidden, local intermediate]
     down_bias: Optional[torch.Tensor]   # added after the all-reduce
+
+
+def host_ints(parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
+    """The parts (lists or numpy arrays) one after the other, as one host tensor of ``dtype``
+    (np.int32 or np.int64). Through numpy: a list of Python ints converts about 4x faster than
+    with ``torch.tensor``, and an array of the right dtype is not converted at all. O(total)."""
+    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
 
 
 class Decoder:
@@ -123,7 +133,7 @@ class Decoder:
         timer = attention_timer if attention_timer is not None else nullcontext()
         dev, n = self.device, len(step.token_ids)
         # Two host-to-device copies: the int64 token data, the int32 tables and lengths.
-        longs = torch.tensor(step.token_ids + step.positions + step.slot_mapping, dtype=torch.long).to(dev)
+        longs = host_ints([step.token_ids, step.positions, step.slot_mapping], np.int64).to(dev)
         tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:]
         num_seqs = step.num_seqs
         table_len = num_seqs * step.max_blocks
@@ -134,29 +144,51 @@ class Decoder:
             query_lens = [step.query_lens[i] for i in computing]
             context_lens = [step.context_lens[i] for i in computing]
         starts = [0, *accumulate(query_lens)]
-        ints = torch.tensor(step.block_tables + context_lens + starts, dtype=torch.int32).to(dev)
+        ints = host_ints([step.block_tables, context_lens, starts], np.int32).to(dev)
         tables = ints[:table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
             tables = tables.index_select(0, torch.tensor(computing, device=dev))
         context = ints[table_len:table_len + len(context_lens)]
         query_starts = ints[table_len + len(context_lens):]
-        decode_only = step.decode_only
+        if step.decode_only:
+            return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer))
+        k_scale, v_scale = self.cfg.cache_scales
+
+        def attention(q, k_cache, v_cache):
+            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context, query_starts, self.scale,
+                                               k_scale, v_scale, host_lengths=(starts, context_lens))
+
+        hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
+        return self.logits(hidden.index_select(0, query_starts[1:].long() - 1))
+
+    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor, context: torch.Tensor, layer_cache: LayerCache,
+                      attention_timer: Optional[AbstractContextManager] = None) -> torch.Tensor:
+        """The last hidden states ``[B, hidden]`` (before the final norm) of a pure decode batch:
+        one token per sequence, every input already on the device (``tables`` ``[B, width]``
+        int32, ``context`` ``[B]`` int32). Reads nothing from the host and never syncs, so a
+        CUDA graph can capture it (``worker.decode_graphs``); a row with context 0 and slot -1
+        is padding (writes nothing, attends to nothing). ``logits`` turns the rows into logits."""
+        k_scale, v_scale = self.cfg.cache_scales
+
+        def attention(q, k_cache, v_cache):
+            return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale, v_scale)
+
+        timer = attention_timer if attention_timer is not None else nullcontext()
+        return self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
+
+    def _paged_attend(self, layer_cache: LayerCache, slots: torch.Tensor, timer: AbstractContextManager,
+                      attention: Callable[..., torch.Tensor]):
+        """A layer's attention over the paged cache: write the new K/V into their slots, then
+        ``attention(q, k_cache, v_cache)`` (timed by ``timer``)."""
         k_scale, v_scale = self.cfg.cache_scales
 
         def attend(layer: int, q, k, v):
             k_cache, v_cache = layer_cache(layer)
             ops.write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
             with timer:
-                if decode_only:
-                    return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale,
-                                                      v_scale)
-                return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context, query_starts, self.scale,
-                                                   k_scale, v_scale, host_lengths=(starts, context_lens))
-
-        hidden = self._run_layers(tokens, positions, attend)
-        if not decode_only:
-            hidden = hidden.index_select(0, query_starts[1:].long() - 1)
-        return self._logits(hidden)
+                return attention(q, k_cache, v_cache)
+        return attend
 
     @torch.inference_mode()
     def forward_contiguous(self, token_ids: list[int], start_pos: int,
@@ -188,27 +220,31 @@ class Decoder:
             return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
 
         hidden = self._run_layers(tokens, positions, attend)
-        logits = self._logits(hidden[-1:])
+        logits = self.logits(hidden[-1:])
         return None if logits is None else logits[0]
 
     # ---- shared body ------------------------------------------------------------------------------
     def _run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        d, hq, hkv = self.cfg.head_dim, self.q_heads, self.kv_heads
+        """The hidden states after the last layer. Each residual add is fused with the norm that
+        follows it (``ops.add_rms_norm`` adds into ``x`` in place), so ``delta`` carries a
+        sub-layer's output to the next norm, and the last one is added at the end."""
+        d, hq, hkv, eps = self.cfg.head_dim, self.q_heads, self.kv_heads, self.cfg.rms_eps
         x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
+        delta: Optional[torch.Tensor] = None
         for index, layer in enumerate(self.layers):
-            h = self._norm(x, layer.attn_norm)
+            h = ops.add_rms_norm(x, delta, layer.attn_norm, eps)
             q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([hq * d, hkv * d, hkv * d], dim=-1)
             q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            q, k = ops.rope(q, k, cos, sin)
             out = attend(index, q, k, v).reshape(-1, hq * d)
-            x = x + self._reduce(F.linear(out, layer.o), layer.o_bias)
-            h = self._norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + self._reduce(F.linear(F.silu(gate) * up, layer.down), layer.down_bias)
-        return x
+            delta = self._reduce(F.linear(out, layer.o), layer.o_bias)
+            h = ops.add_rms_norm(x, delta, layer.mlp_norm, eps)
+            gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+            delta = self._reduce(F.linear(ops.silu_and_mul(gate_up), layer.down), layer.down_bias)
+        return x if delta is None else x.add_(delta)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self._dist is None:
@@ -219,8 +255,9 @@ class Decoder:
         self._dist.all_reduce(x, group=self._group)
         return x
 
-    def _logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """Float32 logits of these hidden states, whole vocabulary, on rank 0; None elsewhere."""
+    def logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Float32 logits ``[rows, vocab]`` of these last hidden states (the final norm, then
+        lm_head; the whole vocabulary, gathered on rank 0); None on the other ranks."""
         local = F.linear(self._norm(hidden, self.final_norm), self.lm_head)
         if self._dist is None:
             return local.float()
@@ -236,18 +273,12 @@ class Decoder:
         return partial if bias is None else partial + bias
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
-        return weight * xf.to(x.dtype)
+        return ops.add_rms_norm(x, None, weight, self.cfg.rms_eps)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[tokens, 1, head_dim]`` in the activations' dtype."""
+        """cos and sin ``[tokens, head_dim]`` in the activations' dtype (once per step, shared
+        by every layer)."""
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
         scaling = self.cfg.rope.attention_scaling
         return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin

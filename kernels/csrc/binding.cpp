@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "launch.h"
+#include "layer_ops.h"
 
 // Invalid arguments raise Python's ValueError (as kernels/reference.py does). Messages are
 // concatenated as std::strings (std::to_string for numbers), not streamed: on the GPU image,
@@ -408,6 +409,111 @@ void swap_blocks_kernel(Tensor src_cache, Tensor dst_cache, Tensor src, Tensor d
                "swap_blocks (kernel)");
 }
 
+// ---- the decoder's per-layer elementwise ops (layer_ops.cu) ----------------------------------------
+
+// [rows, cols] with a contiguous last dim, on `device`, of `dtype`.
+void check_rows(const Tensor& t, const char* what, const torch::Device& device, c10::ScalarType dtype) {
+  check_cuda(t, what, device);
+  KV_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, " like the other inputs, got ", t.scalar_type());
+  KV_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), what,
+           " must be [rows, cols] with a contiguous last dim, got sizes ", dims(t.sizes()), " strides ",
+           dims(t.strides()));
+}
+
+void add_rms_norm(Tensor out, Tensor x, c10::optional<Tensor> delta, Tensor weight, double eps) {
+  const torch::Device device = x.device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto dtype = x.scalar_type();
+  check_rows(x, "x", device, dtype);
+  check_rows(out, "out", device, dtype);
+  KV_CHECK(out.sizes() == x.sizes(), "out must have x's shape ", dims(x.sizes()), ", got ", dims(out.sizes()));
+  check_cuda(weight, "weight", device);
+  KV_CHECK(weight.scalar_type() == dtype && weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+           "weight must be a contiguous [", x.size(1), "] tensor of x's dtype");
+  KV_CHECK(std::isfinite(eps) && eps >= 0, "eps must be finite and >= 0, got ", eps);
+  kvpager::RMSNormArgs a{};
+  if (delta.has_value()) {
+    check_rows(*delta, "delta", device, dtype);
+    KV_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape ", dims(x.sizes()), ", got ",
+             dims(delta->sizes()));
+    a.delta = delta->data_ptr();
+    a.delta_stride = delta->stride(0);
+  }
+  a.out = out.data_ptr();
+  a.x = x.data_ptr();
+  a.weight = weight.data_ptr();
+  a.out_stride = out.stride(0);
+  a.x_stride = x.stride(0);
+  a.rows = static_cast<int>(x.size(0));
+  a.hidden = static_cast<int>(x.size(1));
+  a.eps = static_cast<float>(eps);
+  if (a.rows == 0) return;
+  check_launch(kvpager::launch_add_rms_norm(to_dtype(x, "x"), a, at::cuda::getCurrentCUDAStream()), "add_rms_norm");
+}
+
+// [tokens, heads, head_dim] with a contiguous last dim.
+void check_heads(const Tensor& t, const char* what, const torch::Device& device, c10::ScalarType dtype) {
+  check_cuda(t, what, device);
+  KV_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, " like q, got ", t.scalar_type());
+  KV_CHECK(t.dim() == 3 && (t.size(2) <= 1 || t.stride(2) == 1), what,
+           " must be [tokens, heads, head_dim] with a contiguous last dim, got sizes ", dims(t.sizes()), " strides ",
+           dims(t.strides()));
+}
+
+void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
+  const torch::Device device = q.device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto dtype = q.scalar_type();
+  check_heads(q, "q", device, dtype);
+  check_heads(k, "k", device, dtype);
+  const int64_t tokens = q.size(0), head_dim = q.size(2);
+  KV_CHECK(k.size(0) == tokens && k.size(2) == head_dim, "k must be [", tokens, ", *, ", head_dim, "], got ",
+           dims(k.sizes()));
+  KV_CHECK(head_dim % 2 == 0, "head_dim must be even, got ", head_dim);
+  check_rows(cos, "cos", device, dtype);
+  check_rows(sin, "sin", device, dtype);
+  KV_CHECK(cos.size(0) == tokens && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+           sin.stride(0) == cos.stride(0), "cos and sin must be [", tokens, ", ", head_dim,
+           "] with equal strides, got ", dims(cos.sizes()), " and ", dims(sin.sizes()));
+  kvpager::RopeArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.q_stride_tok = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.k_stride_tok = k.stride(0);
+  a.k_stride_head = k.stride(1);
+  a.cos_stride = cos.stride(0);
+  a.tokens = static_cast<int>(tokens);
+  a.q_heads = static_cast<int>(q.size(1));
+  a.k_heads = static_cast<int>(k.size(1));
+  a.head_dim = static_cast<int>(head_dim);
+  if (tokens == 0) return;
+  check_launch(kvpager::launch_rope(to_dtype(q, "q"), a, at::cuda::getCurrentCUDAStream()), "rope");
+}
+
+void silu_and_mul(Tensor out, Tensor gate_up) {
+  const torch::Device device = gate_up.device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto dtype = gate_up.scalar_type();
+  check_rows(gate_up, "gate_up", device, dtype);
+  check_rows(out, "out", device, dtype);
+  KV_CHECK(gate_up.size(1) % 2 == 0 && out.size(0) == gate_up.size(0) && out.size(1) * 2 == gate_up.size(1),
+           "out must be [rows, width] for gate_up [rows, 2 * width], got ", dims(out.sizes()), " and ",
+           dims(gate_up.sizes()));
+  kvpager::SiluMulArgs a{};
+  a.out = out.data_ptr();
+  a.gate_up = gate_up.data_ptr();
+  a.out_stride = out.stride(0);
+  a.gate_up_stride = gate_up.stride(0);
+  a.rows = static_cast<int>(out.size(0));
+  a.width = static_cast<int>(out.size(1));
+  if (a.rows == 0 || a.width == 0) return;
+  check_launch(kvpager::launch_silu_and_mul(to_dtype(gate_up, "gate_up"), a, at::cuda::getCurrentCUDAStream()),
+               "silu_and_mul");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -428,4 +534,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("src_cache"), py::arg("dst_cache"), py::arg("src"), py::arg("dst"), py::arg("use_batch"));
   m.def("swap_blocks_kernel", &swap_blocks_kernel, "swap whole blocks with a zero-copy kernel (ids on the device)",
         py::arg("src_cache"), py::arg("dst_cache"), py::arg("src"), py::arg("dst"));
+  m.def("add_rms_norm", &add_rms_norm, "out = RMSNorm(x (+= delta, in place)) * weight", py::arg("out"),
+        py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
+  m.def("rope", &rope, "rotate-half rotary embedding of q and k, in place", py::arg("q"), py::arg("k"),
+        py::arg("cos"), py::arg("sin"));
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("out"),
+        py::arg("gate_up"));
 }

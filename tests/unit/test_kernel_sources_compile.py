@@ -1,6 +1,6 @@
 """CPU-CI check that the CUDA kernel sources compile (no GPU needed): nvcc builds launch.cu,
-which includes every kernel template and instantiates every launcher, for Ampere (sm_80) and
-Hopper (sm_90a). The torch binding (binding.cpp) is left out: it needs torch's CUDA headers,
+which includes every kernel template and instantiates every launcher, and layer_ops.cu, for
+Ampere (sm_80) and Hopper (sm_90a). The torch binding (binding.cpp) is left out: it needs torch's CUDA headers,
 built only where the extension is JIT-compiled. Skipped where nvcc is not on PATH."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_launch_cu_compiles_for_sm80_and_sm90a(tmp_path):
-    out = tmp_path / "launch.o"
+@pytest.mark.parametrize("source", ["launch.cu", "layer_ops.cu"])
+def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
+    out = tmp_path / "kernels.o"
     cmd = ["nvcc", "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a",
-           "-std=c++17", "-O3", "-Xptxas", "-warn-spills", "-I", str(CSRC), "-c", str(CSRC / "launch.cu"),
+           "-std=c++17", "-O3", "-Xptxas", "-warn-spills", "-I", str(CSRC), "-c", str(CSRC / source),
            "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -28,6 +29,6 @@ def test_launch_cu_compiles_for_sm80_and_sm90a(tmp_path):
 
 
 def test_kernel_sources_have_no_torch_includes():
-    for name in ("launch.cu", "launch.h", "paged_decode.cuh", "cache_ops.cuh"):
+    for name in ("launch.cu", "launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.cu", "layer_ops.h"):
         text = (CSRC / name).read_text()
         assert "#include <torch" not in text and "#include <ATen" not in text and "#include <c10" not in text, name

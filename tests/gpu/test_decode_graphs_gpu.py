@@ -1,0 +1,134 @@
+"""On a CUDA device: decode steps replayed from CUDA graphs (``worker.decode_graphs``) give what
+the eager path gives, on random weights, random ragged contexts and shuffled block tables.
+
+Each case runs the same step twice, eagerly over one copy of the cache and from a graph over
+another: the logits and greedy tokens agree (the same kernels on the same data; only the GEMMs'
+padded batch may pick other cuBLAS kernels, so bf16 agrees within rounding), the K/V each wrote
+agree, and no block outside the step's tables changed (padding rows write nothing). Steps reuse
+a captured shape with fewer sequences and narrower tables than the last (stale buffers), follow
+a copy-on-write plan (the replay waits for it), and serve fp8 caches.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from kvpager.step import StepInput  # noqa: E402
+from kvpager.worker.decode_graphs import DecodeGraphs, supported  # noqa: E402
+from kvpager.worker.hf_config import PRESETS  # noqa: E402
+from kvpager.worker.kv_cache import CacheSpec, KVCache  # noqa: E402
+from kvpager.worker.model import Decoder  # noqa: E402
+
+BLOCK = 16
+NUM_BLOCKS = 16000
+SHAPES = {"d64": dict(head_dim=64), "d128": dict(head_dim=128, num_q_heads=8, num_kv_heads=2, hidden_size=512)}
+
+
+def make(head: str, kv_cache_dtype: str = "auto"):
+    cfg = replace(PRESETS["small"], dtype="bfloat16", num_layers=3, vocab_size=1000, max_model_len=4096,
+                  kv_cache_dtype=kv_cache_dtype, kv_scale=0.05 if kv_cache_dtype != "auto" else 1.0,
+                  **SHAPES[head])
+    model = Decoder(cfg, device="cuda")
+    spec = CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, BLOCK, cfg.cache_dtype)
+    cache = KVCache(spec, NUM_BLOCKS, 4, "cuda")
+    torch.manual_seed(0)
+    cache.gpu.copy_((torch.randn(cache.gpu.shape, device="cuda") * 0.5).to(cache.gpu.dtype))
+    return model, cache
+
+
+def random_step(rng: random.Random, model: Decoder, lens: list[int], step_id: int) -> tuple[StepInput, set[int]]:
+    """A decode step over ``lens`` (each context including its new token) with shuffled tables
+    padded to the widest row plus a few extra columns; returns it and the blocks it owns."""
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    width = max(-(-n // BLOCK) for n in lens) + rng.randrange(3)
+    rows, owned = [], set()
+    for n in lens:
+        row = [free.pop() for _ in range(-(-n // BLOCK))]
+        owned.update(row)
+        rows.append(row + [rng.randrange(NUM_BLOCKS)] * (width - len(row)))   # padding: never read
+    step = StepInput(step_id=step_id, plan_step_id=0, token_ids=[rng.randrange(model.cfg.vocab_size) for _ in lens],
+                     positions=[n - 1 for n in lens],
+                     slot_mapping=[r[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for r, n in zip(rows, lens)],
+                     query_lens=[1] * len(lens), context_lens=lens, block_tables=[b for r in rows for b in r],
+                     max_blocks=width, greedy=True)
+    return step, owned
+
+
+def compare(model: Decoder, eager_cache: KVCache, graph_cache: KVCache, graphs: DecodeGraphs, step: StepInput,
+            owned: set[int], cache_tol: float = 0.05) -> None:
+    """``cache_tol``: the K/V both paths wrote agree within this share of the cache's largest
+    value (an fp8 cache may round one element to the neighbouring code)."""
+    before = graph_cache.gpu.clone()
+    want = model.forward_paged(step, eager_cache.layer)
+    got = graphs.run(step)
+    torch.cuda.synchronize()
+    assert got.shape == want.shape == (step.num_seqs, model.cfg.vocab_size)
+    scale = want.std().item()
+    assert (got - want).abs().max().item() <= 0.05 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95   # bf16 near-ties may flip
+    untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+    untouched[sorted(owned)] = False
+    assert torch.equal(graph_cache.gpu[untouched], before[untouched]), "a graph step wrote outside its tables"
+    written = graph_cache.gpu.float() - eager_cache.gpu.float()
+    assert written.abs().max().item() <= cache_tol * max(1.0, eager_cache.gpu.float().abs().max().item())
+
+
+@pytest.mark.parametrize("head", sorted(SHAPES))
+def test_graph_steps_match_eager_steps(head):
+    model, eager_cache = make(head)
+    _, graph_cache = make(head)
+    graph_cache.gpu.copy_(eager_cache.gpu)
+    assert supported(model, graph_cache) is None
+    graphs = DecodeGraphs(model, graph_cache, max_batch=128, max_blocks=4096 // BLOCK)
+    rng = random.Random(1)
+    # Sizes that land in the middle and at the edge of buckets, a shape reused with fewer
+    # sequences and a narrower table than its last step, and one wider table.
+    for step_id, (batch, longest) in enumerate([(1, 40), (3, 700), (64, 1500), (50, 300), (100, 2500),
+                                                (128, 2000), (7, 33)], start=1):
+        lens = [rng.randint(1, longest) for _ in range(batch)]
+        step, owned = random_step(rng, model, lens, step_id)
+        assert graphs.serves(step)
+        compare(model, eager_cache, graph_cache, graphs, step, owned)
+    assert (64, 128) in graphs.shapes and (64, 32) in graphs.shapes
+    # A step over the batch limit is not taken (the worker runs it eagerly).
+    big, _ = random_step(rng, model, [10] * 129, 99)
+    assert not graphs.serves(big)
+
+
+def test_graph_step_waits_for_the_copy_plan():
+    """A copy-on-write plan enqueued on the cache's swap stream right before the step: the
+    replay reads the copied block (as the eager path does), not what was there before."""
+    model, eager_cache = make("d128")
+    _, graph_cache = make("d128")
+    graph_cache.gpu.copy_(eager_cache.gpu)
+    graphs = DecodeGraphs(model, graph_cache, max_batch=32, max_blocks=256)
+    rng = random.Random(2)
+    lens = [rng.randint(20, 900) for _ in range(20)]
+    step, owned = random_step(rng, model, lens, 1)
+    graphs.run(step)  # capture the shape first, so the replay below is a plain replay
+    torch.cuda.synchronize()
+    eager_cache.gpu.copy_(graph_cache.gpu)
+    # Copy a block from outside the tables over the first block of each sequence.
+    firsts = [step.block_tables[i * step.max_blocks] for i in range(step.num_seqs)]
+    sources = [b for b in range(1, NUM_BLOCKS) if b not in owned][:len(firsts)]
+    for cache in (eager_cache, graph_cache):
+        cache.execute(([], []), ([], []), (sources, firsts))
+    compare(model, eager_cache, graph_cache, graphs, replace(step, step_id=2), owned)
+
+
+def test_graph_steps_on_an_fp8_cache():
+    model, eager_cache = make("d128", "fp8_e4m3")
+    _, graph_cache = make("d128", "fp8_e4m3")
+    graph_cache.gpu.copy_(eager_cache.gpu)
+    graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
+    rng = random.Random(3)
+    for step_id, batch in enumerate([5, 40], start=1):
+        step, owned = random_step(rng, model, [rng.randint(1, 2000) for _ in range(batch)], step_id)
+        compare(model, eager_cache, graph_cache, graphs, step, owned, cache_tol=0.25)
