@@ -383,18 +383,33 @@ def copy_ceiling(torch, device) -> float:
 
 # ---- kvpager ----------------------------------------------------------------------------------------------
 class TimedRunner:
-    """The scheduler's runner, timed: each call's start, duration and batch."""
+    """The scheduler's runner, timed: each call's start, duration and batch. With ``submit``
+    (overlap) a call's duration runs from its submission to its result, filled in then."""
 
     def __init__(self, runner: Callable) -> None:
         self.runner = runner
-        self.calls: list[tuple[float, float, bool, int, int, int]] = []  # start, s, decode, seqs, tokens, ctx
+        self.calls: list[list] = []  # [start, s, decode, seqs, tokens, ctx]
+        if hasattr(runner, "submit"):
+            self.submit = self._submit
 
     def __call__(self, step):
         started = time.perf_counter()
         out = self.runner(step)   # rank 0's logits, on the host: the step has run when this returns
-        self.calls.append((started, time.perf_counter() - started, step.decode_only, step.num_seqs,
-                           len(step.token_ids), sum(step.context_lens)))
+        self.calls.append([started, time.perf_counter() - started, step.decode_only, step.num_seqs,
+                           len(step.token_ids), sum(step.context_lens)])
         return out
+
+    def _submit(self, step):
+        started = time.perf_counter()
+        wait = self.runner.submit(step)
+        call = [started, 0.0, step.decode_only, step.num_seqs, len(step.token_ids), sum(step.context_lens)]
+        self.calls.append(call)
+
+        def result():
+            out = wait()
+            call[1] = time.perf_counter() - started
+            return out
+        return result
 
 
 def _histogram_sums(registry, name: str, labels: Optional[dict] = None) -> tuple[float, float]:
@@ -470,7 +485,7 @@ def run_kvpager(spec: dict) -> dict:
 
         def new_scheduler(runner, **kw) -> Scheduler:
             return Scheduler(client, runner, BLOCK_SIZE, max_batch_tokens=args.max_batch_tokens,
-                             max_model_len=getattr(model, "max_model_len", None), **kw)
+                             max_model_len=getattr(model, "max_model_len", None), overlap=not args.no_overlap, **kw)
 
         # Warm-up (untimed): kernels' first launches, allocator, Ray's paths.
         if args.warmup_requests:
@@ -527,7 +542,8 @@ def run_kvpager(spec: dict) -> dict:
     expected = dict(zip(ids, wl["output_lens"]))
     result["latency"] = latency_summary(arrivals, times, expected)
     st = sched.stats
-    result["scheduler"] = dict(steps=st.steps, iterations=len(iterations), tokens_computed=st.tokens_computed,
+    result["scheduler"] = dict(steps=st.steps, overlapped_steps=st.overlapped_steps, iterations=len(iterations),
+                               tokens_computed=st.tokens_computed,
                                tokens_generated=st.tokens_generated, preemptions=st.preemptions,
                                restarts=st.restarts, recoveries=st.recoveries,
                                prefix_hit_tokens=after_stats.prefix_hit_tokens - before_stats.prefix_hit_tokens,
@@ -604,12 +620,9 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
             t0 = time.perf_counter()
             progressed = sched.step()
             wall = time.perf_counter() - t0
-            if runner is not None:
+            if runner is not None:   # the call this iteration started (its duration may come later: overlap)
                 call = runner.calls[n_calls] if len(runner.calls) > n_calls else None
-                iterations.append(dict(wall=wall, rpc=sum(lat[n_lat:]), rpcs=len(lat) - n_lat,
-                                       runner=call[1] if call else 0.0, decode=call[2] if call else False,
-                                       seqs=call[3] if call else 0, tokens=call[4] if call else 0,
-                                       context=call[5] if call else 0))
+                iterations.append(dict(wall=wall, rpc=sum(lat[n_lat:]), rpcs=len(lat) - n_lat, call=call))
             idle = 0 if progressed else idle + 1
             if idle > 100:
                 raise RuntimeError("no progress in 100 iterations: the KV pool is too small for the requests left")
@@ -617,6 +630,10 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
         error = f"{type(exc).__name__}: {exc}"
         log(f"kvpager: the run stopped: {error}")
         traceback.print_exc()
+    for it in iterations:
+        call = it.pop("call")
+        it.update(runner=call[1] if call else 0.0, decode=call[2] if call else False, seqs=call[3] if call else 0,
+                  tokens=call[4] if call else 0, context=call[5] if call else 0)
     return iterations, arrivals, error
 
 
@@ -1171,6 +1188,12 @@ def report(summary: dict) -> str:
             if s is not None and n:
                 lines.append(f"  worker-side model step (its /metrics): {s:.1f} s over {n:.0f} steps "
                              f"({s / bd['all']['runner_s']:.1%} of the runner calls' time)")
+                wall = bd["all"]["wall_s"]
+                sc = kv.get("scheduler", {})
+                lines.append(f"  exposed control plane (wall time not inside a worker-side model step): "
+                             f"{1 - s / wall:.1%}; {sc.get('overlapped_steps', 0)} of {sc.get('steps', 0)} Step RPCs "
+                             "overlapped a computing step (then a runner call spans the next Step RPC, and "
+                             "'scheduler Python' above, wall - RPC - call, undercounts)")
     if (rf := kv.get("decode_roofline")) is not None:
         lines.append("")
         if rf.get("steps"):
@@ -1230,6 +1253,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="kvpager worker's memory_fraction (unused: the KV budget sets its block count)")
     ap.add_argument("--cuda-graph-max-batch", type=int, default=512,
                     help="kvpager: decode steps of up to N sequences replay CUDA graphs (0: all eager)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="kvpager: send each Step RPC after the previous step finished (default: while it computes)")
     ap.add_argument("--no-ray", action="store_true", help="kvpager: one in-process worker instead of a Ray actor")
     ap.add_argument("--worker-metrics", action="store_true",
                     help="kvpager: serve the worker's /metrics and report its own model-step time")

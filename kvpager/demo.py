@@ -215,7 +215,7 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
         frags.append(st.internal_fragmentation)
         progress.update(s.stats.requests_finished, len(s.running), len(s.swapped), st.gpu_utilization)
 
-    scheduler = Scheduler(client, d.runner, block_size, on_step=on_step)
+    scheduler = Scheduler(client, d.runner, block_size, on_step=on_step, overlap=True)
     started, iteration, pending = time.perf_counter(), 0, list(arrivals)
     while pending or scheduler.has_work:
         while pending and pending[0][0] <= iteration:

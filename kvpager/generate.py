@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                                   memory_fraction=args.memory_fraction, device=None if cuda else "cpu")
         with system_context as system:
             scheduler = Scheduler(system.client, system.runner, block_size, on_token=on_token,
-                                  max_model_len=model.max_model_len)
+                                  max_model_len=model.max_model_len, overlap=True)
             try:
                 for request in requests:
                     scheduler.add(request)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -130,15 +130,24 @@ class RayWorkerGroup:
     def __call__(self, step: StepInput) -> torch.Tensor:
         """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
         rank's call fails (the others may be blocked in a collective waiting for it)."""
+        return self.submit(step)()
+
+    def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
+        """Start one model step on every rank and return at once; the returned callable waits
+        for it and gives what ``__call__`` gives (raising as it does). Each actor runs its calls
+        in order, so a step submitted after another computes after it."""
         refs = [a.execute_model.remote(step) for a in self.actors]
-        pending = list(refs)
-        while pending:
-            ready, pending = self._ray.wait(pending, num_returns=1)
-            try:
-                self._ray.get(ready)
-            except self._ray.exceptions.RayActorError as exc:
-                raise WorkerDied(f"rank {refs.index(ready[0])} died during a model step: {exc}") from exc
-        return self._ray.get(refs[0])
+
+        def wait() -> torch.Tensor:
+            pending = list(refs)
+            while pending:
+                ready, pending = self._ray.wait(pending, num_returns=1)
+                try:
+                    self._ray.get(ready)
+                except self._ray.exceptions.RayActorError as exc:
+                    raise WorkerDied(f"rank {refs.index(ready[0])} died during a model step: {exc}") from exc
+            return self._ray.get(refs[0])
+        return wait
 
     def memory_stats(self) -> list:
         return self._ray.get([a.memory_stats.remote() for a in self.actors])

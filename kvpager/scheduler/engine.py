@@ -9,6 +9,16 @@ next appends would not fit, the most recently admitted requests are preempted by
 them out in a step of their own first (blocks freed in a step are only reusable after it),
 or, when the CPU pool is full too, freed and restarted from scratch.
 
+Overlap (``overlap=True``, with a runner that has ``submit``, as ``RayWorkerGroup``): the Step
+RPC of iteration N+1 runs while the workers compute step N. Its appends cannot carry step N's
+tokens yet, so they reserve the slots only (count-only appends: the manager's prefix cache then
+never indexes generated tokens, only prompts); the step's inputs are built once step N's
+tokens are in. A sequence that ends by its token limit in step N gets no append; one that
+samples a stop token in step N was already given a slot: it computes one token more, which is
+dropped, and is freed a step later. Steps that may move blocks (swap-ins, preemption, forked
+samples whose appends may copy on write) first wait for the step in flight, so a plan never
+reaches the workers ahead of a step queued before it. The tokens are those of the plain loop.
+
 Workers lost (a Step answers UNAVAILABLE, or the runner raises WorkerDied): the K/V of every
 live sequence may be gone, on the GPU and in the workers' CPU swap space alike. The scheduler
 calls ``recover`` (if given) for a runner over replacement workers, waits until the manager
@@ -34,10 +44,19 @@ from kvpager.worker.ray_group import WorkerDied
 from .request import Group, Request, RequestOutput, SeqState, sample
 
 # Runs one step on the workers: for each sequence that computed tokens, the float32 logits of its
-# last token, or (a greedy step) their argmax.
+# last token, or (a greedy step) their argmax. A runner may also have ``submit(step)``, which
+# starts the step and returns a callable that waits for and returns the same (overlap).
 Runner = Callable[[StepInput], torch.Tensor]
 # Called for every sampled token: (request id, sample index, token id, finish reason or "").
 TokenCallback = Callable[[str, int, int, str], None]
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step the workers compute while the scheduler goes on (overlap)."""
+    wait: Callable[[], torch.Tensor]          # returns the step's rows
+    computed: list[tuple[SeqState, int]]      # (sequence, its context length after the step)
+    greedy: bool
 
 
 @dataclass(slots=True)
@@ -49,6 +68,7 @@ class SchedulerStats:
     preemptions: int = 0           # groups swapped out
     restarts: int = 0              # groups freed and recomputed (no CPU room, or workers lost)
     recoveries: int = 0            # times workers were lost and the live requests restarted
+    overlapped_steps: int = 0      # Step RPCs sent while the previous step computed (overlap)
     step_latencies: list[float] = field(default_factory=list)  # Step RPC round trips, seconds
 
 
@@ -56,13 +76,18 @@ class Scheduler:
     def __init__(self, client: C.BlockManagerClient, runner: Runner, block_size: int,
                  max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None,
                  recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0,
-                 on_token: Optional[TokenCallback] = None, max_model_len: Optional[int] = None) -> None:
+                 on_token: Optional[TokenCallback] = None, max_model_len: Optional[int] = None,
+                 overlap: bool = False) -> None:
         """``on_token``: streaming, called for each token as it is sampled; ``max_model_len``: the
-        longest sequence (prompt + new tokens) the model serves; longer requests are refused."""
+        longest sequence (prompt + new tokens) the model serves; longer requests are refused;
+        ``overlap``: run each Step RPC while the previous step computes (module docstring),
+        where the runner can (``submit``)."""
         self.client = client
         self.on_token = on_token
         self.max_model_len = max_model_len
         self.runner = runner
+        self.overlap = overlap
+        self._pending: Optional[_InFlight] = None   # the step in flight (overlap only)
         self.recover = recover
         self.recover_timeout = recover_timeout
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
@@ -94,7 +119,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._to_free)
+        return bool(self.waiting or self.running or self.swapped or self._to_free or self._pending)
 
     def run(self, requests: Iterable[Request] = ()) -> dict[str, RequestOutput]:
         for request in requests:
@@ -116,6 +141,8 @@ class Scheduler:
             return False
 
     def _iterate(self) -> bool:
+        if self._pending is not None and not self._may_overlap():
+            self._settle()
         self._preempt_if_short()
         ops, handlers = [], []
 
@@ -126,9 +153,11 @@ class Scheduler:
         freeing = len(self._to_free)     # dropped from the list once the Step has applied them
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
-        decoding = [seq for group in self.running for seq in group.unfinished()]
-        if decoding:
-            add(C.append_batch_op([s.seq_id for s in decoding], [s.next_token for s in decoding]), self._appended)
+        in_flight = self._pending is not None
+        decoding = [seq for group in self.running for seq in group.unfinished() if not self._ends_in_flight(seq)]
+        if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
+            tokens = [] if in_flight else [s.next_token for s in decoding]
+            add(C.append_batch_op([s.seq_id for s in decoding], tokens), self._appended)
         room = self._available - self._reserve - self._append_need()
         while self.swapped and self._blocks(self.swapped[0]) <= room:
             group = self.swapped.popleft()
@@ -153,16 +182,36 @@ class Scheduler:
         reply = self._step(ops)
         self._in_flight.clear()
         del self._to_free[:freeing]
+        if in_flight and _moves_blocks(reply):
+            raise RuntimeError(f"step {reply.step_id} moved blocks while step of the previous iteration was in "
+                               "flight: the scheduler's overlap rule missed a case (a bug)")
         for result, handler in zip(reply.results, handlers):
             err = C.result_error(result)
             if handler is not None:
                 handler(result, err)
             elif err is not None:
                 raise err  # a fork or free the scheduler believed valid
-        return self._compute(reply)
+        settled = self._settle()
+        return self._launch(reply) or settled
 
-    def _compute(self, reply: pb.StepResponse) -> bool:
-        """Run the model on the tokens of the step's batch (its tables as the manager sent them)."""
+    def _may_overlap(self) -> bool:
+        """Whether the next Step may go out while a step is in flight: it moves no blocks (no
+        group waits to swap in, and no running group has forked samples whose appends may copy
+        on write); preemption settles on its own (``_preempt_if_short``)."""
+        return not self.swapped and all(len(group.seqs) == 1 for group in self.running)
+
+    def _ends_in_flight(self, seq: SeqState) -> bool:
+        """The step in flight gives this sequence its last token (its limit), so it needs no slot."""
+        pending = self._pending
+        if pending is None:
+            return False
+        limit = self._group_of[seq.seq_id].request.params.max_new_tokens
+        return seq.num_generated + 1 >= limit and any(s is seq for s, _ in pending.computed)
+
+    def _launch(self, reply: pb.StepResponse) -> bool:
+        """Start the model on the tokens of the step's batch (its tables as the manager sent them);
+        with overlap leave it in flight, else wait for it and take its tokens. Rows of sequences
+        that already finished (a stop token in the previous step) compute a token that is dropped."""
         batch = reply.batch
         token_ids: list[int] = []
         positions: list[int] = []
@@ -178,10 +227,28 @@ class Scheduler:
             return False
         # All greedy: the workers pick the tokens, and only their ids cross the wire.
         greedy = all(self._group_of[seq.seq_id].request.params.temperature <= 0 for seq, _ in computed)
-        rows = self.runner(StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy))
+        step = StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy)
         self.stats.tokens_computed += len(token_ids)
+        submit = getattr(self.runner, "submit", None) if self.overlap else None
+        if submit is None:
+            self._take(computed, greedy, self.runner(step))
+        else:
+            self._pending = _InFlight(submit(step), computed, greedy)
+        return True
+
+    def _settle(self) -> bool:
+        """Wait for the step in flight, if any, and take its tokens."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        self._take(pending.computed, pending.greedy, pending.wait())
+        return True
+
+    def _take(self, computed: list[tuple[SeqState, int]], greedy: bool, rows: torch.Tensor) -> None:
         for (seq, ctx), row in zip(computed, rows):
             seq.num_cached = ctx
+            if seq.finish_reason:      # finished while this step was in flight: its token is dropped
+                continue
             group = self._group_of[seq.seq_id]
             # A prompt just computed gives the first token of every sample of its request.
             targets = group.seqs if ctx == len(group.request.prompt) and seq is group.seqs[0] else [seq]
@@ -189,7 +256,6 @@ class Scheduler:
                 target.num_cached = ctx
                 token = int(row) if greedy else sample(row, group.request.params, target.generator)
                 self._emit(group, target, token)
-        return True
 
     # ---- results of operations -------------------------------------------------------------------------
     @staticmethod
@@ -247,6 +313,7 @@ class Scheduler:
         """Free every sequence the manager holds for us and queue each unfinished request again
         from scratch, ahead of the waiting ones (module docstring)."""
         self.stats.recoveries += 1
+        self._pending = None   # its workers are gone; its groups restart below
         if self.recover is not None:
             self.runner = self.recover()
         deadline = time.monotonic() + self.recover_timeout
@@ -274,6 +341,9 @@ class Scheduler:
     # ---- preemption ------------------------------------------------------------------------------------
     def _preempt_if_short(self) -> None:
         while self._append_need() > self._available and len(self.running) > 1:
+            self._settle()   # a swap-out must not reach the workers ahead of the step in flight
+            if not (self._append_need() > self._available and len(self.running) > 1):
+                break
             victim = self.running.pop()
             live = victim.unfinished()
             self._in_flight.append(victim)
@@ -313,6 +383,7 @@ class Scheduler:
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
         """One Step RPC, asking for the padded block tables only (all that ``StepInput`` reads), packed:
         the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
+        self.stats.overlapped_steps += self._pending is not None
         started = time.perf_counter()
         reply = self.client.step(ops, table_layout=pb.TABLE_LAYOUT_PADDED_PACKED)
         self.stats.step_latencies.append(time.perf_counter() - started)
@@ -336,3 +407,8 @@ class Scheduler:
         for seq in group.seqs:
             self._group_of[seq.seq_id] = group
         return group
+
+
+def _moves_blocks(reply: pb.StepResponse) -> bool:
+    plan = reply.plan
+    return bool(plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src)

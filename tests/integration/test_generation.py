@@ -59,8 +59,9 @@ def manager_sized_by_workers(heartbeat_timeout: float = 5.0, block_size: int = B
         service.close()
 
 
-def check_against_reference(client, service, runner, requests, model: ModelConfig = MODEL, block_size: int = BLOCK):
-    scheduler = Scheduler(client, runner, block_size=block_size)
+def check_against_reference(client, service, runner, requests, model: ModelConfig = MODEL, block_size: int = BLOCK,
+                            overlap: bool = False):
+    scheduler = Scheduler(client, runner, block_size=block_size, overlap=overlap)
     outputs = scheduler.run(requests)
     expected = generate_contiguous(Decoder(model), requests)
     for request in requests:
@@ -191,6 +192,40 @@ def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_clus
         try:
             assert client.health() == "SERVING"
             check_against_reference(client, service, group, make_requests(8, 3))
+        finally:
+            group.stop()
+
+
+def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
+    """With overlap, each Step RPC runs while the previous step computes on a Ray worker: the
+    tokens are the contiguous cache's, also when samples stop early on stop tokens (a slot was
+    already reserved for them), fork (copy-on-write) and get preempted (those steps wait for
+    the one in flight); seeded sampling gives the plain loop's tokens."""
+    from kvpager.worker.ray_group import RayWorkerGroup
+
+    rng = random.Random(7)
+    stops = tuple(rng.sample(range(MODEL.vocab_size), 12))
+    requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, stop_token_ids=stops,
+                                                                   n=1 if i % 4 else r.params.n))
+                for i, r in enumerate(make_requests(28, 5))]
+    sampled = [Request(f"s{i}", r.prompt, SamplingParams(max_new_tokens=10, temperature=0.9, seed=i,
+                                                         stop_token_ids=stops))
+               for i, r in enumerate(make_requests(6, 6))]
+    with manager_sized_by_workers() as (client, service):
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+                              manager_address=client.target)
+        group = RayWorkerGroup(config, tensor_parallel_size=1, use_gpu=False)
+        try:
+            scheduler, stats = check_against_reference(client, service, group, requests, overlap=True)
+            assert scheduler.stats.overlapped_steps >= 5 and scheduler.stats.preemptions > 0
+            assert stats.cow_copies > 0
+            assert any(out.finish_reasons[0] == "stop" for out in scheduler.outputs.values())
+            plain = Scheduler(client, group, block_size=BLOCK).run(sampled)
+            overlapped = Scheduler(client, group, block_size=BLOCK, overlap=True)
+            assert overlapped.run(sampled) == plain
+            assert overlapped.stats.overlapped_steps > 0
+            with service.lock:
+                service.manager.check_invariants()
         finally:
             group.stop()
 
