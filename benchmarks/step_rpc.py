@@ -43,7 +43,6 @@ import contextlib
 import cProfile
 import io
 import json
-import math
 import os
 import platform
 import pstats
@@ -70,17 +69,8 @@ LAYOUTS = ("both", "padded", "csr", "none", "padded_packed")
 perf_ns = time.perf_counter_ns
 
 
-# ---- statistics -----------------------------------------------------------------------------------
-def percentile(sorted_ns: list[int], q: float) -> float:
-    """Nearest-rank percentile of sorted nanosecond samples, in microseconds. O(1)."""
-    rank = max(1, math.ceil(q / 100 * len(sorted_ns)))
-    return sorted_ns[rank - 1] / 1000
-
-
-def summarize(samples_ns: list[int]) -> dict:
-    """p50, p99 and mean (µs) of nanosecond samples. O(n log n)."""
-    s = sorted(samples_ns)
-    return {"p50_us": percentile(s, 50), "p99_us": percentile(s, 99), "mean_us": sum(s) / len(s) / 1000, "n": len(s)}
+# ---- statistics: manager_bench's (this script's folder is on sys.path when it runs) -------------------
+from manager_bench import percentile, summarize  # noqa: E402
 
 
 # ---- the decode batch -----------------------------------------------------------------------------

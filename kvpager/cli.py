@@ -26,6 +26,10 @@ import inspect
 import os
 import subprocess
 import sys
+
+# gRPC core's INFO lines (fork handlers skipped while Ray starts its processes, GOAWAY at
+# shutdown) are noise on a terminal; set before anything imports grpc. Any explicit value wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import traceback
 import warnings
 from pathlib import Path
@@ -295,8 +299,9 @@ def _exit_code(body: Callable[[], int]) -> int:
 
 
 # ---- bench: the repository's benchmark scripts -----------------------------------------------------
-BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "layout": "cache_layout.py",
-              "kernels": "kernels.py"}
+BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "step-rpc": "step_rpc.py",
+              "layout": "cache_layout.py", "kernels": "kernels.py", "serving": "serving.py",
+              "model-step": "model_step.py"}
 
 
 def benchmarks_dir() -> Path:

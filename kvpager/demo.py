@@ -252,7 +252,8 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     print(f"  swaps              {st.preemptions} preemptions, {delta('blocks_swapped_out')} blocks out, "
           f"{delta('blocks_swapped_in')} in; {st.restarts} restarts")
     print(f"  copy-on-write      {delta('cow_copies')} block copies")
-    print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms")
+    print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms; "
+          f"{st.overlapped_steps} of {st.steps} Steps sent while the previous step computed")
     if check:
         print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
     else:
