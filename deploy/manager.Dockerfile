@@ -24,7 +24,8 @@ RUN pip install "/tmp/kvpager[metrics]" "cryptography>=42" \
  && python -c "import kvpager.manager.service, kvpager.healthcheck, kvpager.devcerts, prometheus_client, cryptography" \
  && if python -c "import torch" 2>/dev/null || python -c "import ray" 2>/dev/null; then \
         echo "the manager image must not contain torch or ray" >&2; exit 1; fi \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvpager
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin kvpager \
+ && install -d -o kvpager -g kvpager -m 0700 /var/lib/kvpager
 
 USER kvpager
 WORKDIR /tmp

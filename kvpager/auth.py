@@ -4,12 +4,13 @@ Pure grpc (no torch, no manager or worker imports), used by the manager, the wor
 clients alike:
 
 - ``TokenTable``: the ``--auth-tokens`` file, ``{"tokens": [{"token": "...", "tenant": "a",
-  "role": "scheduler"}, ...]}`` (``"sha256": HEX`` may stand instead of ``"token"``). Only the
-  SHA-256 digests are kept; a presented token is hashed and compared with every entry in constant
-  time.
+  "role": "scheduler"}, ...]}`` (``"sha256": HEX`` may stand instead of ``"token"``; an optional
+  ``"quota_blocks": N`` sets the tenant's block quota). Only the SHA-256 digests are kept; a
+  presented token is hashed and compared with every entry in constant time.
 - ``AuthInterceptor``: the one server interceptor that checks ``authorization: Bearer TOKEN``:
   none or an unknown token answers UNAUTHENTICATED, a role that may not call the method
-  PERMISSION_DENIED. Health checking and reflection stay open.
+  PERMISSION_DENIED. Health checking and reflection stay open. The handler of an accepted call
+  runs with ``current_identity()`` answering the caller's ``Identity`` (tenant and role).
 - ``server_credentials`` / ``channel``: TLS (mutual when a client CA is given) for servers and
   channels, and a channel that sends a token on every call.
 """
@@ -20,6 +21,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import contextvars
 import logging
 import os
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -78,6 +80,17 @@ def digest(token: str) -> bytes:
 class Identity:
     tenant: str
     role: str
+    quota_blocks: Optional[int] = None  # the tenant's block quota named by this token's entry (None: none)
+
+
+# The identity of the caller whose RPC this thread serves (set by ``AuthInterceptor`` around the
+# handler; None when no token check runs: an open server, health, reflection).
+_IDENTITY: contextvars.ContextVar[Optional[Identity]] = contextvars.ContextVar("kvpager_identity", default=None)
+
+
+def current_identity() -> Optional[Identity]:
+    """The authenticated caller of the RPC being served, or None on a server without tokens."""
+    return _IDENTITY.get()
 
 
 class TokenTable:
@@ -106,8 +119,11 @@ class TokenTable:
             if role not in ROLES:
                 raise CredentialError(f"{where}: tokens[{i}]: role must be one of {', '.join(ROLES)}, got {role!r}")
             tenant = item.get("tenant", "")
-            if not isinstance(tenant, str):
-                raise CredentialError(f"{where}: tokens[{i}]: tenant must be a string")
+            if not isinstance(tenant, str) or "\0" in tenant:
+                raise CredentialError(f"{where}: tokens[{i}]: tenant must be a string without NUL characters")
+            quota = item.get("quota_blocks")
+            if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 0):
+                raise CredentialError(f"{where}: tokens[{i}]: quota_blocks must be an integer >= 0")
             if ("token" in item) == ("sha256" in item):
                 raise CredentialError(f'{where}: tokens[{i}]: give exactly one of "token" and "sha256"')
             if "token" in item:
@@ -124,8 +140,19 @@ class TokenTable:
             if key in seen:
                 raise CredentialError(f"{where}: tokens[{i}]: the same token appears twice")
             seen.add(key)
-            entries.append((key, Identity(tenant, role)))
+            entries.append((key, Identity(tenant, role, quota)))
+        quotas: dict[str, int] = {}
+        for _, identity in entries:
+            if identity.quota_blocks is None:
+                continue
+            if quotas.setdefault(identity.tenant, identity.quota_blocks) != identity.quota_blocks:
+                raise CredentialError(f"{where}: tenant {identity.tenant!r} has two different quota_blocks")
         return cls(entries)
+
+    def quotas(self) -> dict[str, int]:
+        """Tenant -> block quota, from the entries that name one (one value per tenant)."""
+        return {identity.tenant: identity.quota_blocks for _, identity in self._entries
+                if identity.quota_blocks is not None}
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "TokenTable":
@@ -193,7 +220,25 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if identity.role != self.admin_role and identity.role not in self.permissions.get(method, ()):
             return _deny(grpc.StatusCode.PERMISSION_DENIED,
                          f"role {identity.role!r} may not call {method.rsplit('/', 1)[-1]}")
-        return continuation(handler_call_details)
+        return _with_identity(continuation(handler_call_details), identity)
+
+
+def _with_identity(handler: Optional[grpc.RpcMethodHandler], identity: Identity):
+    """``handler``, run with ``current_identity()`` answering ``identity`` (unary requests only:
+    every method of kvpager's services is one)."""
+    if handler is None or handler.unary_unary is None:
+        return handler
+    behavior = handler.unary_unary
+
+    def run(request, context):
+        token = _IDENTITY.set(identity)
+        try:
+            return behavior(request, context)
+        finally:
+            _IDENTITY.reset(token)
+
+    return grpc.unary_unary_rpc_method_handler(run, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
 
 
 def manager_interceptor(tokens: TokenTable) -> AuthInterceptor:

@@ -28,13 +28,13 @@ from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 _ERRORS = {cls.code: cls for cls in (
     errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
     errors.ResourceExhausted, errors.OutOfRange, errors.Aborted, errors.InvariantViolation,
-    errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled,
+    errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled, errors.DataLoss,
 )}
 _RETRYABLE = (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled)  # the answer may have been lost
 _MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
 _CODE_NAMES = {0: "OK", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS",
                8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE",
-               13: "INTERNAL", 14: "UNAVAILABLE"}
+               13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS"}
 
 
 def error_for(code_name: str, message: str) -> errors.ManagerError:

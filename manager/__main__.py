@@ -26,6 +26,7 @@ from . import config as config_mod
 from .config import ManagerConfig
 from .errors import ManagerError
 from .service import SERVICE_NAME, create_server
+from .wal import CorruptState
 
 log = logging.getLogger("kvpager.manager")
 
@@ -49,9 +50,14 @@ _CONFIG_HELP = {
     "request_cache_entries": "answers kept by request id for retries, at most this many",
     "request_cache_bytes": "answers kept by request id, at most this many bytes (ids and answers)",
     "request_cache_ttl": "seconds an answer is kept by request id for retries",
+    "state_dir": "directory of the write-ahead log and snapshots: every acknowledged change survives a crash "
+                 "and is recovered at start (docs/durability.md)",
+    "fsync": "when the log is fsynced: always (before each answer), batch (every 10 ms: a power loss may lose "
+             "the last 10 ms, a crash of the process nothing), never (the OS decides)",
 }
-_KINDS = {bool: cli.parse_bool, "bool": cli.parse_bool, float: cli.number, "float": cli.number}
-_METAVARS = {bool: "BOOL", "bool": "BOOL", float: "X", "float": "X"}
+_KINDS = {bool: cli.parse_bool, "bool": cli.parse_bool, float: cli.number, "float": cli.number, str: str, "str": str}
+_METAVARS = {bool: "BOOL", "bool": "BOOL", float: "X", "float": "X", str: "S", "str": "S"}
+_METAVARS_BY_NAME = {"state_dir": "DIR", "fsync": "always|batch|never"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     security_flags(parser)
     for f in fields(ManagerConfig):
         cli.flag(parser, f"--{f.name.replace('_', '-')}", env=f"KVPAGER_{f.name.upper()}", default=f.default,
-                 type=_KINDS.get(f.type, cli.integer), metavar=_METAVARS.get(f.type, "N"),
+                 type=_KINDS.get(f.type, cli.integer),
+                 metavar=_METAVARS_BY_NAME.get(f.name, _METAVARS.get(f.type, "N")),
+                 default_help="unset: state in memory only" if f.name == "state_dir" else None,
                  help=_CONFIG_HELP.get(f.name, f.name.replace("_", " ")))
 
 
@@ -170,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     _check_bindable(args.host, args.port)
     try:
         server, port, service, health_servicer = create_server(config, f"{args.host}:{args.port}", **secure)
+    except CorruptState as err:  # --state-dir could not be recovered
+        raise cli.Failure(f"cannot recover the manager's state: {cli.one_line(err)}") from err
     except (OSError, RuntimeError) as err:  # grpc reports a failed bind as either
         raise cli.Failure(f"cannot serve on {args.host}:{args.port}: {cli.one_line(err)}") from err
     metrics = None

@@ -30,6 +30,7 @@ from .config import ManagerConfig
 from .errors import (
     Aborted,
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     InvariantViolation,
@@ -60,6 +61,7 @@ from .plan import (
     TierStats,
 )
 from .prefix_hash import chain_hash, root_hash
+from .tenancy import client_len
 from .sequence import CPU, GPU, Sequence, SequenceTable
 
 MAX_SEQ_ID_LEN = 256  # the default of ManagerConfig.max_id_len
@@ -148,11 +150,19 @@ class BlockManager:
         self.counters = Counters()
         self.op_counts = OperationCounts()
         self.steps = 0
+        # Sequences whose K/V was lost with a replaced worker group (``lose_all``): id -> the epoch
+        # that lost it. Every operation on one answers DATA_LOSS until it is freed.
+        self.lost: dict[str, int] = {}
         self._step: Optional[_StepState] = None
         self._all_or_nothing = False
         # Called with each step's plan before the step commits (the service sends it to the
         # workers); raising rolls the step back. None when no worker is attached.
         self.dispatch: Optional[Callable[[ExecutionPlan], None]] = None
+        # Called as admit(what, blocks) by an operation about to take ``blocks`` more GPU blocks
+        # (new ones, or cached ones it revives), before it changes anything, like its check of the
+        # pool's room: the service's per-tenant quota check, set for one step. Raising a
+        # ManagerError refuses the operation. None: no check.
+        self.admit: Optional[Callable[[str, int], None]] = None
         self._apply = {
             AllocateOp: self._allocate,
             AppendOp: self._append,
@@ -314,9 +324,9 @@ class BlockManager:
 
     def _allocate(self, op: AllocateOp) -> AllocateResult:
         self._check_new_id(op.seq_id)
-        if len(op.namespace) > self.config.max_id_len:
+        if client_len(op.namespace) > self.config.max_id_len:
             raise InvalidArgument(
-                f"allocate {quote(op.seq_id)}: cache_namespace is {len(op.namespace)} characters; the limit is "
+                f"allocate {quote(op.seq_id)}: cache_namespace is {client_len(op.namespace)} characters; the limit is "
                 f"{self.config.max_id_len} (max_id_len)")
         tokens = op.token_ids or None
         n = self._count(tokens, op.num_tokens, "prompt")
@@ -353,6 +363,8 @@ class BlockManager:
             raise ResourceExhausted(
                 f"allocate {quote(op.seq_id)}: needs {new} free GPU blocks, {available} are free or evictable "
                 f"and {self.watermark_blocks} are kept in reserve")
+        if self.admit is not None:
+            self.admit(f"allocate {quote(op.seq_id)}", new + gpu.num_available - available)
 
         for b in hits:
             gpu.acquire(b)
@@ -449,6 +461,8 @@ class BlockManager:
         if need > gpu.num_available:
             raise ResourceExhausted(
                 f"append to {quote(seq_id)}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+        if self.admit is not None and need:
+            self.admit(f"append to {quote(seq_id)}", need)
 
         self.seqs.save(seq)
         copies = BlockMapping() if cow else None
@@ -537,6 +551,9 @@ class BlockManager:
         return ForkResult(op.child_seq_id, list(child.block_ids))
 
     def _free(self, op: FreeOp) -> FreeResult:
+        if op.seq_id in self.lost and op.seq_id not in self.seqs:  # its blocks went with the lost workers
+            self._journal.record(self.lost.__setitem__, op.seq_id, self.lost.pop(op.seq_id))
+            return FreeResult(op.seq_id, 0)
         seq = self._get(op.seq_id)
         if self._step is not None and self._step.touched.get(op.seq_id):
             # Its tokens would not be computed, yet a fork or a prefix hit may share their blocks.
@@ -609,6 +626,8 @@ class BlockManager:
             raise ResourceExhausted(
                 f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
                 f"and {self.watermark_blocks} are kept in reserve")
+        if self.admit is not None:
+            self.admit(f"swap in {quote(seqs[0].seq_id)}", need + gpu.num_available - available)
 
         # Take the cache hits first, so that allocating the other blocks cannot evict them.
         for g in dict.fromkeys(reuse.values()):  # two CPU copies of one block map to one GPU block
@@ -717,18 +736,43 @@ class BlockManager:
     def _check_new_id(self, seq_id: str) -> None:
         if not seq_id:
             raise InvalidArgument("a sequence id must be a non-empty string")
-        if len(seq_id) > self.config.max_id_len:
+        if client_len(seq_id) > self.config.max_id_len:
             raise InvalidArgument(
-                f"sequence id {quote(seq_id)} is {len(seq_id)} characters; the limit is {self.config.max_id_len} "
+                f"sequence id {quote(seq_id)} is {client_len(seq_id)} characters; the limit is {self.config.max_id_len} "
                 "(max_id_len)")
         if seq_id in self.seqs:
             raise AlreadyExists(f"sequence {quote(seq_id)} already exists")
+        if seq_id in self.lost:
+            raise self._data_loss(seq_id)
 
     def _get(self, seq_id: str) -> Sequence:
         seq = self.seqs.get(seq_id)
         if seq is None:
+            if seq_id in self.lost:
+                raise self._data_loss(seq_id)
             raise NotFound(f"no sequence {quote(seq_id)}")
         return seq
+
+    def _data_loss(self, seq_id: str) -> DataLoss:
+        return DataLoss(f"sequence {quote(seq_id)} lost its K/V: the worker group that held it was replaced (epoch "
+                        f"{self.lost[seq_id]}); free it and compute it again")
+
+    def lose_all(self, epoch: int) -> int:
+        """The workers' caches are gone: every sequence becomes lost (its blocks are released, its
+        id answers DATA_LOSS until freed) and the prefix cache forgets every block. Outside a
+        step only. Returns how many sequences were lost. O(blocks)."""
+        if self._step is not None:
+            raise InvariantViolation("lose_all inside a step")
+        seqs = list(self.seqs.values())
+        for seq in seqs:
+            pool = self.gpu if seq.tier == GPU else self.cpu
+            for b in reversed(seq.block_ids):
+                pool.decref(b)
+            self.seqs.remove(seq)
+            self.lost[seq.seq_id] = epoch
+        self.gpu.forget_contents()
+        self.cpu.forget_contents()
+        return len(seqs)
 
     def _get_running(self, seq_id: str, what: str) -> Sequence:
         seq = self._get(seq_id)
@@ -791,6 +835,9 @@ class BlockManager:
             for i, b in enumerate(table):
                 filled = min(B, seq.num_tokens - i * B)
                 fill[seq.tier][b] = max(fill[seq.tier].get(b, 0), filled)
+        both = [s for s in self.lost if s in self.seqs]
+        if both:
+            raise InvariantViolation(f"sequence {quote(both[0])} is both live and lost")
         if swapped != self.seqs.num_swapped:
             raise InvariantViolation(f"{swapped} sequences swapped out, counter says {self.seqs.num_swapped}")
         for tier, pool in ((GPU, self.gpu), (CPU, self.cpu)):

@@ -31,6 +31,9 @@ class ManagerConfig:
     request_cache_entries: int = 65536
     request_cache_bytes: int = 64 << 20  # ids plus serialized answers
     request_cache_ttl: float = 600.0     # seconds an answer is kept
+    # Durable state (manager/wal.py, docs/durability.md): "" keeps the state in memory only.
+    state_dir: str = ""               # write-ahead log and snapshots; recovered at start
+    fsync: str = "always"             # always (each record), batch (every 10 ms), never (the OS decides)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -54,6 +57,8 @@ class ManagerConfig:
             raise InvalidArgument(f"max_step_forks must be >= 0, got {self.max_step_forks}")
         if self.max_reply_bytes < 1024:
             raise InvalidArgument(f"max_reply_bytes must be >= 1024, got {self.max_reply_bytes}")
+        if self.fsync not in ("always", "batch", "never"):
+            raise InvalidArgument(f"fsync must be always, batch or never, got {self.fsync!r}")
         if self.request_cache_ttl <= 0:
             raise InvalidArgument(f"request_cache_ttl must be > 0 seconds, got {self.request_cache_ttl}")
 

@@ -65,6 +65,13 @@ class DeadlineExceeded(ManagerError):
     code = "DEADLINE_EXCEEDED"
 
 
+class DataLoss(ManagerError):
+    """The sequence's K/V is gone (the worker group that held it was replaced): free it and
+    recompute it. Every operation on it but Free answers this until it is freed."""
+
+    code = "DATA_LOSS"
+
+
 QUOTE_LIMIT = 64  # characters of an id quoted in a message; the rest is only counted
 
 

@@ -79,7 +79,7 @@ class ManagerStateCollector(Collector):
 
     def collect(self) -> Iterator:
         service = self.service
-        with service.lock:
+        with service.state_lock:  # not service.lock: a scrape never waits behind a dispatch
             manager = service.manager
             stats = manager.stats() if manager is not None else None
             applied = dict(manager.op_counts.applied) if manager is not None else {}

@@ -68,14 +68,16 @@ class RequestCache:
                 f"request_id {quote(request_id)} was already used for a different request; use a new id per request")
         return entry[1]
 
-    def put(self, request_id: str, print_: bytes, answer: Answer) -> None:
+    def put(self, request_id: str, print_: bytes, answer: Answer, stored_at: Optional[float] = None) -> None:
+        """Keep ``answer``; ``stored_at`` (a ``clock`` time; default now) is when it was first given
+        (recovery restores answers with their age)."""
         old = self._answers.pop(request_id, None)
         if old is not None:
             self.bytes -= old[2]
         cost = len(request_id) + len(print_) + answer.size() + _ENTRY_OVERHEAD
         if cost > self.max_bytes:
             return  # could never be kept: a retry will be applied as a new request
-        self._answers[request_id] = (print_, answer, cost, self.clock())
+        self._answers[request_id] = (print_, answer, cost, self.clock() if stored_at is None else stored_at)
         self.bytes += cost
         while len(self._answers) > self.capacity or self.bytes > self.max_bytes:
             self._pop_oldest()

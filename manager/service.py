@@ -1,14 +1,19 @@
 """The gRPC face of the block manager: a thin servicer, worker registration, health, reflection.
 
-One lock (``BlockManagerService.lock``) owns all manager state: every RPC decodes its
-request, takes the lock, calls the manager, encodes the answer and releases it; a step's
-plan goes to the workers (``WorkerRegistry.execute``) before the step commits, still under
-the lock, so steps reach the workers in order. Manager errors become gRPC statuses in exactly
-one place (``_reply``). Health is SERVING unless workers registered and a rank is missing.
+Every RPC decodes its request, takes the locks, calls the manager, encodes the answer and
+releases them. ``lock`` orders the calls that change state; ``state_lock`` guards the state. A
+step's plan goes to the workers (``WorkerRegistry.execute``) before the step commits, under
+``lock`` (so steps reach the workers in order) but with ``state_lock`` released, so reads
+(GetStats, GetBlockTable, /metrics), Ping and heartbeats never wait on a worker. Manager errors
+become gRPC statuses in exactly one place (``_reply``). Ids are mapped to the caller's tenant
+(``manager/tenancy.py``) when a request is decoded and back when its answer is encoded. Health
+is SERVING unless workers registered and a rank is missing (the BlockManager service also
+NOT_SERVING while no pool exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -23,9 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 
-from . import wire
+from kvpager.auth import current_identity
+
+from . import tenancy, wire
 from .block_manager import BlockManager
 from .config import ManagerConfig
+from .epochs import WorkerCaches
 from .errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange, Unavailable,
     quote,
@@ -38,6 +46,7 @@ from .workers import WorkerRegistry
 log = logging.getLogger("kvpager.manager")
 _NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+_READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing: state_lock only
 
 
 class Malformed:
@@ -84,7 +93,22 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self.config = config
         # None while the pools wait to be sized from the workers' capacity (num_gpu_blocks == 0).
         self.manager = manager if manager is not None or config.sized_by_workers else BlockManager(config)
+        # Two locks (docs/design.md): ``lock`` orders the calls that change state and is held
+        # through a whole step, its wait on the workers included; ``state_lock`` guards the state
+        # itself and is never held while waiting on a worker, so reads (GetStats, GetBlockTable,
+        # /metrics) never wait behind a dispatch. A mutation holds both (``lock`` first).
         self.lock = threading.Lock()
+        self.state_lock = threading.Lock()
+        self._state_owner: Optional[int] = None  # thread holding state_lock through a mutation
+        self._dispatch_since: Optional[float] = None  # monotonic start of the plan being dispatched
+        self._waiting = 0  # mutations waiting for ``lock``
+        self._waiting_lock = threading.Lock()
+        # While a dispatch has waited longer than stall_after seconds, mutations beyond
+        # max_waiting waiting behind it answer UNAVAILABLE at once (nothing applied), so they do
+        # not take every server thread from Ping, GetStats, health and heartbeats.
+        self.max_waiting = 8
+        self.stall_after = 0.02
+        self.quotas: dict[str, int] = {}  # tenant -> block quota (create_server: the tokens file's quota_blocks)
         self.requests = RequestCache(request_cache_size or config.request_cache_entries, config.request_cache_bytes,
                                      config.request_cache_ttl)
         self.health = health_servicer
@@ -95,6 +119,11 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self._monitor: Optional[threading.Thread] = None
         self.metrics = ManagerMetrics(self)
         self._metrics_server = None
+        self.caches = WorkerCaches()  # the workers' cache ids and the epoch (manager/epochs.py)
+        self.durable = None  # the write-ahead log and snapshots of --state-dir (manager/recovery.py)
+        if config.state_dir:
+            from .recovery import open_state
+            self.durable = open_state(self)  # recovers the state first; raises wal.CorruptState
 
     def _manager(self) -> BlockManager:
         if self.manager is None:
@@ -109,24 +138,72 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             if len(request_id) > self.config.max_id_len:
                 raise InvalidArgument(f"request_id {quote(request_id)} is {len(request_id)} characters; the limit "
                                       f"is {self.config.max_id_len} (max_id_len)")
-            with self.lock:
+            request_key = self._scope().key(request_id)  # a request id is its tenant's
+            with self._locks(method):
                 if not request_id:
                     answer = self._answer(method, work)
                 else:
                     print_ = fingerprint(method, request.SerializeToString(deterministic=True))
-                    answer = self.requests.get(request_id, print_)
+                    answer = self.requests.get(request_key, print_)
                     if answer is None:
                         answer = self._answer(method, work)
                         # Kept for retries, unless nothing was applied and trying again may help
                         # (UNAVAILABLE) or the answer is a bug's (INTERNAL: rolled back too).
                         if not isinstance(answer.error, _NOT_KEPT):
-                            self.requests.put(request_id, print_, answer)
+                            self.requests.put(request_key, print_, answer)
+                if self.durable is not None:
+                    self.durable.commit()  # in the write-ahead log before the answer leaves (--state-dir)
         except ManagerError as err:
-            answer = Answer(error=err)
+            scope = self._scope()
+            answer = Answer(error=scope.error(err, [scope.key(getattr(request, "request_id", ""))]))
         except Exception as exc:  # a bug: the manager rolled back; report it, keep serving
             log.exception("%s failed", method)
             answer = Answer(error=InvariantViolation(f"{method}: internal error: {exc!r}"))
         return self._reply(answer, context)
+
+    @contextlib.contextmanager
+    def _locks(self, method: str):
+        """Reads take ``state_lock``; mutations ``lock`` (refused UNAVAILABLE while too many wait
+        behind a stalled dispatch) then ``state_lock``."""
+        if method in _READS:
+            with self.state_lock:
+                yield
+            return
+        self._acquire_order(method)
+        try:
+            with self.state_lock:
+                self._state_owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._state_owner = None
+        finally:
+            self.lock.release()
+
+    def _acquire_order(self, method: str) -> None:
+        if self.lock.acquire(blocking=False):
+            return
+        with self._waiting_lock:
+            self._refuse_if_stalled(method, self._waiting + 1)
+            self._waiting += 1
+        try:
+            while not self.lock.acquire(timeout=0.05):
+                self._refuse_if_stalled(method, self._waiting)
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def _refuse_if_stalled(self, method: str, waiting: int) -> None:
+        """UNAVAILABLE when a dispatch has waited more than stall_after seconds and more than
+        max_waiting mutations (``waiting``, this one included) would wait behind it."""
+        since = self._dispatch_since
+        if since is None or waiting <= self.max_waiting:
+            return
+        waited = time.monotonic() - since
+        if waited > self.stall_after:
+            raise Unavailable(
+                f"{method}: a step has waited {waited:.2f}s on the workers and {waiting - 1} calls wait behind it; "
+                "nothing was applied: retry later")
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
@@ -140,6 +217,39 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             return Answer(error=err)
         except ManagerError as err:
             return Answer(error=err)
+
+    # ---- tenants (manager/tenancy.py) ---------------------------------------------------------
+    @staticmethod
+    def _scope() -> tenancy.Scope:
+        """The caller's tenant (``""`` on a server without tokens)."""
+        identity = current_identity()
+        return tenancy.Scope(identity.tenant if identity is not None else "")
+
+    @contextlib.contextmanager
+    def _quota(self, scope: tenancy.Scope):
+        """Enforce the caller's block quota, if it has one, on the step run inside."""
+        quota = self.quotas.get(scope.tenant)
+        if quota is None or self.manager is None:
+            yield
+            return
+        self.manager.admit = tenancy.QuotaCheck(self.manager, scope.tenant, quota)
+        try:
+            yield
+        finally:
+            self.manager.admit = None
+
+    def _apply_as(self, op, encode: Callable[[object], object]) -> Answer:
+        """``_apply`` in the caller's tenant: its ids mapped to keys, the answer and errors mapped back."""
+        scope = self._scope()
+        op = scope.op(op)
+        try:
+            with self._quota(scope):
+                return self._apply(op, lambda result: scope.response(encode(result)))
+        except ManagerError as err:
+            shown = scope.op_error(err, op)
+            if shown is err:
+                raise
+            raise shown from None
 
     def _apply(self, op, encode: Callable[[object], object]) -> Answer:
         """Run one operation as a step of one; its answer is encoded and its size checked
@@ -174,49 +284,91 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     # ---- RPCs ---------------------------------------------------------------------------------
     def Allocate(self, request, context):
         return self._call("Allocate", request, context,
-                          lambda: self._apply(wire.allocate_op(request), wire.allocate_pb))
+                          lambda: self._apply_as(wire.allocate_op(request), wire.allocate_pb))
 
     def Append(self, request, context):
         return self._call("Append", request, context,
-                          lambda: self._apply(wire.append_op(request), wire.append_pb))
+                          lambda: self._apply_as(wire.append_op(request), wire.append_pb))
 
     def Fork(self, request, context):
-        return self._call("Fork", request, context, lambda: self._apply(wire.fork_op(request), wire.fork_pb))
+        return self._call("Fork", request, context, lambda: self._apply_as(wire.fork_op(request), wire.fork_pb))
 
     def Free(self, request, context):
-        return self._call("Free", request, context, lambda: self._apply(wire.free_op(request), wire.free_pb))
+        return self._call("Free", request, context, lambda: self._apply_as(wire.free_op(request), wire.free_pb))
 
     def SwapOut(self, request, context):
         return self._call("SwapOut", request, context,
-                          lambda: self._apply(wire.swap_out_op(request), wire.swap_out_pb))
+                          lambda: self._apply_as(wire.swap_out_op(request), wire.swap_out_pb))
 
     def SwapIn(self, request, context):
         return self._call("SwapIn", request, context,
-                          lambda: self._apply(wire.swap_in_op(request), wire.swap_in_pb))
+                          lambda: self._apply_as(wire.swap_in_op(request), wire.swap_in_pb))
 
     def Step(self, request, context):
         def work() -> Answer:
             layout = wire.step_layout(request)
-            ops = wire.step_ops(request, self.config.max_step_operations, self.config.max_step_forks)
+            scope = self._scope()
+            ops = scope.ops(wire.step_ops(request, self.config.max_step_operations, self.config.max_step_forks))
             replies = []
-            self._manager().step(ops, request.all_or_nothing, layout=layout,
-                                 before_commit=lambda result: replies.append(self._bounded(wire.step_pb(ops, result))))
+
+            def encode(result):
+                replies.append(self._bounded(scope.response(wire.step_pb(ops, result), ops)))
+
+            with self._quota(scope):
+                self._manager().step(ops, request.all_or_nothing, layout=layout, before_commit=encode)
             return replies[0]
 
         return self._call("Step", request, context, work)
 
     def GetBlockTable(self, request, context):
-        return self._call("GetBlockTable", request, context,
-                          lambda: wire.block_table_pb(self._manager().block_table(request.seq_id)))
+        def work():
+            scope = self._scope()
+            key = scope.key(request.seq_id)
+            try:
+                return scope.response(wire.block_table_pb(self._manager().block_table(key)))
+            except ManagerError as err:
+                shown = scope.error(err, [key])
+                if shown is err:
+                    raise
+                raise shown from None
+
+        return self._call("GetBlockTable", request, context, work)
 
     def GetStats(self, request, context):
         def work():
-            reply = wire.stats_pb(self._manager().stats())
+            manager = self._manager()
+            reply = wire.stats_pb(manager.stats())
             reply.workers_registered = len(self.registry.workers())
             reply.workers_expected = self.registry.tensor_parallel_size or 0
+            reply.epoch, reply.lost_sequences = self.caches.epoch, len(manager.lost)
+            identity = current_identity()
+            if identity is not None:  # tokens: a scheduler sees its tenant, an admin every tenant
+                self._tenant_stats(reply, manager, identity)
             return reply
 
         return self._call("GetStats", request, context, work)
+
+    def _tenant_stats(self, reply: pb.GetStatsResponse, manager: BlockManager, identity) -> None:
+        """A scheduler's stats: its own tenant's sequences and usage (``tenant``) besides the pool
+        totals; an admin's: everything, and ``tenants``, one entry per tenant with live sequences
+        or a quota. O(sequences + their blocks)."""
+        def fill(m: pb.TenantStats, tenant: str, use: tenancy.Usage) -> None:
+            m.tenant = tenant
+            m.gpu_blocks, m.cpu_blocks = use.gpu_blocks, use.cpu_blocks
+            m.running_sequences, m.swapped_sequences = use.running_sequences, use.swapped_sequences
+            quota = self.quotas.get(tenant)
+            m.has_quota = quota is not None
+            m.quota_blocks = quota or 0
+
+        if identity.role == "admin":
+            usage = tenancy.usage(manager)
+            for tenant in sorted(set(usage) | set(self.quotas)):
+                fill(reply.tenants.add(), tenant, usage.get(tenant, tenancy.Usage()))
+            mine = usage.get(identity.tenant, tenancy.Usage())
+        else:
+            mine = tenancy.usage(manager, identity.tenant).get(identity.tenant, tenancy.Usage())
+            reply.running_sequences, reply.swapped_sequences = mine.running_sequences, mine.swapped_sequences
+        fill(reply.tenant, identity.tenant, mine)
 
     def Ping(self, request, context):
         return pb.PingResponse()
@@ -242,12 +394,21 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             gpu, cpu = self.registry.capacity()
             self.manager = BlockManager(dataclasses.replace(self.config, num_gpu_blocks=gpu, num_cpu_blocks=cpu))
             log.info("pools sized from the workers: %d GPU and %d CPU blocks", gpu, cpu)
+        cache_lost = self.caches.register(record.rank, request.cache_id)  # manager/epochs.py
+        if self.durable is not None and request.cache_id:
+            self.durable.event("worker_cache", record.rank, request.cache_id)
         if self.manager is not None:
             self.manager.dispatch = self._dispatch
-            if replacing:
+            if cache_lost:
+                lost = self.manager.lose_all(self.caches.epoch)
+                log.warning("rank %d came back with another cache (a replaced worker): epoch %d, %d sequences lost "
+                            "(DATA_LOSS until freed), prefix cache cleared", record.rank, self.caches.epoch, lost)
+            elif replacing and not request.cache_id:
                 # The replaced worker's cache contents are gone: no prefix may be served from them.
                 # (Running sequences lost their K/V on that rank; their scheduler must recompute them.)
                 self.manager.gpu.forget_contents()
+                if self.durable is not None:
+                    self.durable.event("forget_gpu_contents")
                 log.warning("rank %d replaced: prefix cache cleared", record.rank)
         log.info("registered %s (rank %d of %d) at %s", record.worker_id, record.rank,
                  self.registry.tensor_parallel_size, record.address)
@@ -259,10 +420,23 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             num_cpu_blocks=self.manager.cpu.num_blocks if self.manager else 0)
 
     def _dispatch(self, plan: ExecutionPlan) -> None:
+        """Send a step's plan to the workers, before the step commits (``BlockManager.step``).
+        ``lock`` stays held, so steps reach the workers in order; ``state_lock`` is released
+        while waiting, so reads go on (they may see this step's changes before it commits)."""
+        if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
+            return  # nothing to move: no worker needed
         started = time.perf_counter()
+        message = wire.plan_pb(plan)
+        release = self._state_owner == threading.get_ident()
+        self._dispatch_since = time.monotonic()
+        if release:
+            self.state_lock.release()
         try:
-            sent = self.registry.execute(wire.plan_pb(plan))
+            sent = self.registry.execute(message)
         finally:
+            if release:
+                self.state_lock.acquire()
+            self._dispatch_since = None
             self._update_health()
         if sent:
             bytes_per_block = sum(w.block_bytes for w in self.registry.workers())
@@ -296,10 +470,13 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
     def _update_health(self) -> None:
         if self.health is None:
             return
+        # "": the process can serve (NOT_SERVING once a rank is known dead or missing);
+        # the BlockManager service: it can serve steps, so also NOT_SERVING while no pool exists.
+        # (Not "" for the pool: compose starts the workers, which size the pool, once "" is SERVING.)
         ok = not self.registry.expected or self.registry.complete()
-        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", serving if ok else not_serving)
+        self.health.set(SERVICE_NAME, serving if ok and self.manager is not None else not_serving)
 
     def close(self) -> None:
         """Stop watching workers and close their channels (the server is stopped by its owner)."""
@@ -309,10 +486,13 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         if self._monitor is not None:
             self._monitor.join(timeout=5)
         self.registry.close()
+        if self.durable is not None:
+            self.durable.close()
 
 
 def create_server(manager: BlockManager | ManagerConfig | None = None, address: str = "127.0.0.1:0",
-                  max_workers: int = 16, *, tokens=None, tls=None, worker_tls=None, worker_token: Optional[str] = None):
+                  max_workers: int = 16, *, tokens=None, tls=None, worker_tls=None, worker_token: Optional[str] = None,
+                  quotas: Optional[dict[str, int]] = None):
     """Build (not start) a server; returns (server, port, service, health_servicer).
     Call ``service.close()`` after stopping the server.
 
@@ -321,7 +501,8 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
     turns on the bearer-token check of every call but health and reflection; ``tls`` (a
     ``kvpager.auth.TLS`` with a certificate, and a client CA for mutual TLS) serves TLS. The
     channels to the workers use ``worker_tls`` (its ``ca`` verifies them, its certificate is the
-    manager's client certificate) and send ``worker_token``."""
+    manager's client certificate) and send ``worker_token``. ``quotas`` (tenant -> blocks) adds to
+    the tokens' ``quota_blocks`` (docs/security.md, "Tenants")."""
     from kvpager import auth
     health_servicer = health.HealthServicer()
     if isinstance(manager, BlockManager):
@@ -334,12 +515,13 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
                          + ([auth.manager_interceptor(tokens)] if tokens is not None else [])
                          + [MalformedRequestInterceptor()],
                          options=[("grpc.so_reuseport", 0)])
+    service.quotas = {**(tokens.quotas() if tokens is not None else {}), **(quotas or {})}
+    service.max_waiting = max(1, max_workers // 2)
     if worker_tls is not None or worker_token:
         service.registry.connect = lambda target: auth.channel(target, worker_tls, worker_token)
     pb_grpc.add_BlockManagerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service._update_health()
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     port = auth.add_port(server, address, tls)

@@ -30,7 +30,7 @@ from .sequence import GPU, Sequence
 
 STATUS_CODES = {  # google.rpc.Code numbers, for per-operation results inside a Step
     "OK": 0, "INVALID_ARGUMENT": 3, "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "INTERNAL": 13, "UNKNOWN": 2,
+    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "INTERNAL": 13, "UNKNOWN": 2, "DATA_LOSS": 15,
 }
 
 

@@ -6,7 +6,8 @@ deadline, and the step commits only after every rank acknowledged it; any failur
 step back and surfaces as UNAVAILABLE. Rolling back is safe even when some ranks already
 executed the plan: a plan only writes blocks that the step newly took, which are free again
 after the rollback. A worker whose heartbeats stop for ``heartbeat_timeout`` seconds, or
-whose ExecutePlan fails, is dropped; a replacement registering under the same rank is used.
+whose ExecutePlan fails, is dropped (its ExecutePlan calls in flight are cancelled, so a step
+waiting on it fails at once); a replacement registering under the same rank is used.
 
 The registry has its own lock, so heartbeats never wait behind a long step.
 """
@@ -52,6 +53,9 @@ class WorkerRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_rank: dict[int, WorkerRecord] = {}
+        # ExecutePlan calls in flight, by worker id: cancelled when the worker is dropped, so a
+        # step waiting on a rank known dead fails at once instead of at the plan timeout.
+        self._inflight: dict[str, set] = {}
         self.ranks_seen: set[int] = set()  # ranks that ever registered: a new one there is a replacement
         self._ids = itertools.count(1)
         # Opens the channel to a worker's CacheWorker service (create_server sets TLS and the
@@ -119,6 +123,9 @@ class WorkerRegistry:
             dead = [r for r in self._by_rank.values() if now - r.last_seen > self.heartbeat_timeout]
             for record in dead:
                 del self._by_rank[record.rank]
+            calls = [call for record in dead for call in self._inflight.get(record.worker_id, ())]
+        for call in calls:
+            call.cancel()
         for record in dead:
             record.channel.close()
         return dead
@@ -160,19 +167,33 @@ class WorkerRegistry:
                 "(dead or not started); the step was not applied")
         request = worker_pb2.ExecutePlanRequest(plan=plan)
         calls = [(w, w.stub.ExecutePlan.future(request, timeout=self.plan_timeout)) for w in self.workers()]
+        with self._lock:
+            for worker, call in calls:
+                self._inflight.setdefault(worker.worker_id, set()).add(call)
         failures = []
-        for worker, call in calls:
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                failures.append((worker, exc))
+        try:
+            for worker, call in calls:
+                try:
+                    call.result()
+                except grpc.RpcError as exc:
+                    failures.append((worker, f"{exc.code().name}: {exc.details()}"))
+                except grpc.FutureCancelledError:
+                    failures.append((worker, "dropped: it missed its heartbeats"))
+        finally:
+            with self._lock:
+                for worker, call in calls:
+                    pending = self._inflight.get(worker.worker_id)
+                    if pending is not None:
+                        pending.discard(call)
+                        if not pending:
+                            del self._inflight[worker.worker_id]
         if failures:
             for worker, _ in failures:
                 self.unregister(worker.worker_id)
-            worker, exc = failures[0]
+            worker, why = failures[0]
             raise Unavailable(
                 f"step {plan.step_id}: worker rank {worker.rank} at {worker.address} failed to execute the plan "
-                f"({exc.code().name}: {exc.details()}); the step was not applied")
+                f"({why}); the step was not applied")
         return True
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -114,6 +115,9 @@ class CacheWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker_id = ""
+        # This process's cache: a restarted worker sends another, and the manager marks the
+        # sequences whose K/V was here lost (manager/epochs.py).
+        self.cache_id = uuid.uuid4().hex
         self.address = ""          # host:port of the gRPC service, as advertised to the manager
         self.metrics_address = ""  # host:port of /metrics, as advertised; empty when metrics are off
         self.cache: Optional[KVCache] = None
@@ -243,7 +247,7 @@ class CacheWorker:
                 address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
                 num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
                 block_size=cfg.block_size, metrics_address=self.metrics_address,
-                block_bytes=self.cache.spec.block_bytes), timeout=30)
+                block_bytes=self.cache.spec.block_bytes, cache_id=self.cache_id), timeout=30)
         self.worker_id = reply.worker_id
         self._interval = reply.heartbeat_interval_s
         if self.metrics is not None:

@@ -23,12 +23,18 @@ Workers lost (a Step answers UNAVAILABLE, or the runner raises WorkerDied): the 
 live sequence may be gone, on the GPU and in the workers' CPU swap space alike. The scheduler
 calls ``recover`` (if given) for a runner over replacement workers, waits until the manager
 serves again, frees every live sequence and restarts each unfinished request from scratch
-(its samples' seeds restart too, so the outputs are those an undisturbed run gives).
+(its samples' seeds restart too, so the outputs are those an undisturbed run gives). A Step
+that answers DATA_LOSS (a replaced worker group lost the sequences' K/V) is recovered the same way.
+
+Manager restarted (its Step cannot reach it): with ``--state-dir`` the manager recovers its
+state, so the scheduler waits (pinging with backoff, up to ``recover_timeout``) and sends the
+same Step again with the same request id: applied once, answered once, and the run carries on.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -136,7 +142,7 @@ class Scheduler:
         """One iteration; returns whether any token was computed."""
         try:
             return self._iterate()
-        except (errors.Unavailable, WorkerDied):
+        except (errors.Unavailable, WorkerDied, errors.DataLoss):  # DataLoss: a replaced worker group lost our K/V
             self._restart_after_worker_loss()
             return False
 
@@ -317,7 +323,7 @@ class Scheduler:
         if self.recover is not None:
             self.runner = self.recover()
         deadline = time.monotonic() + self.recover_timeout
-        while self.client.health() != "SERVING":
+        while self._health() != "SERVING":
             if time.monotonic() > deadline:
                 raise errors.Unavailable(f"the manager's workers did not come back within {self.recover_timeout} s")
             time.sleep(0.1)
@@ -385,13 +391,48 @@ class Scheduler:
         the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
         self.stats.overlapped_steps += self._pending is not None
         started = time.perf_counter()
-        reply = self.client.step(ops, table_layout=pb.TABLE_LAYOUT_PADDED_PACKED)
+        reply = self._send_step(ops)
         self.stats.step_latencies.append(time.perf_counter() - started)
         self.stats.steps += 1
         self._available = reply.gpu_blocks_available
         if self.on_step is not None:
             self.on_step(self)
         return reply
+
+    def _send_step(self, ops: list[pb.Operation]) -> pb.StepResponse:
+        """The Step RPC with one request id. While the manager cannot be reached (it restarts and
+        recovers its state: docs/durability.md) it is sent again with the same id, so that it is
+        applied once, until ``recover_timeout``; an UNAVAILABLE from a manager that answers pings
+        (its workers are gone) is raised for ``step`` to recover from."""
+        request_id = uuid.uuid4().hex
+        deadline = time.monotonic() + self.recover_timeout
+        answered = False  # the manager answered a ping since the last failed attempt
+        while True:
+            try:
+                return self.client.step(ops, request_id=request_id, table_layout=pb.TABLE_LAYOUT_PADDED_PACKED)
+            except (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled):
+                if answered or time.monotonic() > deadline:
+                    raise
+            answered = self._wait_for_manager(deadline)
+
+    def _wait_for_manager(self, deadline: float) -> bool:
+        """Ping the manager with backoff until it answers (True) or ``deadline`` passes (False)."""
+        delay = 0.05
+        while True:
+            try:
+                self.client.ping()
+                return True
+            except errors.ManagerError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    def _health(self) -> str:
+        try:
+            return self.client.health()
+        except errors.ManagerError:  # the manager is restarting: not serving yet
+            return "UNREACHABLE"
 
     def _new_group(self, request: Request) -> Group:
         params = request.params

@@ -293,7 +293,7 @@ class TierStats(_message.Message):
     def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("block_size", "gpu", "cpu", "running_sequences", "swapped_sequences", "gpu_utilization", "internal_fragmentation", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "evictions", "watermark_blocks", "steps", "prefix_query_blocks", "prefix_hit_blocks", "preemptions", "workers_registered", "workers_expected")
+    __slots__ = ("block_size", "gpu", "cpu", "running_sequences", "swapped_sequences", "gpu_utilization", "internal_fragmentation", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "cow_copies", "blocks_swapped_out", "blocks_swapped_in", "evictions", "watermark_blocks", "steps", "prefix_query_blocks", "prefix_hit_blocks", "preemptions", "workers_registered", "workers_expected", "epoch", "lost_sequences", "tenant", "tenants")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,10 @@ class GetStatsResponse(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     gpu: TierStats
     cpu: TierStats
@@ -336,7 +340,29 @@ class GetStatsResponse(_message.Message):
     preemptions: int
     workers_registered: int
     workers_expected: int
-    def __init__(self, block_size: _Optional[int] = ..., gpu: _Optional[_Union[TierStats, _Mapping]] = ..., cpu: _Optional[_Union[TierStats, _Mapping]] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., internal_fragmentation: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cow_copies: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., evictions: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., steps: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., workers_registered: _Optional[int] = ..., workers_expected: _Optional[int] = ...) -> None: ...
+    epoch: int
+    lost_sequences: int
+    tenant: TenantStats
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, block_size: _Optional[int] = ..., gpu: _Optional[_Union[TierStats, _Mapping]] = ..., cpu: _Optional[_Union[TierStats, _Mapping]] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., internal_fragmentation: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cow_copies: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., evictions: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., steps: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., workers_registered: _Optional[int] = ..., workers_expected: _Optional[int] = ..., epoch: _Optional[int] = ..., lost_sequences: _Optional[int] = ..., tenant: _Optional[_Union[TenantStats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "gpu_blocks", "cpu_blocks", "running_sequences", "swapped_sequences", "has_quota", "quota_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    HAS_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    gpu_blocks: int
+    cpu_blocks: int
+    running_sequences: int
+    swapped_sequences: int
+    has_quota: bool
+    quota_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., has_quota: _Optional[bool] = ..., quota_blocks: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
@@ -347,7 +373,7 @@ class PingResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "rank", "tensor_parallel_size", "num_gpu_blocks", "num_cpu_blocks", "block_size", "metrics_address", "block_bytes")
+    __slots__ = ("address", "rank", "tensor_parallel_size", "num_gpu_blocks", "num_cpu_blocks", "block_size", "metrics_address", "block_bytes", "cache_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +382,7 @@ class RegisterWorkerRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     rank: int
     tensor_parallel_size: int
@@ -364,7 +391,8 @@ class RegisterWorkerRequest(_message.Message):
     block_size: int
     metrics_address: str
     block_bytes: int
-    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    cache_id: str
+    def __init__(self, address: _Optional[str] = ..., rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_bytes: _Optional[int] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "heartbeat_interval_s", "num_gpu_blocks", "num_cpu_blocks")

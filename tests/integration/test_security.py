@@ -97,7 +97,12 @@ def test_tokens_and_roles():
             heartbeat = worker.stub.Heartbeat(pb.HeartbeatRequest(worker_id="nobody"), timeout=5)
             assert not heartbeat.registered  # allowed, just unknown
         with C.BlockManagerClient(target, timeout=5, token=ADMIN) as admin:
-            admin.free("s2")
+            # Sequences are their tenant's: the admin (tenant "") does not reach tenant a's, but sees them in stats.
+            assert code_of(lambda: admin.free("s2")) == "NOT_FOUND"
+            assert admin.get_stats().running_sequences == 2
+        with C.BlockManagerClient(target, timeout=5, token=SCHEDULER) as scheduler:
+            scheduler.free("s2")
+        with C.BlockManagerClient(target, timeout=5, token=ADMIN) as admin:
             assert admin.get_stats().running_sequences == 1
         # A fake worker: refused without a token and with a scheduler's; no worker is recorded.
         for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (SCHEDULER, grpc.StatusCode.PERMISSION_DENIED)):

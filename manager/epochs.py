@@ -1,0 +1,40 @@
+"""Which worker caches the manager's state lives in, and the epoch: how many times they were lost.
+
+Each worker process picks a random cache id when it starts and sends it with RegisterWorker. A
+rank that registers again with the same id (after a manager restart, after it was dropped for
+missed heartbeats) still holds its cache: the recovered state is served as it was. A rank that
+comes back with another id restarted and lost its cache, and with one rank's cache every
+sequence's K/V is gone (each sequence lives on every tensor-parallel rank): a new epoch begins,
+the manager marks every sequence lost (``BlockManager.lose_all``: operations on them answer
+DATA_LOSS until freed) and forgets the prefix cache. The other ranks of a replaced group, coming
+back with new ids too, join the new epoch without starting another. GetStats shows the epoch.
+
+A worker that sends no cache id (an older worker) is not tracked: its re-registration only
+clears the prefix cache, as before.
+"""
+
+from __future__ import annotations
+
+
+class WorkerCaches:
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.ranks: dict[int, tuple[str, int]] = {}  # rank -> (cache id, epoch it was registered in)
+
+    def register(self, rank: int, cache_id: str) -> bool:
+        """Record rank's cache; True when it shows the caches were lost (a new epoch began)."""
+        if not cache_id:
+            return False
+        known = self.ranks.get(rank)
+        lost = known is not None and known[0] != cache_id and known[1] == self.epoch
+        if lost:
+            self.epoch += 1
+        self.ranks[rank] = (cache_id, self.epoch)
+        return lost
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "ranks": dict(self.ranks)}
+
+    def restore(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.ranks = dict(state["ranks"])

@@ -1,0 +1,348 @@
+"""Durable manager state: what the service logs for each call, snapshots, and recovery at start.
+
+The log is kept at the level of ``BlockManager.step``: each committed step is recorded as the
+operations it received (after the service decoded them, tenants mapped), with its
+all-or-nothing flag, batch flag and table layout, its step id and its outcome codes. Replaying
+a record re-runs ``BlockManager.step`` on the recovered state (no workers attached) and checks
+that it gets the same step id and the same outcome codes: the manager is deterministic, so the
+replayed state is the state that was acknowledged.
+
+One record per call (a Step or one mutating RPC): its committed steps, the request-id cache
+entry it stored (request id, fingerprint, answer: so a retry after a restart gets the first
+answer) and manager events (the pools created from the workers' capacity, the prefix cache
+forgotten because a worker was replaced). ``Durability.commit`` writes it while the service
+holds its state lock, before the answer leaves. A call that changed nothing writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter, deque
+from typing import Any, Optional
+
+from .block_manager import BlockManager, Counters
+from .block_pool import BlockPool
+from .config import ManagerConfig
+from . import errors
+from .errors import ManagerError, Unavailable
+from .request_cache import RequestCache
+from .sequence import Sequence
+from .wal import CorruptState, StateDir
+
+log = logging.getLogger("kvpager.manager")
+
+EXIT_LOG_FAILED = 75  # the process exits with this when the log cannot be written (nothing unlogged is answered)
+
+
+# ---- the state as plain data --------------------------------------------------------------------
+def _pool_state(pool: BlockPool) -> dict:
+    if pool.num_held:
+        raise RuntimeError("snapshot inside a step")
+    return {
+        "num_blocks": pool.num_blocks,
+        "blocks": [(b.state, b.ref_count, b.block_hash, b.num_filled) for b in pool.blocks],
+        "free": list(pool._free),
+        "lru": pool.lru_order(),
+        "hash_to_block": dict(pool._hash_to_block),
+        "num_used": pool.num_used,
+        "filled_slots": pool.filled_slots,
+        "evictions": pool.evictions,
+    }
+
+
+def _restore_pool(pool: BlockPool, state: dict) -> None:
+    if state["num_blocks"] != pool.num_blocks:
+        raise CorruptState(f"the {pool.name} pool has {pool.num_blocks} blocks; the snapshot has {state['num_blocks']}")
+    for block, (st, refs, h, filled) in zip(pool.blocks, state["blocks"]):
+        block.state, block.ref_count, block.block_hash, block.num_filled = st, refs, h, filled
+    pool._free = deque(state["free"])
+    for block_id in state["lru"]:
+        pool._lru_append(pool.blocks[block_id])
+    pool._hash_to_block = dict(state["hash_to_block"])
+    pool.num_used, pool.filled_slots, pool.evictions = state["num_used"], state["filled_slots"], state["evictions"]
+
+
+def manager_state(m: BlockManager) -> dict:
+    """The whole BlockManager state as plain data (also what tests compare)."""
+    return {
+        "config": dataclasses.asdict(m.config),
+        "steps": m.steps,
+        "counters": dataclasses.asdict(m.counters),
+        "op_counts": (dict(m.op_counts.applied), dict(m.op_counts.failed)),
+        "gpu": _pool_state(m.gpu),
+        "cpu": _pool_state(m.cpu),
+        "seqs": [(s.seq_id, list(s.block_ids), s.num_tokens, s.tier, s.namespace, s.last_hash,
+                  None if s.pending_tokens is None else list(s.pending_tokens)) for s in m.seqs.values()],
+        "lost": dict(m.lost),
+    }
+
+
+def restore_manager(state: dict, config: ManagerConfig) -> BlockManager:
+    m = BlockManager(config)
+    m.steps = state["steps"]
+    m.counters = Counters(**state["counters"])
+    applied, failed = state["op_counts"]
+    m.op_counts.applied, m.op_counts.failed = Counter(applied), Counter(failed)
+    _restore_pool(m.gpu, state["gpu"])
+    _restore_pool(m.cpu, state["cpu"])
+    for seq_id, table, n, tier, namespace, last_hash, pending in state["seqs"]:
+        m.seqs.add_silently(Sequence(seq_id, table, n, tier, namespace, last_hash, pending))
+    m.lost = dict(state.get("lost", {}))
+    return m
+
+
+_ERRORS = {cls.code: cls for cls in vars(errors).values()
+           if isinstance(cls, type) and issubclass(cls, ManagerError) and cls is not ManagerError}
+
+
+def _config(d: dict) -> ManagerConfig:
+    known = {f.name for f in dataclasses.fields(ManagerConfig)}
+    return ManagerConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def _plain(op) -> Any:
+    """The operation with its sequences as lists (the service builds them over protobuf containers)."""
+    changes = {}
+    for f in dataclasses.fields(op):
+        v = getattr(op, f.name)
+        if v is not None and not isinstance(v, (str, int, bytes, list)):
+            changes[f.name] = list(v)
+    return dataclasses.replace(op, **changes) if changes else op
+
+
+def _codes(result) -> list:
+    return [None if o.error is None else o.error.code for o in result.outcomes]
+
+
+# ---- the service's side -------------------------------------------------------------------------
+class Durability:
+    """Logs what the service applies and recovers it at start. Every method runs under the
+    service's state lock."""
+
+    def __init__(self, service, state_dir: StateDir) -> None:
+        self.service = service
+        self.dir = state_dir
+        self._pending: list[tuple] = []   # what the current call changed: ("step", ...), ("event", ...)
+        self._request: list[tuple] = []    # request-id entries stored by the current call
+        self._wrapped: Optional[BlockManager] = None
+        requests: RequestCache = service.requests
+        original_put = requests.put
+
+        def put(request_id, print_, answer, **kw):
+            original_put(request_id, print_, answer, **kw)
+            self._request.append((request_id, print_, answer, time.time()))
+
+        requests.put = put
+        self._put = original_put
+
+    # ---- logging --------------------------------------------------------------------------------
+    def _wrap(self) -> None:
+        m = self.service.manager
+        if m is None or m is self._wrapped:
+            return
+        if self._wrapped is None or self._wrapped is not m:
+            self._pending.append(("config", dataclasses.asdict(m.config)))
+        original = BlockManager.step.__get__(m)
+        pending = self._pending
+
+        def step(ops, all_or_nothing=False, batch=True, before_commit=None, layout=None, **kw):
+            ops = list(ops)
+            before = m.steps
+            args = {} if layout is None else {"layout": layout}
+            # The service's admission hook (tenant quotas) decides outside the manager's state:
+            # its decisions are logged, in order, and replayed as they were.
+            live_admit = getattr(m, "admit", None)
+            decisions: Optional[list] = None
+            if live_admit is not None:
+                decisions = []
+
+                def admit(*a, **k):
+                    try:
+                        live_admit(*a, **k)
+                    except ManagerError as err:
+                        decisions.append((err.code, str(err)))
+                        raise
+                    decisions.append(None)
+
+                m.admit = admit
+            try:
+                result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
+            finally:
+                if live_admit is not None:
+                    m.admit = live_admit
+            pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
+                            _codes(result), decisions))
+            return result
+
+        m.step = step
+        self._wrapped = m
+
+    def event(self, *what: Any) -> None:
+        """A change made outside BlockManager.step (e.g. ("forget_gpu_contents",))."""
+        self._wrap()
+        self._pending.append(("event", *what))
+
+    def commit(self) -> None:
+        """Write what the current call changed as one record (nothing when it changed nothing).
+        Called under the state lock before the answer is sent. A failed write ends the process:
+        the change is applied in memory but could not be made durable, so it must not be answered."""
+        self._wrap()
+        if not self._pending and not self._request:
+            return
+        m = self.service.manager
+        if m is not None and m._step is not None:  # a read while a mutation waits on the workers: its turn comes
+            return
+        record = {"changes": list(self._pending), "requests": list(self._request)}
+        try:
+            self.dir.append(record)
+        except BaseException:
+            log.critical("cannot write the state log in %s; stopping (nothing unlogged is answered; a restart "
+                         "recovers the logged state)", self.dir.path, exc_info=True)
+            os._exit(EXIT_LOG_FAILED)
+        self._pending.clear()
+        self._request.clear()
+        if self.dir.due():
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        started = time.perf_counter()
+        m = self.service.manager
+        now = self.service.requests.clock()
+        entries = [(rid, p, a, now - t) for rid, (p, a, _cost, t) in self.service.requests._answers.items()]
+        self.dir.snapshot({"manager": None if m is None else manager_state(m), "requests": entries,
+                           "caches": self.service.caches.state()})
+        log.info("state snapshot %d written in %.3f s", self.dir.snapshots, time.perf_counter() - started)
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def recover(self) -> str:
+        """Load the snapshot, replay the log, check invariants; then take a fresh snapshot (so the
+        log starts empty). Returns a one-line summary. Raises CorruptState."""
+        started = time.perf_counter()
+        snap, records = self.dir.load()
+        service = self.service
+        m: Optional[BlockManager] = None
+        if snap is not None:
+            wall_age = time.time() - snap["written_at"]
+            if snap["manager"] is not None:
+                m = restore_manager(snap["manager"], _config(snap["manager"]["config"]))
+            self.service.caches.restore(snap["caches"])
+            for rid, p, answer, age in snap["requests"]:
+                self._restore_request(rid, p, answer, age + wall_age)
+        replayed = 0
+        for i, record in enumerate(records):
+            for change in record["changes"]:
+                m = self._replay(m, change, i)
+            for rid, p, answer, t in record["requests"]:
+                self._restore_request(rid, p, answer, time.time() - t)
+            replayed += 1
+        if m is not None:
+            m.check_invariants()
+            m = self._adopt(m)
+            service.manager = m
+            self._wrapped = None
+            if service.config.sized_by_workers or service.caches.ranks:
+                m.dispatch = self._until_workers_return
+        self._request.clear()
+        self._pending.clear()
+        self._wrap()
+        self._pending.clear()  # the snapshot below holds the config
+        self.snapshot()
+        what = "nothing to recover" if snap is None and not records else (
+            f"recovered {len(m.seqs) if m else 0} sequences, {len(service.requests)} request-id answers "
+            f"(snapshot {'yes' if snap else 'no'}, {replayed} log records replayed"
+            + (f"; dropped a torn last record: {self.dir.dropped}" if self.dir.dropped else "") + ")")
+        return f"state directory {self.dir.path}: {what} in {time.perf_counter() - started:.3f} s"
+
+    def _until_workers_return(self, plan) -> None:
+        """The recovered manager's dispatch until a worker registers again (``_register`` then sets
+        the service's own): a plan that moves blocks needs the workers that hold them, so it is
+        refused UNAVAILABLE (the step rolls back) rather than applied without them."""
+        if plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src:
+            raise Unavailable(f"step {plan.step_id}: the workers have not registered again since the manager "
+                              "restarted; the step was not applied")
+        self.service._dispatch(plan)
+
+    def _restore_request(self, rid, p, answer, age: float) -> None:
+        self._put(rid, p, answer, stored_at=self.service.requests.clock() - max(age, 0.0))
+
+    def _replay(self, m: Optional[BlockManager], change: tuple, index: int) -> Optional[BlockManager]:
+        kind = change[0]
+        if kind == "config":
+            config = _config(change[1])
+            if m is None:
+                return BlockManager(config)
+            if (config.block_size, config.num_gpu_blocks, config.num_cpu_blocks) != (
+                    m.config.block_size, m.gpu.num_blocks, m.cpu.num_blocks):
+                raise CorruptState(f"log record {index}: a config with other pool sizes for an existing manager")
+            m.config, m.watermark_blocks = config, config.watermark_blocks
+            return m
+        if kind == "event" and change[1] == "worker_cache" and m is None:  # registered before the pools existed
+            self.service.caches.register(change[2], change[3])
+            return m
+        if m is None:
+            raise CorruptState(f"log record {index}: {kind} before any pool exists")
+        if kind == "step":
+            _, before, ops, all_or_nothing, batch, layout, codes, decisions = change
+            m.steps = before
+            args = {} if layout is None else {"layout": layout}
+            replayed = iter(decisions or ())
+
+            def admit(*a, **k):
+                decision = next(replayed, None)
+                if decision is not None:
+                    raise _ERRORS.get(decision[0], ManagerError)(decision[1])
+
+            m.admit = admit if decisions is not None else None
+            try:
+                result = BlockManager.step(m, ops, all_or_nothing, batch, **args)
+            finally:
+                m.admit = None
+            if result.step_id != before + 1 or _codes(result) != codes:
+                raise CorruptState(f"log record {index}: replaying step {before + 1} gave step {result.step_id} with "
+                                   f"outcomes {_codes(result)}, the log says {codes}: refusing to start")
+        elif kind == "event" and change[1] == "forget_gpu_contents":
+            m.gpu.forget_contents()
+        elif kind == "event" and change[1] == "worker_cache":
+            if self.service.caches.register(change[2], change[3]):
+                m.lose_all(self.service.caches.epoch)
+        else:
+            raise CorruptState(f"log record {index}: unknown change {kind!r}")
+        return m
+
+    def _adopt(self, m: BlockManager) -> BlockManager:
+        """The recovered manager under the configuration given now: pool sizes and block size
+        must be the recovered ones (blocks on the workers are addressed by them); the rest
+        (watermark, bounds) follows the flags."""
+        now = self.service.config
+        if now.block_size != m.config.block_size:
+            raise CorruptState(f"the state in {self.dir.path} has block size {m.config.block_size}; --block-size says "
+                               f"{now.block_size}. Start with the same block size, or move the directory away")
+        if not now.sized_by_workers and (now.num_gpu_blocks, now.num_cpu_blocks) != (m.gpu.num_blocks,
+                                                                                   m.cpu.num_blocks):
+            raise CorruptState(
+                f"the state in {self.dir.path} has pools of {m.gpu.num_blocks} GPU / {m.cpu.num_blocks} CPU blocks; "
+                f"the flags say {now.num_gpu_blocks} / {now.num_cpu_blocks}. Start with the same sizes (or "
+                "--num-gpu-blocks 0 to keep the recovered ones), or move the directory away")
+        config = dataclasses.replace(now, num_gpu_blocks=m.gpu.num_blocks, num_cpu_blocks=m.cpu.num_blocks)
+        m.config, m.watermark_blocks = config, config.watermark_blocks
+        return m
+
+    def close(self) -> None:
+        self.dir.close()
+
+
+def open_state(service) -> Durability:
+    """Open ``service.config.state_dir``, recover what it holds into ``service`` and return the
+    Durability that logs from now on. Raises CorruptState (the manager must not start)."""
+    config = service.config
+    state = StateDir(config.state_dir, config.fsync)
+    durable = Durability(service, state)
+    try:
+        log.info("%s", durable.recover())
+    except BaseException:
+        state.close()
+        raise
+    return durable

@@ -1,0 +1,251 @@
+"""The state directory: a write-ahead log of applied changes and periodic snapshots (docs/durability.md).
+
+Files in the directory (``--state-dir``), all written only by the manager that holds ``LOCK``:
+
+- ``LOCK``: ``flock``-ed while a manager uses the directory (a second one refuses to start).
+- ``snapshot``: the whole manager state at some point: ``MAGIC``, a version, then a pickle of
+  plain data (lists, dicts, ints, bytes, the manager's operation records and answers). It names
+  the log segment that follows it (``log_seq``). Written atomically: ``snapshot.tmp``, fsync,
+  rename, fsync of the directory.
+- ``wal.NNNNNNNN``: log segments. Each record is ``length (u32 LE) | crc32 (u32 LE) | payload``,
+  the CRC (``zlib.crc32``) over the length bytes and the payload; the payload is a pickle.
+  Only the segments numbered ``>= log_seq`` of the snapshot are live; older ones are deleted.
+
+Reading a segment: a last record that is torn (cut short, or zeros to the end of the file, or a
+bad CRC on the very last record) is dropped and the file truncated to the last good record: it
+was never acknowledged (the answer leaves only after the write). A bad record followed by more
+data is corruption: ``CorruptState``, and the manager refuses to start.
+
+pickle runs code when loading: the state directory is the operator's local, trusted state, as
+trusted as the manager's own code; never point --state-dir at a directory others can write.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pickle
+import struct
+import threading
+import time
+import zlib
+from typing import Any, Optional
+
+MAGIC = b"KVPAGER-STATE\n"
+VERSION = 1
+_HEADER = struct.Struct("<II")
+SNAPSHOT = "snapshot"
+FSYNC_MODES = ("always", "batch", "never")
+BATCH_INTERVAL = 0.01  # seconds between fsyncs in --fsync batch
+MAX_RECORD = 1 << 30
+
+
+class CorruptState(Exception):
+    """The state directory cannot be recovered without losing acknowledged changes."""
+
+
+def _segment_name(seq: int) -> str:
+    return f"wal.{seq:08d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def frame(payload: bytes) -> bytes:
+    length = struct.pack("<I", len(payload))
+    return length + struct.pack("<I", zlib.crc32(payload, zlib.crc32(length))) + payload
+
+
+def read_records(path: str, last: bool) -> tuple[list[Any], int, Optional[str]]:
+    """The records of one segment, the offset after the last good one, and why the rest was
+    dropped (None: nothing dropped). ``last``: this is the newest segment, the only one whose
+    tail may be torn; elsewhere any damage is corruption."""
+    with open(path, "rb") as f:
+        data = f.read()
+    records, pos, n = [], 0, len(data)
+    while pos < n:
+        problem = None
+        if n - pos < _HEADER.size:
+            problem = "a record header cut short"
+        else:
+            length, crc = _HEADER.unpack_from(data, pos)
+            end = pos + _HEADER.size + length
+            if length > MAX_RECORD or end > n:
+                problem = f"a record of {length} bytes cut short at {n - pos - _HEADER.size}"
+            elif zlib.crc32(data[pos + _HEADER.size:end], zlib.crc32(data[pos:pos + 4])) != crc:
+                problem = "a record whose CRC does not match"
+                if end < n and any(data[end:]):  # good data follows: the damage is not a torn tail
+                    raise CorruptState(
+                        f"{path}: {problem} at offset {pos}, followed by {n - end} more bytes: the log is corrupt "
+                        "before its last record; refusing to start (acknowledged changes would be lost). Restore "
+                        "the state directory from a backup, or move it away to start empty")
+        if problem is not None:
+            if not last and not _torn_zeros(data, pos):
+                raise CorruptState(f"{path}: {problem} at offset {pos}, in a log segment that is not the newest; "
+                                   "refusing to start. Restore the state directory from a backup, or move it away "
+                                   "to start empty")
+            return records, pos, f"{problem} at offset {pos} ({n - pos} bytes dropped)"
+        try:
+            records.append(pickle.loads(data[pos + _HEADER.size:end]))
+        except Exception as exc:
+            raise CorruptState(f"{path}: the record at offset {pos} has a good CRC but cannot be read ({exc!r}); "
+                               "refusing to start") from exc
+        pos = end
+    return records, pos, None
+
+
+def _torn_zeros(data: bytes, pos: int) -> bool:
+    return not any(data[pos:])
+
+
+class StateDir:
+    """The log and snapshots of one state directory. Not thread-safe: the service calls it
+    under its state lock (the batch-mode flusher takes ``_io_lock``)."""
+
+    def __init__(self, path: str, fsync: str = "always", snapshot_records: int = 10_000,
+                 snapshot_bytes: int = 64 << 20) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
+        self.path = path
+        self.fsync = fsync
+        self.snapshot_records = snapshot_records
+        self.snapshot_bytes = snapshot_bytes
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(self._lock_fd)
+            raise CorruptState(f"state directory {path} is in use by another manager (LOCK is held)") from err
+        self._fd: Optional[int] = None
+        self.seq = 0                 # number of the segment being appended to
+        self.records = 0             # records in it
+        self.bytes = 0               # its size
+        self.records_total = 0       # records appended since start (for stats/tests)
+        self.snapshots = 0
+        self._io_lock = threading.Lock()
+        self._dirty = False
+        self._stop = threading.Event()
+        self._flusher: Optional[threading.Thread] = None
+        self.dropped: Optional[str] = None  # why a torn tail was dropped at recovery
+
+    # ---- recovery ------------------------------------------------------------------------------
+    def load(self) -> tuple[Optional[dict], list[Any]]:
+        """The snapshot (None: none yet) and the log records after it, in order. Truncates a torn
+        tail, deletes segments the snapshot made obsolete, and opens the log for appending."""
+        snap = None
+        snap_path = os.path.join(self.path, SNAPSHOT)
+        if os.path.exists(snap_path):
+            with open(snap_path, "rb") as f:
+                head = f.read(len(MAGIC) + 4)
+                if head[:len(MAGIC)] != MAGIC:
+                    raise CorruptState(f"{snap_path} is not a kvpager snapshot (bad magic); refusing to start")
+                (version,) = struct.unpack("<I", head[len(MAGIC):])
+                if version != VERSION:
+                    raise CorruptState(f"{snap_path} has version {version}; this manager reads version {VERSION}")
+                body = f.read()
+            if len(body) < 4 or zlib.crc32(body[4:]) != struct.unpack("<I", body[:4])[0]:
+                raise CorruptState(f"{snap_path}: CRC mismatch; refusing to start")
+            snap = pickle.loads(body[4:])
+        first = snap["log_seq"] if snap is not None else 0
+        segments = sorted(int(name[4:]) for name in os.listdir(self.path)
+                          if name.startswith("wal.") and name[4:].isdigit())
+        for s in segments:
+            if s < first:
+                os.unlink(os.path.join(self.path, _segment_name(s)))
+        live = [s for s in segments if s >= first]
+        if live and live[0] != first and snap is not None:
+            raise CorruptState(f"{self.path}: the snapshot is followed by segment {first}, but the first one found is "
+                               f"{live[0]}; refusing to start")
+        records: list[Any] = []
+        for i, s in enumerate(live):
+            if i and s != live[i - 1] + 1:
+                raise CorruptState(f"{self.path}: log segment {live[i - 1] + 1} is missing; refusing to start")
+            path = os.path.join(self.path, _segment_name(s))
+            got, good, dropped = read_records(path, last=i == len(live) - 1)
+            if dropped is not None:
+                self.dropped = f"{path}: {dropped}"
+                with open(path, "r+b") as f:
+                    f.truncate(good)
+                    os.fsync(f.fileno())
+            records.extend(got)
+            self.records = len(got)
+        self.seq = live[-1] if live else first
+        self._open_segment(self.seq)
+        return snap, records
+
+    # ---- writing -------------------------------------------------------------------------------
+    def _open_segment(self, seq: int) -> None:
+        path = os.path.join(self.path, _segment_name(seq))
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.bytes = os.fstat(self._fd).st_size
+        _fsync_dir(self.path)
+        if self.fsync == "batch" and self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="kvpager-wal-flush", daemon=True)
+            self._flusher.start()
+
+    def append(self, record: Any) -> None:
+        """Append one record (one write; fsync as --fsync says). Raises OSError when the write fails."""
+        data = frame(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        with self._io_lock:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(f"short write to the log: {written} of {len(data)} bytes")
+            if self.fsync == "always":
+                os.fdatasync(self._fd)
+            else:
+                self._dirty = True
+        self.records += 1
+        self.records_total += 1
+        self.bytes += len(data)
+
+    def due(self) -> bool:
+        """Time for a snapshot (every ``snapshot_records`` records or ``snapshot_bytes`` of log)."""
+        return self.records >= self.snapshot_records or self.bytes >= self.snapshot_bytes
+
+    def snapshot(self, state: dict) -> None:
+        """Write ``state`` as the snapshot, then start a new segment and delete the old one."""
+        state = dict(state, log_seq=self.seq + 1, written_at=time.time())
+        body = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = os.path.join(self.path, SNAPSHOT + ".tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(MAGIC + struct.pack("<I", VERSION) + struct.pack("<I", zlib.crc32(body)) + body)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._io_lock:
+            if self._dirty:
+                os.fdatasync(self._fd)
+                self._dirty = False
+            os.replace(tmp, os.path.join(self.path, SNAPSHOT))
+            _fsync_dir(self.path)
+            old, old_fd = self.seq, self._fd
+            self.seq += 1
+            self._open_segment(self.seq)
+            self.records = 0
+            os.close(old_fd)
+            os.unlink(os.path.join(self.path, _segment_name(old)))
+        self.snapshots += 1
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(BATCH_INTERVAL):
+            with self._io_lock:
+                if self._dirty and self._fd is not None:
+                    os.fdatasync(self._fd)
+                    self._dirty = False
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
+        with self._io_lock:
+            if self._fd is not None:
+                if self._dirty:
+                    os.fdatasync(self._fd)
+                os.close(self._fd)
+                self._fd = None
+        os.close(self._lock_fd)

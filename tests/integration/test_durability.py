@@ -1,0 +1,538 @@
+"""Durable state (--state-dir): kill -9 of a real manager process under a mutating load, again and
+again; after each restart every acknowledged operation is there, the one whose answer was lost
+is either fully applied or not at all (and its retry with the same request id answers the first
+answer), invariants hold, and the state equals a replay of the acknowledged operations on an
+in-process reference BlockManager. Also: a torn last log record is dropped; a corrupt record
+before the last refuses to start with a clear message. CPU only, no workers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from kvpager import client as C
+from kvpager.manager import wire
+from kvpager.manager.block_manager import BlockManager
+from kvpager.manager.config import ManagerConfig
+from kvpager.manager.errors import ManagerError, NotFound, Unavailable
+from kvpager.manager.recovery import manager_state, restore_manager
+from kvpager.manager.wal import CorruptState, StateDir
+from kvpager.v1 import block_manager_pb2 as pb
+
+POOL = dict(block_size=4, num_gpu_blocks=96, num_cpu_blocks=48)
+FLAGS = ["--block-size", "4", "--num-gpu-blocks", "96", "--num-cpu-blocks", "48"]
+KILLS = 22
+
+
+def start_manager(state_dir: str, log_path: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpager", "manager", "--insecure", "--port", "0", "--state-dir", state_dir,
+             *FLAGS, *extra],
+            stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r"listening on (\S+)", line)
+    if not match:
+        proc.kill()
+        proc.wait()
+        with open(log_path) as f:
+            raise AssertionError(f"manager did not start: {line!r}\n{f.read()[-3000:]}")
+    return proc, match.group(1)
+
+
+# ---- the load: requests, and the reference that applies the acknowledged ones --------------------
+class Load:
+    """Random mutating requests; each acknowledged one is applied to ``ref`` in the same order."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.ref = BlockManager(ManagerConfig(**POOL))
+        self.n = 0
+        self.prompts = [[self.rng.randrange(50) for _ in range(12)] for _ in range(3)]  # shared prefixes
+
+    def _live(self, tier=None) -> list[str]:
+        return [s.seq_id for s in self.ref.seqs.values() if tier is None or s.tier == tier]
+
+    def _new_id(self) -> str:
+        self.n += 1
+        return f"s{self.n}"
+
+    def _prompt(self) -> list[int]:
+        rng = self.rng
+        base = rng.choice(self.prompts)[:rng.randrange(1, 13)] if rng.random() < 0.5 else []
+        return base + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+
+    def _pb_op(self, running: list[str], live: list[str]) -> pb.Operation:
+        rng = self.rng
+        r = rng.random()
+        if r < 0.25 or not live:
+            return C.allocate_op(self._new_id(), token_ids=self._prompt())
+        if r < 0.55 and running:
+            ids = rng.sample(running, min(len(running), rng.randrange(1, 6)))
+            return C.append_batch_op(ids, [rng.randrange(50) for _ in ids])
+        if r < 0.7 and running:
+            return C.fork_op(rng.choice(running), self._new_id())
+        if r < 0.9:
+            return C.free_op(rng.choice(live))
+        return C.append_op(rng.choice(live), token_ids=[rng.randrange(50) for _ in range(rng.randrange(1, 6))])
+
+    def next(self) -> tuple[str, object]:
+        """(method, request) of the next call."""
+        rng = self.rng
+        live, running = self._live(), self._live("gpu")
+        if len(live) > 30:  # keep the pool busy but not full
+            return "Free", pb.FreeRequest(seq_id=rng.choice(live))
+        r = rng.random()
+        if r < 0.2 or not live:
+            return "Allocate", pb.AllocateRequest(seq_id=self._new_id(), token_ids=self._prompt())
+        if r < 0.35:
+            return "Append", pb.AppendRequest(seq_id=rng.choice(live), token_ids=[rng.randrange(50)])
+        if r < 0.45 and running:
+            return "Fork", pb.ForkRequest(parent_seq_id=rng.choice(running), child_seq_id=self._new_id())
+        if r < 0.55:
+            return "Free", pb.FreeRequest(seq_id=rng.choice(live))
+        if r < 0.6 and running:
+            return "SwapOut", pb.SwapOutRequest(seq_ids=[rng.choice(running)])
+        swapped = self._live("cpu")
+        if r < 0.65 and swapped:
+            return "SwapIn", pb.SwapInRequest(seq_ids=[rng.choice(swapped)])
+        ops = [self._pb_op(running, live) for _ in range(rng.randrange(1, 5))]
+        return "Step", pb.StepRequest(operations=ops, all_or_nothing=rng.random() < 0.3)
+
+
+_SINGLE = {"Allocate": wire.allocate_op, "Append": wire.append_op, "Fork": wire.fork_op, "Free": wire.free_op,
+           "SwapOut": wire.swap_out_op, "SwapIn": wire.swap_in_op}
+
+
+def apply_ref(m: BlockManager, method: str, request) -> tuple:
+    """Apply a request to the reference as the service does; its outcome: (step id, codes)."""
+    if method == "Step":
+        result = m.step(wire.step_ops(request), request.all_or_nothing, layout=wire.step_layout(request))
+        return result.step_id, [None if o.error is None else o.error.code for o in result.outcomes]
+    try:
+        m.run(_SINGLE[method](request))
+        return m.steps, [None]
+    except ManagerError as err:
+        return m.steps, [err.code]
+
+
+def call(bm: C.BlockManagerClient, method: str, request, request_id: str) -> tuple:
+    """Send a request; its outcome as apply_ref gives it (the step id only for Step)."""
+    send = {"Allocate": bm.stub.Allocate, "Append": bm.stub.Append, "Fork": bm.stub.Fork, "Free": bm.stub.Free,
+            "SwapOut": bm.stub.SwapOut, "SwapIn": bm.stub.SwapIn, "Step": bm.stub.Step}[method]
+    try:
+        reply = bm._mutate(send, request, request_id)
+    except Unavailable:
+        raise
+    except ManagerError as err:
+        return None, [err.code]
+    if method == "Step":
+        return reply.step_id, [None if (e := C.result_error(r)) is None else e.code for r in reply.results]
+    return None, [None]
+
+
+def same(got: tuple, want: tuple) -> bool:
+    return got[1] == want[1] and (got[0] is None or got[0] == want[0])
+
+
+def signature(bm: C.BlockManagerClient, seq_ids) -> tuple:
+    """What the server holds: the named sequences' tables, and its counters."""
+    tables = {}
+    for seq_id in sorted(seq_ids):
+        try:
+            t = bm.get_block_table(seq_id)
+            tables[seq_id] = ("gpu" if t.tier == pb.TIER_GPU else "cpu", t.num_tokens, tuple(t.block_ids))
+        except NotFound:
+            tables[seq_id] = None
+    s = bm.get_stats()
+    return tables, _stats(s)
+
+
+def _stats(s) -> tuple:
+    return (s.gpu.used_blocks, s.gpu.free_blocks, s.gpu.cached_blocks, s.cpu.used_blocks, s.cpu.free_blocks,
+            s.running_sequences, s.swapped_sequences, s.steps, s.prefix_hit_tokens, s.cow_copies, s.preemptions,
+            s.evictions)
+
+
+def expected(m: BlockManager, seq_ids) -> tuple:
+    tables = {}
+    for seq_id in sorted(seq_ids):
+        s = m.seqs.get(seq_id)
+        tables[seq_id] = None if s is None else (s.tier, s.num_tokens, tuple(s.block_ids))
+    return tables, _stats(wire.stats_pb(m.stats()))
+
+
+def clone(m: BlockManager) -> BlockManager:
+    return restore_manager(manager_state(m), m.config)
+
+
+# ---- the test --------------------------------------------------------------------------------
+def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path):
+    state_dir, log_path = str(tmp_path / "state"), str(tmp_path / "manager.log")
+    load = Load(seed=11)
+    up = threading.Event()          # a manager incarnation is serving at target[0]
+    verified = threading.Event()    # the load checked the incarnation and is running on it
+    done = threading.Event()
+    target: list[str] = [""]
+    report = {"acked": 0, "in_doubt": 0, "applied_before_kill": 0, "errors": []}
+
+    def worker():
+        in_doubt = None  # (method, request, request_id) whose answer was lost
+        while not done.is_set():
+            if not up.wait(0.1):
+                continue
+            with C.BlockManagerClient(target[0], timeout=5.0, retries=2, retry_backoff=0.02) as bm:
+                try:
+                    if in_doubt is not None:
+                        method, request, rid = in_doubt
+                        ids = set(load.ref.seqs._seqs) | _named(request)
+                        after = clone(load.ref)
+                        want = apply_ref(after, method, request)
+                        now = signature(bm, ids)
+                        if now == expected(load.ref, ids):
+                            state = "not applied"
+                        elif now == expected(after, ids):
+                            state = "applied"
+                            report["applied_before_kill"] += 1
+                        else:
+                            raise AssertionError(f"{method} {request} half-applied after a kill:\n{now}\n"
+                                                 f"not applied: {expected(load.ref, ids)}\napplied: {expected(after, ids)}")
+                        got = call(bm, method, request, rid)  # the retry: the first answer, or applied now
+                        assert same(got, want), (method, state, got, want)
+                        assert signature(bm, ids) == expected(after, ids), f"retry of {method} ({state}) applied twice?"
+                        load.ref = after
+                        in_doubt = None
+                    ids = set(load.ref.seqs._seqs)
+                    assert signature(bm, ids) == expected(load.ref, ids), "state after restart != acknowledged"
+                    verified.set()
+                    while not done.is_set():
+                        method, request = load.next()
+                        rid = uuid.uuid4().hex
+                        in_doubt = (method, request, rid)
+                        got = call(bm, method, request, rid)
+                        want = apply_ref(load.ref, method, request)
+                        in_doubt = None
+                        report["acked"] += 1
+                        assert same(got, want), (method, request, got, want)
+                except Unavailable:
+                    if in_doubt is not None:
+                        report["in_doubt"] += 1
+                    up.clear()
+                except BaseException as exc:  # reported by the main thread
+                    report["errors"].append(exc)
+                    done.set()
+                    verified.set()
+                    return
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    rng = random.Random(5)
+    started = time.monotonic()
+    proc = None
+    try:
+        for i in range(KILLS + 1):
+            proc, target[0] = start_manager(state_dir, log_path)
+            verified.clear()
+            up.set()
+            assert verified.wait(30), "the load did not resume after a restart"
+            assert not report["errors"], report["errors"][0]
+            if i == KILLS:
+                break
+            time.sleep(rng.uniform(0.02, 0.4))  # under load
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            assert time.monotonic() - started < 150, "too slow"
+        time.sleep(0.2)
+        done.set()
+        thread.join(30)
+        assert not report["errors"], report["errors"][0]
+        # The last incarnation: stop it gracefully, recover once more, check the whole state.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        proc, target[0] = start_manager(state_dir, log_path)
+        with C.BlockManagerClient(target[0]) as bm:
+            ids = set(load.ref.seqs._seqs)
+            assert signature(bm, ids) == expected(load.ref, ids)
+    finally:
+        done.set()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print("durability load:", {k: v for k, v in report.items() if k != "errors"})
+    assert report["acked"] > 200, report
+    assert report["in_doubt"] >= 1, report
+    with open(log_path) as f:
+        text = f.read()
+    assert text.count("recovered") >= KILLS, "each restart recovers"
+
+
+def _named(request) -> set[str]:
+    """The sequence ids a request names."""
+    names = set()
+    for field in ("seq_id", "parent_seq_id", "child_seq_id"):
+        if getattr(request, field, ""):
+            names.add(getattr(request, field))
+    names.update(getattr(request, "seq_ids", []))
+    for op in getattr(request, "operations", []):
+        names |= _named(getattr(op, op.WhichOneof("op")))
+    return names
+
+
+# ---- torn and corrupt logs -------------------------------------------------------------------------
+def _fill(state_dir: str, n: int = 5) -> None:
+    sd = StateDir(state_dir, "never")
+    sd.load()
+    for i in range(n):
+        sd.append({"changes": [], "requests": [], "i": i})
+    sd.close()
+
+
+def _segment(state_dir: str) -> str:
+    names = sorted(f for f in os.listdir(state_dir) if f.startswith("wal."))
+    return os.path.join(state_dir, names[-1])
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9, 20])
+def test_torn_last_record_is_dropped(tmp_path, cut):
+    d = str(tmp_path)
+    _fill(d)
+    path = _segment(d)
+    size = os.path.getsize(path)
+    last = size - _last_record_len(path)
+    with open(path, "r+b") as f:
+        f.truncate(last + min(cut, size - last - 1))  # cut inside the last record
+    sd = StateDir(d)
+    _, records = sd.load()
+    sd.close()
+    assert [r["i"] for r in records] == [0, 1, 2, 3]
+    assert os.path.getsize(path) == last  # truncated to the last good record
+    sd = StateDir(d)  # and appending continues after it
+    assert [r["i"] for r in sd.load()[1]] == [0, 1, 2, 3]
+    sd.append({"changes": [], "requests": [], "i": 9})
+    sd.close()
+    sd = StateDir(d)
+    assert [r["i"] for r in sd.load()[1]] == [0, 1, 2, 3, 9]
+    sd.close()
+
+
+def test_corrupt_last_record_and_zero_tail_are_dropped(tmp_path):
+    d = str(tmp_path)
+    _fill(d)
+    path = _segment(d)
+    with open(path, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\xff\xff")  # bad CRC on the last record
+    with open(path, "ab") as f:
+        f.write(bytes(4096))       # and zeros after it (a file extended but never written)
+    sd = StateDir(d)
+    assert [r["i"] for r in sd.load()[1]] == [0, 1, 2, 3]
+    sd.close()
+
+
+def _last_record_len(path: str) -> int:
+    import struct
+    data = open(path, "rb").read()
+    pos, last = 0, 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        last = 8 + length
+        pos += last
+    return last
+
+
+def test_corrupt_middle_record_refuses_to_start(tmp_path):
+    d = str(tmp_path / "state")
+    proc, target = start_manager(d, str(tmp_path / "m.log"))
+    with C.BlockManagerClient(target) as bm:
+        for i in range(5):
+            bm.allocate(f"a{i}", token_ids=[1, 2, 3, i])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    path = _segment(d)
+    with open(path, "r+b") as f:
+        f.seek(20)
+        byte = f.read(1)
+        f.seek(20)
+        f.write(bytes([byte[0] ^ 0x40]))  # one flipped bit inside the first record
+    sd = StateDir(d)
+    with pytest.raises(CorruptState, match="corrupt before its last record"):
+        sd.load()
+    sd.close()
+    out = subprocess.run([sys.executable, "-m", "kvpager", "manager", "--insecure", "--port", "0", "--state-dir", d,
+                          *FLAGS], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "cannot recover the manager's state" in out.stderr and "corrupt before its last record" in out.stderr, \
+        out.stderr[-2000:]
+    assert "listening" not in out.stdout
+
+
+def test_restart_keeps_acknowledged_state_and_request_answers(tmp_path):
+    """Snapshots every few records, then recovery from snapshot + log; a retried request after the
+    restart gets its first answer; the pool sizes of the state win over a mismatch (refused)."""
+    d = str(tmp_path / "state")
+    proc, target = start_manager(d, str(tmp_path / "m.log"))
+    try:
+        with C.BlockManagerClient(target) as bm:
+            first = bm.allocate("a", token_ids=list(range(9)), request_id="r1")
+            bm.fork("a", "b")
+            step = bm.step([C.append_batch_op(["a", "b"], [7, 8])], request_id="r2")
+            before = signature(bm, {"a", "b"})
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc, target = start_manager(d, str(tmp_path / "m.log"))
+    try:
+        with C.BlockManagerClient(target) as bm:
+            assert signature(bm, {"a", "b"}) == before
+            assert bm.allocate("a", token_ids=list(range(9)), request_id="r1") == first
+            assert bm.step([C.append_batch_op(["a", "b"], [7, 8])], request_id="r2") == step
+            assert signature(bm, {"a", "b"}) == before  # the retries applied nothing
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    out = subprocess.run([sys.executable, "-m", "kvpager", "manager", "--insecure", "--port", "0", "--state-dir", d,
+                          "--num-gpu-blocks", "64", "--block-size", "4", "--num-cpu-blocks", "48"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "pools of 96 GPU / 48 CPU blocks" in out.stderr, out.stderr[-2000:]
+
+
+def test_snapshots_rotate_the_log_and_recover(tmp_path):
+    """In process: a snapshot every few records; recovery = snapshot + the log after it."""
+    from kvpager.manager.service import create_server
+
+    d = str(tmp_path / "state")
+    config = ManagerConfig(**POOL, state_dir=d, fsync="never")
+    server, port, svc, _ = create_server(config)
+    svc.durable.dir.snapshot_records = 7
+    server.start()
+    load = Load(seed=3)
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            for i in range(60):
+                method, request = load.next()
+                assert same(call(bm, method, request, f"q{i}"), apply_ref(load.ref, method, request))
+        assert svc.durable.dir.snapshots >= 8
+        state = manager_state(svc.manager)
+    finally:
+        server.stop(0).wait()
+        svc.close()
+    assert len([f for f in os.listdir(d) if f.startswith("wal.")]) == 1
+    server, port, svc, _ = create_server(config)
+    try:
+        assert manager_state(svc.manager) == state == manager_state(load.ref) | {"config": state["config"]}
+        svc.manager.check_invariants()
+    finally:
+        svc.close()
+
+
+def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
+    """--num-gpu-blocks 0: the pools the workers sized are recovered before any worker registers
+    again; a worker with less capacity than them is refused FAILED_PRECONDITION."""
+    import grpc
+    from kvpager.manager.service import create_server
+
+    d = str(tmp_path / "state")
+    config = ManagerConfig(block_size=4, num_gpu_blocks=0, state_dir=d, worker_heartbeat_timeout=60)
+
+    def register(stub, gpu, cpu):
+        return stub.RegisterWorker(pb.RegisterWorkerRequest(
+            address="127.0.0.1:1", rank=0, tensor_parallel_size=1, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
+            block_size=4, block_bytes=1024))
+
+    server, port, svc, _ = create_server(config)
+    server.start()
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            assert register(bm.stub, 64, 32).num_gpu_blocks == 64
+            bm.allocate("a", token_ids=list(range(10)))
+            table = bm.get_block_table("a")
+    finally:
+        server.stop(0).wait()
+        svc.close()
+    server, port, svc, _ = create_server(config)
+    server.start()
+    try:
+        assert (svc.manager.gpu.num_blocks, svc.manager.cpu.num_blocks) == (64, 32)
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            assert bm.get_block_table("a") == table
+            with pytest.raises(grpc.RpcError) as err:
+                register(bm.stub, 48, 32)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert register(bm.stub, 64, 32).num_gpu_blocks == 64
+            bm.append("a", token_ids=[1])
+            svc.manager.check_invariants()
+    finally:
+        server.stop(0).wait()
+        svc.close()
+
+
+def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
+    """A rank that comes back with another cache id lost its cache: a new epoch, every sequence
+    answers DATA_LOSS (naming it) until freed; the same cache id again (a manager restart, a
+    dropped heartbeat) loses nothing. Epoch and lost sequences survive a restart."""
+    import grpc
+    from kvpager.manager.errors import DataLoss
+    from kvpager.manager.service import create_server
+
+    d = str(tmp_path / "state")
+    config = ManagerConfig(**POOL, state_dir=d, worker_heartbeat_timeout=60)
+
+    def register(stub, cache_id, rank=0):
+        return stub.RegisterWorker(pb.RegisterWorkerRequest(
+            address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
+            block_size=4, block_bytes=1024, cache_id=cache_id))
+
+    server, port, svc, _ = create_server(config)
+    server.start()
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            register(bm.stub, "A0", 0)
+            register(bm.stub, "A1", 1)
+            bm.allocate("a", token_ids=list(range(10)))
+            bm.allocate("b", token_ids=list(range(6)))
+            register(bm.stub, "A0", 0)  # the same cache: nothing lost
+            assert bm.get_stats().epoch == 0 and bm.get_block_table("a").num_tokens == 10
+            register(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
+            register(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
+            s = bm.get_stats()
+            assert (s.epoch, s.lost_sequences, s.running_sequences, s.gpu.used_blocks) == (1, 2, 0, 0)
+            with pytest.raises(DataLoss, match="'a' lost its K/V"):
+                bm.append("a", token_ids=[1])
+            with pytest.raises(DataLoss, match="'b'"):
+                bm.get_block_table("b")
+            with pytest.raises(DataLoss):
+                bm.allocate("a", token_ids=[1, 2])
+            reply = bm.step([C.append_batch_op(["a", "b"], [1, 2])])
+            assert [e.code for _, e in C.batch_failures(reply.results[0])] == ["DATA_LOSS", "DATA_LOSS"]
+            bm.free("a")
+            bm.allocate("a", token_ids=[1, 2, 3])  # recomputed under its id
+            svc.manager.check_invariants()
+    finally:
+        server.stop(0).wait()
+        svc.close()
+    server, port, svc, _ = create_server(config)
+    server.start()
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            s = bm.get_stats()
+            assert (s.epoch, s.lost_sequences, s.running_sequences) == (1, 1, 1)
+            register(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
+            register(bm.stub, "B1", 1)
+            assert bm.get_stats().epoch == 1 and bm.get_block_table("a").num_tokens == 3
+            with pytest.raises(DataLoss):
+                bm.fork("b", "c")
+            bm.free("b")
+            assert bm.get_stats().lost_sequences == 0
+    finally:
+        server.stop(0).wait()
+        svc.close()
