@@ -29,6 +29,9 @@ class WorkerDied(RuntimeError):
 
 
 LOOPBACK_NODE_IP = "127.0.0.2"
+# A model step that has not finished after this long is stuck (a stopped rank, or one waiting
+# in a collective for a dead peer): far above any real step, prefill of a long prompt included.
+DEFAULT_STEP_TIMEOUT_S = 300.0
 
 
 def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace: Optional[str] = None,
@@ -63,13 +66,16 @@ def _rank_metrics_port(base: Optional[int], rank: int) -> Optional[int]:
 
 class RayWorkerGroup:
     def __init__(self, config: WorkerConfig, tensor_parallel_size: int = 1, use_gpu: Optional[bool] = None,
-                 named: bool = False, node_id: Optional[str] = None) -> None:
+                 named: bool = False, node_id: Optional[str] = None,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
         """``named``: name the actors for ``attach``; ``node_id``: place every rank on that Ray node
-        (the tensor-parallel rendezvous is on loopback, so the ranks must share a machine)."""
+        (the tensor-parallel rendezvous is on loopback, so the ranks must share a machine);
+        ``step_timeout_s``: the longest a model step may take before the group counts as stuck."""
         import ray
 
         self._ray = ray
         self._owned = True
+        self.step_timeout_s = step_timeout_s
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) >= tensor_parallel_size
         self.use_gpu = use_gpu
@@ -118,7 +124,7 @@ class RayWorkerGroup:
         first = find(0)
         size = ray.get(first.worker_config.remote(), timeout=timeout_s).tensor_parallel_size
         group = cls.__new__(cls)
-        group._ray, group._owned = ray, False
+        group._ray, group._owned, group.step_timeout_s = ray, False, DEFAULT_STEP_TIMEOUT_S
         group.actors = [first] + [find(rank) for rank in range(1, size)]
         group.configs = ray.get([a.worker_config.remote() for a in group.actors], timeout=timeout_s)
         group.use_gpu = group.configs[0].device != "cpu"
@@ -135,13 +141,21 @@ class RayWorkerGroup:
     def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
         """Start one model step on every rank and return at once; the returned callable waits
         for it and gives what ``__call__`` gives (raising as it does). Each actor runs its calls
-        in order, so a step submitted after another computes after it."""
+        in order, so a step submitted after another computes after it. The step must finish
+        within ``step_timeout_s`` of its submission, else WorkerDied."""
         refs = [a.execute_model.remote(step) for a in self.actors]
+        deadline = time.monotonic() + self.step_timeout_s
 
         def wait() -> torch.Tensor:
             pending = list(refs)
             while pending:
-                ready, pending = self._ray.wait(pending, num_returns=1)
+                ready, pending = self._ray.wait(pending, num_returns=1,
+                                                timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    stuck = [refs.index(r) for r in pending]
+                    raise WorkerDied(f"rank(s) {stuck} did not finish model step {step.step_id} within "
+                                     f"{self.step_timeout_s:g} s (stopped, or waiting in a collective for a dead "
+                                     "peer): the group must be replaced")
                 try:
                     self._ray.get(ready)
                 except self._ray.exceptions.RayActorError as exc:

@@ -230,6 +230,38 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
             group.stop()
 
 
+def test_a_stuck_rank_fails_the_model_step_at_its_deadline(ray_cluster):
+    """A rank that never finishes its step (stopped, or waiting in a collective): the group's
+    call raises WorkerDied at its deadline, naming the rank, instead of blocking forever."""
+    from kvpager.step import StepInput
+    from kvpager.worker.ray_group import RayWorkerGroup, WorkerDied
+
+    @ray_cluster.remote(num_cpus=0)
+    class Rank:
+        def __init__(self, delay: float) -> None:
+            self.delay = delay
+
+        def execute_model(self, step):
+            time.sleep(self.delay)
+            return torch.zeros(1)
+
+        def ready(self) -> bool:
+            return True
+
+    group = RayWorkerGroup.__new__(RayWorkerGroup)
+    group._ray, group._owned, group.step_timeout_s = ray_cluster, False, 1.0
+    group.actors = [Rank.remote(0.0), Rank.remote(30.0)]
+    ray_cluster.get([a.ready.remote() for a in group.actors])   # started: only rank 1 is slow
+    step = StepInput(step_id=7, plan_step_id=0, token_ids=[1], positions=[0], slot_mapping=[0], query_lens=[1],
+                     context_lens=[1], block_tables=[0], max_blocks=1)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"rank\(s\) \[1\] did not finish model step 7 within 1 s"):
+        group(step)
+    assert time.monotonic() - started < 10
+    for actor in group.actors:
+        ray_cluster.kill(actor)
+
+
 @pytest.mark.parametrize("kill", ["before_compute", "after_compute"])
 def test_scheduler_restarts_the_live_requests_when_a_worker_dies_mid_run(ray_cluster, kill):
     """Rank 1 of a tensor-parallel group is killed in the middle of a run, right before a model
