@@ -44,7 +44,6 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import random
 import re
@@ -70,7 +69,7 @@ perf_ns = time.perf_counter_ns
 
 
 # ---- statistics: manager_bench's (this script's folder is on sys.path when it runs) -------------------
-from manager_bench import percentile, summarize  # noqa: E402
+from manager_bench import machine, percentile, summarize  # noqa: E402
 
 
 # ---- the decode batch -----------------------------------------------------------------------------
@@ -305,18 +304,7 @@ def profile(batch: Batch, layout: str, reps: int, top: int) -> str:
 
 
 # ---- output ----------------------------------------------------------------------------------------------
-def machine() -> dict:
-    import google.protobuf
-    import grpc
-    from google.protobuf.internal import api_implementation
-
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-            cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__,
-            "protobuf": f"{google.protobuf.__version__} ({api_implementation.Type()})"}
+# machine(): manager_bench's (imported above)
 
 
 def print_results(results: dict, layouts: list[str], seqs: int) -> None:
