@@ -298,11 +298,13 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     def SwapOut(self, request, context):
         return self._call("SwapOut", request, context,
-                          lambda: self._apply_as(wire.swap_out_op(request), wire.swap_out_pb))
+                          lambda: self._apply_as(wire.swap_out_op(request, self.config.max_step_operations),
+                                                 wire.swap_out_pb))
 
     def SwapIn(self, request, context):
         return self._call("SwapIn", request, context,
-                          lambda: self._apply_as(wire.swap_in_op(request), wire.swap_in_pb))
+                          lambda: self._apply_as(wire.swap_in_op(request, self.config.max_step_operations),
+                                                 wire.swap_in_pb))
 
     def Step(self, request, context):
         def work() -> Answer:

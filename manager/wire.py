@@ -55,12 +55,21 @@ def free_op(m: pb.FreeRequest) -> FreeOp:
     return FreeOp(m.seq_id)
 
 
-def swap_out_op(m: pb.SwapOutRequest) -> SwapOutOp:
-    return SwapOutOp(list(m.seq_ids))
+def swap_out_op(m: pb.SwapOutRequest, max_sequences: int = 1 << 62) -> SwapOutOp:
+    """INVALID_ARGUMENT, before anything is applied, when it names more than ``max_sequences``
+    (a SwapOut RPC is bounded as a Step of its sequences is: max_step_operations)."""
+    return SwapOutOp(_bounded_ids("swap_out", m.seq_ids, max_sequences))
 
 
-def swap_in_op(m: pb.SwapInRequest) -> SwapInOp:
-    return SwapInOp(list(m.seq_ids))
+def swap_in_op(m: pb.SwapInRequest, max_sequences: int = 1 << 62) -> SwapInOp:
+    return SwapInOp(_bounded_ids("swap_in", m.seq_ids, max_sequences))
+
+
+def _bounded_ids(kind: str, seq_ids, max_sequences: int) -> list[str]:
+    if len(seq_ids) > max_sequences:
+        raise InvalidArgument(f"{kind}: {len(seq_ids)} sequences, more than {max_sequences} (max_step_operations); "
+                              "nothing was applied: split it")
+    return list(seq_ids)
 
 
 _OP_DECODERS = {

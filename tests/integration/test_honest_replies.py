@@ -48,7 +48,9 @@ def test_each_bound_is_refused_with_its_status_and_nothing_applied(bounded):
     refusals = [
         (lambda: client.step([C.allocate_op(f"s{i}", num_tokens=1) for i in range(9)]), "max_step_operations"),
         (lambda: client.step([C.append_batch_op(["p"] * 9)]), "max_step_operations"),
-        (lambda: client.swap_out([f"s{i}" for i in range(9)]), None),  # names unknown ids: NOT_FOUND below
+        (lambda: client.swap_out([f"s{i}" for i in range(9)]), "max_step_operations"),  # bounded as a Step is
+        (lambda: client.swap_in([f"s{i}" for i in range(9)]), "max_step_operations"),
+        (lambda: client.swap_out([f"s{i}" for i in range(8)]), None),  # within the bound: unknown ids, NOT_FOUND
         (lambda: client.step([C.fork_op("p", f"c{i}") for i in range(3)]), "max_step_forks"),
         (lambda: client.allocate("x" * 41, num_tokens=1), "max_id_len"),
         (lambda: client.fork("p", "y" * 41), "max_id_len"),
