@@ -389,14 +389,17 @@ class TimedRunner:
     def __init__(self, runner: Callable) -> None:
         self.runner = runner
         self.calls: list[list] = []  # [start, s, decode, seqs, tokens, ctx]
+        self.blocked_s = 0.0         # time the scheduler spent waiting for steps, all calls together
         if hasattr(runner, "submit"):
             self.submit = self._submit
 
     def __call__(self, step):
         started = time.perf_counter()
         out = self.runner(step)   # rank 0's logits, on the host: the step has run when this returns
-        self.calls.append([started, time.perf_counter() - started, step.decode_only, step.num_seqs,
-                           len(step.token_ids), sum(step.context_lens)])
+        took = time.perf_counter() - started
+        self.blocked_s += took
+        self.calls.append([started, took, step.decode_only, step.num_seqs, len(step.token_ids),
+                           sum(step.context_lens)])
         return out
 
     def _submit(self, step):
@@ -406,8 +409,11 @@ class TimedRunner:
         self.calls.append(call)
 
         def result():
+            waiting = time.perf_counter()
             out = wait()
-            call[1] = time.perf_counter() - started
+            done = time.perf_counter()
+            call[1] = done - started
+            self.blocked_s += done - waiting
             return out
         return result
 
@@ -617,12 +623,14 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
                 continue
             n_lat = len(lat)
             n_calls = len(runner.calls) if runner else 0
+            blocked = runner.blocked_s if runner else 0.0
             t0 = time.perf_counter()
             progressed = sched.step()
             wall = time.perf_counter() - t0
             if runner is not None:   # the call this iteration started (its duration may come later: overlap)
                 call = runner.calls[n_calls] if len(runner.calls) > n_calls else None
-                iterations.append(dict(wall=wall, rpc=sum(lat[n_lat:]), rpcs=len(lat) - n_lat, call=call))
+                iterations.append(dict(wall=wall, rpc=sum(lat[n_lat:]), rpcs=len(lat) - n_lat,
+                                       blocked=runner.blocked_s - blocked, call=call))
             idle = 0 if progressed else idle + 1
             if idle > 100:
                 raise RuntimeError("no progress in 100 iterations: the KV pool is too small for the requests left")
@@ -640,17 +648,20 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
 def _breakdown(iterations: list[dict], dispatch_s: float, dispatches: float, step_server_s: float,
                step_server_n: float) -> dict:
     def part(its: list[dict]) -> dict:
+        # "runner": the time the iteration waited for a model step (the whole call without
+        # overlap; with it, only what the Step RPC and the Python did not hide).
         wall = sum(i["wall"] for i in its)
         rpc = sum(i["rpc"] for i in its)
-        run = sum(i["runner"] for i in its)
+        run = sum(i.get("blocked", i["runner"]) for i in its)
         other = wall - rpc - run
         share = (lambda x: x / wall if wall else None)
         return dict(iterations=len(its), wall_s=wall, step_rpc_s=rpc, runner_s=run, python_s=other,
                     step_rpc_share=share(rpc), runner_share=share(run), python_share=share(other),
                     wall_p50_ms=_scaled(pct([i["wall"] for i in its], 0.5), 1e3),
                     step_rpc_p50_ms=_scaled(pct([i["rpc"] for i in its], 0.5), 1e3),
-                    runner_p50_ms=_scaled(pct([i["runner"] for i in its], 0.5), 1e3),
-                    python_p50_ms=_scaled(pct([i["wall"] - i["rpc"] - i["runner"] for i in its], 0.5), 1e3))
+                    runner_p50_ms=_scaled(pct([i.get("blocked", i["runner"]) for i in its], 0.5), 1e3),
+                    python_p50_ms=_scaled(pct([i["wall"] - i["rpc"] - i.get("blocked", i["runner"]) for i in its],
+                                              0.5), 1e3))
 
     computed = [i for i in iterations if i["tokens"]]
     out = dict(all=part(computed), decode=part([i for i in computed if i["decode"]]),
@@ -1173,7 +1184,7 @@ def report(summary: dict) -> str:
             if not p["iterations"]:
                 continue
             lines.append(f"  {name:<17} {p['iterations']:>6} iterations, {p['wall_s']:.1f} s: Step RPC "
-                         f"{p['step_rpc_share']:.1%} ({p['step_rpc_p50_ms']:.2f}), model step (runner call) "
+                         f"{p['step_rpc_share']:.1%} ({p['step_rpc_p50_ms']:.2f}), waiting on the model step "
                          f"{p['runner_share']:.1%} ({p['runner_p50_ms']:.2f}), scheduler Python "
                          f"{p['python_share']:.1%} ({p['python_p50_ms']:.2f}); iteration p50 {p['wall_p50_ms']:.2f}")
         m = bd["manager"]
@@ -1186,14 +1197,11 @@ def report(summary: dict) -> str:
             s, n = w.get("kvpager_worker_model_step_duration_seconds_sum"), \
                 w.get("kvpager_worker_model_step_duration_seconds_count")
             if s is not None and n:
-                lines.append(f"  worker-side model step (its /metrics): {s:.1f} s over {n:.0f} steps "
-                             f"({s / bd['all']['runner_s']:.1%} of the runner calls' time)")
                 wall = bd["all"]["wall_s"]
                 sc = kv.get("scheduler", {})
-                lines.append(f"  exposed control plane (wall time not inside a worker-side model step): "
-                             f"{1 - s / wall:.1%}; {sc.get('overlapped_steps', 0)} of {sc.get('steps', 0)} Step RPCs "
-                             "overlapped a computing step (then a runner call spans the next Step RPC, and "
-                             "'scheduler Python' above, wall - RPC - call, undercounts)")
+                lines.append(f"  worker-side model step (its /metrics): {s:.1f} s over {n:.0f} steps; exposed control "
+                             f"plane (wall time outside them): {1 - s / wall:.1%}; {sc.get('overlapped_steps', 0)} of "
+                             f"{sc.get('steps', 0)} Step RPCs overlapped a computing step")
     if (rf := kv.get("decode_roofline")) is not None:
         lines.append("")
         if rf.get("steps"):
@@ -1274,6 +1282,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds each system may take")
     ap.add_argument("--in-process", action="store_true", help="run both systems in this process (no isolation)")
     ap.add_argument("--json", metavar="FILE", help="write the numbers here")
+    ap.add_argument("--save-side", metavar="DIR",
+                    help="also write each system's raw result (tokens included) to DIR/<system>.json, for --load-side")
+    ap.add_argument("--load-side", metavar="SYSTEM=FILE", action="append", default=[],
+                    help="take SYSTEM's result from a --save-side file of an earlier run of the same workload, model "
+                         "and KV budget (checked) instead of running it: the two systems of a comparison in two "
+                         "commands, when one command may not run both")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
@@ -1289,6 +1303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise SystemExit(f"--systems: choose among {', '.join(SYSTEMS)}")
+    loaded = parse_load_side(args.load_side)
     import torch   # no CUDA context here: is_available() only counts devices
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -1338,13 +1353,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                 checkpoint=str(path), facts=dataclasses.asdict(facts), kv_tokens=tokens, max_model_len=max_model_len,
                 workload=dict(prompts=workload.prompts, output_lens=workload.output_lens, arrivals=workload.arrivals))
     results: dict[str, dict] = {}
+    key = run_key(spec)
     for side in SYSTEMS:
+        if side in loaded:
+            results[side] = load_side(side, loaded[side], key)
+            continue
         if side not in systems:
             results[side] = dict(system=side, skipped=True)
             continue
         results[side] = run_side(side, spec, args.in_process, args.timeout + 600)
         if results[side].get("error"):
             log(f"{side}: {results[side]['error']}")
+        if args.save_side:
+            out = Path(args.save_side) / f"{side}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(dict(key=key, result=results[side])) + "\n")
+            log(f"wrote {side}'s raw result to {out}")
 
     tokens_kv = results["kvpager"].pop("tokens", None) or {}
     tokens_hf = results["transformers"].pop("tokens", None) or {}
@@ -1365,8 +1389,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         log(f"wrote {args.json}")
-    ok = all(not results[s].get("error") for s in systems)
+    ok = all(not results[s].get("error") for s in set(systems) | set(loaded))
     return 0 if ok else 1
+
+
+def parse_load_side(items: list[str]) -> dict[str, Path]:
+    """``--load-side SYSTEM=FILE`` values as {system: path}; SystemExit for a malformed one."""
+    loaded = {}
+    for item in items:
+        side, sep, file = item.partition("=")
+        if not sep or side not in SYSTEMS or not file:
+            raise SystemExit(f"--load-side {item!r}: expected SYSTEM=FILE with SYSTEM one of {', '.join(SYSTEMS)}")
+        loaded[side] = Path(file)
+    return loaded
+
+
+def run_key(spec: dict) -> dict:
+    """What two runs must share for their systems' results to be compared: the model files'
+    config, dtype, device kind, KV budget and a digest of the workload (prompts, output lengths,
+    arrival times)."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(spec["workload"], sort_keys=True).encode()).hexdigest()
+    return dict(facts=spec["facts"], dtype=spec["dtype"], cuda=spec["cuda"], kv_tokens=spec["kv_tokens"],
+                max_model_len=spec["max_model_len"], workload_sha256=digest)
+
+
+def load_side(side: str, path: Path, key: dict) -> dict:
+    """A ``--save-side`` result for ``side``, after checking it ran this comparison (``run_key``)."""
+    saved = json.loads(path.read_text())
+    if saved.get("key") != key:
+        diff = sorted(k for k in key if saved.get("key", {}).get(k) != key[k])
+        raise SystemExit(f"--load-side {side}={path}: that run differs from this one in {', '.join(diff)}; "
+                         "use the same --model/--checkpoint, --requests, --seed, workload flags and KV budget")
+    log(f"{side}: result taken from {path} (an earlier run of the same comparison)")
+    return dict(saved["result"], loaded_from=str(path))
 
 
 if __name__ == "__main__":
