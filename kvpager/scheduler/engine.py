@@ -63,6 +63,7 @@ class _InFlight:
     wait: Callable[[], torch.Tensor]          # returns the step's rows
     computed: list[tuple[SeqState, int]]      # (sequence, its context length after the step)
     greedy: bool
+    seq_ids: frozenset[str] = frozenset()     # of ``computed``: O(1) membership
 
 
 @dataclass(slots=True)
@@ -207,12 +208,12 @@ class Scheduler:
         return not self.swapped and all(len(group.seqs) == 1 for group in self.running)
 
     def _ends_in_flight(self, seq: SeqState) -> bool:
-        """The step in flight gives this sequence its last token (its limit), so it needs no slot."""
+        """The step in flight gives this sequence its last token (its limit), so it needs no slot. O(1)."""
         pending = self._pending
         if pending is None:
             return False
         limit = self._group_of[seq.seq_id].request.params.max_new_tokens
-        return seq.num_generated + 1 >= limit and any(s is seq for s, _ in pending.computed)
+        return seq.num_generated + 1 >= limit and seq.seq_id in pending.seq_ids
 
     def _launch(self, reply: pb.StepResponse) -> bool:
         """Start the model on the tokens of the step's batch (its tables as the manager sent them);
@@ -239,7 +240,7 @@ class Scheduler:
         if submit is None:
             self._take(computed, greedy, self.runner(step))
         else:
-            self._pending = _InFlight(submit(step), computed, greedy)
+            self._pending = _InFlight(submit(step), computed, greedy, frozenset(s.seq_id for s, _ in computed))
         return True
 
     def _settle(self) -> bool:
