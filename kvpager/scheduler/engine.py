@@ -252,7 +252,8 @@ class Scheduler:
         return True
 
     def _take(self, computed: list[tuple[SeqState, int]], greedy: bool, rows: torch.Tensor) -> None:
-        for (seq, ctx), row in zip(computed, rows):
+        """Emit each computed sequence's token(s). O(S) (greedy ids leave the tensor in one call)."""
+        for (seq, ctx), row in zip(computed, rows.tolist() if greedy else rows):
             seq.num_cached = ctx
             if seq.finish_reason:      # finished while this step was in flight: its token is dropped
                 continue
@@ -261,7 +262,7 @@ class Scheduler:
             targets = group.seqs if ctx == len(group.request.prompt) and seq is group.seqs[0] else [seq]
             for target in targets:
                 target.num_cached = ctx
-                token = int(row) if greedy else sample(row, group.request.params, target.generator)
+                token = row if greedy else sample(row, group.request.params, target.generator)
                 self._emit(group, target, token)
 
     # ---- results of operations -------------------------------------------------------------------------
@@ -372,11 +373,13 @@ class Scheduler:
     def _append_need(self) -> int:
         """Blocks the next appends may take: a new block at each block boundary, and a
         copy-on-write block for samples that may still share a partial last block."""
-        need = 0
+        need, B = 0, self.block_size
         for group in self.running:
             live = group.unfinished()
-            for seq in live:
-                need += seq.num_cached % self.block_size == 0 or len(live) > 1
+            if len(live) == 1:
+                need += live[0].num_cached % B == 0
+            else:
+                need += len(live)
         return need
 
     def _blocks(self, group: Group) -> int:
