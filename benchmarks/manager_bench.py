@@ -299,6 +299,26 @@ class Server:
 
 
 @contextlib.contextmanager
+def manager_process(cmd: list[str]) -> Iterator[str]:
+    """Run a manager command that prints "listening on ADDRESS" first; yield the address;
+    SIGTERM it on exit (killed after 20 s)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (\S+)", line)
+        if match is None:
+            raise RuntimeError(f"the manager did not start: {line!r} (exit code {proc.poll()})")
+        yield match.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
 def manager_server(config: ManagerConfig, mode: str) -> Iterator[Server]:
     """A block manager server on 127.0.0.1, stopped on exit."""
     if mode == "inprocess":
@@ -315,21 +335,9 @@ def manager_server(config: ManagerConfig, mode: str) -> Iterator[Server]:
         cmd = [sys.executable, os.path.abspath(__file__), "--serve-timed", timings_path,
                "--insecure", "--port", "0", "--grace", "1", "--block-size", str(config.block_size),
                "--num-gpu-blocks", str(config.num_gpu_blocks), "--num-cpu-blocks", str(config.num_cpu_blocks)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        try:
-            line = proc.stdout.readline()
-            match = re.search(r"listening on (\S+)", line)
-            if match is None:
-                raise RuntimeError(f"the manager did not start: {line!r} (exit code {proc.poll()})")
-            server = Server(match.group(1))
+        with manager_process(cmd) as address:
+            server = Server(address)
             yield server
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         if os.path.exists(timings_path):
             with open(timings_path) as f:
                 server.step_rows = json.load(f)

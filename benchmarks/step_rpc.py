@@ -46,9 +46,6 @@ import json
 import os
 import pstats
 import random
-import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -69,7 +66,7 @@ perf_ns = time.perf_counter_ns
 
 
 # ---- statistics: manager_bench's (this script's folder is on sys.path when it runs) -------------------
-from manager_bench import machine, percentile, summarize  # noqa: E402
+from manager_bench import machine, manager_process, percentile, summarize  # noqa: E402
 
 
 # ---- the decode batch -----------------------------------------------------------------------------
@@ -124,20 +121,8 @@ def manager_server(config: ManagerConfig, mode: str) -> Iterator[tuple[str, obje
     cmd = [sys.executable, "-m", "kvpager.manager", "--insecure", "--port", "0", "--grace", "1",
            "--block-size", str(config.block_size), "--num-gpu-blocks", str(config.num_gpu_blocks),
            "--num-cpu-blocks", str(config.num_cpu_blocks)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+)", line)
-        if match is None:
-            raise RuntimeError(f"the manager did not start: {line!r} (exit code {proc.poll()})")
-        yield match.group(1), None
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with manager_process(cmd) as address:
+        yield address, None
 
 
 # ---- one decode step, as the scheduler does it -------------------------------------------------------
