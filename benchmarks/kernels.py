@@ -212,6 +212,68 @@ def bench_decode_quick(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+RAGGED_CONFIGS = [("ragged", 128, 8192), ("ragged", 64, 32768), ("ragged", 256, 2048), ("ragged", 276, 2600),
+                  ("uniform", 8, 4096), ("uniform", 1, 32768), ("uniform", 32, 2048), ("uniform", 64, 4096),
+                  ("uniform", 128, 2048), ("uniform", 256, 1024), ("uniform", 32, 16384)]
+
+
+def bench_ragged(ceiling: float) -> None:
+    """Decode planned once per step from the real lengths (work list, kernels/decode_plan.py)
+    against the per-call grid planned from the table's width, on ragged batches (lengths uniform
+    in 1..max, table width = max) and uniform ones, with the host planning time and, for uniform
+    batches, torch SDPA over a contiguous cache of the same shape."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print("\ndecode: work list planned from the lengths vs grid planned from the table width "
+          "(bf16 32q/8kv d128 block 16; % of the copy ceiling)")
+    hdr = (f"{'kind':>7} {'batch x max':>12} {'tokens':>8} | {'grid us':>8} {'%':>5} | {'list us':>8} {'%':>5} "
+           f"{'items':>5} {'P':>5} | {'plan us':>7} | {'sdpa %':>6} | {'err':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for kind, batch, longest in RAGGED_CONFIGS:
+        q, cache, tables, lens = make_case(batch, longest, gen=gen)
+        if kind == "ragged":
+            lens = torch.randint(1, longest + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        host_lens = lens.tolist()
+        tokens = sum(host_lens)
+        nbytes = 2 * tokens * HKV * D * q.element_size()
+        out_grid, out_list = torch.empty_like(q), torch.empty_like(q)
+        geometry = cuda.decode_work_geometry(q, k)
+        plan = cuda.plan_decode_work(host_lens, geometry)
+        started = time.perf_counter()
+        for _ in range(20):
+            cuda.plan_decode_work(host_lens, geometry)
+        plan_s = (time.perf_counter() - started) / 20
+        work = torch.from_numpy(plan).cuda()
+        workspace = cuda.decode_workspace(geometry.capacity(batch), HQ, D, "cuda")
+
+        def grid():
+            return cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out_grid)
+
+        def listed():
+            return cuda.paged_decode_work(q, k, v, tables, lens, work, workspace, geometry, scale, out=out_list)
+
+        warm_up(grid)
+        warm_up(listed)
+        t_grid, t_list = timed(grid), timed(listed)
+        err = float(((out_list.float() - out_grid.float()).norm(dim=-1) / out_grid.float().norm(dim=-1)).max())
+        sdpa = ""
+        if kind == "uniform":
+            kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
+            q4 = q.view(batch, HQ, 1, D)
+            warm_up(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True))
+            t_sdpa = timed(lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True))
+            sdpa = f"{100 * nbytes / t_sdpa / ceiling:5.1f}%"
+            del kc, vc
+        print(f"{kind:>7} {batch:>5} x {longest:<6} {tokens:>8} | {t_grid * 1e6:8.1f} {100 * nbytes / t_grid / ceiling:5.1f} | "
+              f"{t_list * 1e6:8.1f} {100 * nbytes / t_list / ceiling:5.1f} {int(plan[0]):>5} {int(plan[1]):>5} | "
+              f"{plan_s * 1e6:7.1f} | {sdpa:>6} | {err:8.1e}")
+        del q, cache, k, v
+        torch.cuda.empty_cache()
+    print(f"(work list: {geometry.workers} workers per KV head, kernel instance with {geometry.loads} loads)")
+
+
 def bench_fp8(ceiling: float) -> None:
     """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales) against the same kernel
     over the bf16 cache, same shapes and block tables; GB/s counts the fp8 bytes read."""
@@ -582,7 +644,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of decode,gqa,copy,swap,write_kv,flex,prefill,fp8 "
+                    help="comma-separated subset of ragged,decode,gqa,copy,swap,write_kv,flex,prefill,fp8 "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
     args = ap.parse_args()
@@ -595,10 +657,10 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
+    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
-    steps = [("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+    steps = [("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill)]

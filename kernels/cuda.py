@@ -28,12 +28,17 @@ import os
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
 
-__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "write_kv", "copy_blocks",
+from . import decode_plan
+
+__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "DecodeGeometry",
+           "decode_work_geometry", "plan_decode_work", "paged_decode_work", "decode_workspace", "write_kv", "copy_blocks",
            "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope", "silu_and_mul"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -190,6 +195,80 @@ def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits, partition, tile, loads = _load().decode_plan(query, k_cache, v_cache, block_tables, context_lens,
                                                          _splits_arg(num_splits), int(_loads or 0))
     return int(splits), int(partition), int(tile), int(loads)
+
+
+# ---- decode planned once per step (kernels/decode_plan.py says how) ----
+
+@dataclass(frozen=True)
+class DecodeGeometry:
+    """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
+    blocks per (KV head, head chunk), the kernel instance (``loads``), query heads per block, and
+    the most tokens one item may hold."""
+    workers: int
+    loads: int
+    head_tile: int
+    longest_item: int
+
+    def capacity(self, num_seqs: int) -> int:
+        """Item slots a plan for ``num_seqs`` rows needs."""
+        return decode_plan.capacity_for(num_seqs, self.workers)
+
+    def plan_size(self, num_seqs: int, capacity: int | None = None) -> int:
+        """Ints of a plan for ``num_seqs`` rows (``capacity`` item slots, default ``capacity(num_seqs)``)."""
+        return decode_plan.plan_size(num_seqs, self.workers,
+                                     self.capacity(num_seqs) if capacity is None else capacity)
+
+
+_geometries: dict[tuple, DecodeGeometry] = {}
+
+
+def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor) -> DecodeGeometry:
+    """The work-list geometry for queries like ``query_like`` ([*, num_q_heads, head_dim], its
+    dtype and device) over ``k_cache``'s layout. Cached: one device query per configuration."""
+    key = (query_like.device, query_like.dtype, query_like.shape[1:], k_cache.dtype, tuple(k_cache.shape[1:]),
+           _loads)
+    geometry = _geometries.get(key)
+    if geometry is None:
+        q = torch.empty(1, *query_like.shape[1:], dtype=query_like.dtype, device=query_like.device)
+        geometry = DecodeGeometry(*(int(x) for x in _load().decode_work_geometry(q, k_cache, k_cache, int(_loads or 0))))
+        _geometries[key] = geometry
+    return geometry
+
+
+def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None) -> np.ndarray:
+    """The step's work list (int32 numpy, ``decode_plan`` layout) for these host context lengths
+    (a list or an integer array, one per row): the C++ planner, equal to
+    ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does."""
+    lens = np.ascontiguousarray(context_lens, dtype=np.int32)
+    out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
+    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, decode_plan.MIN_ITEM,
+                             decode_plan.ITEM_COST, torch.from_numpy(out))
+    return out
+
+
+def paged_decode_work(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, work: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor],
+                      geometry: DecodeGeometry, scale: float, *, out: torch.Tensor | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """:func:`paged_decode_attention` over a work list planned for the step (``plan_decode_work``
+    on the host, then copied to the device as ``work``, int32): every layer of the step reuses
+    the plan and ``workspace`` = (part_out ``[capacity, num_q_heads, head_dim]``, part_ml
+    ``[capacity, num_q_heads, 2]``, float32, see ``decode_workspace``). ``context_lens`` must be
+    the lengths the plan was made from. No host work beyond the launch: a CUDA graph can
+    capture it, and replays serve any plan of the same size written into ``work``."""
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    part_out, part_ml = workspace
+    _load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, work, part_out, part_ml,
+                              geometry.workers, geometry.loads, float(scale), float(k_scale), float(v_scale))
+    return out
+
+
+def decode_workspace(capacity: int, num_q_heads: int, head_dim: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty split-KV workspace for plans of ``capacity`` items."""
+    return (torch.empty(capacity, num_q_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(capacity, num_q_heads, 2, dtype=torch.float32, device=device))
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -8,6 +8,10 @@ Same signatures and semantics as ``kvpager.kernels.reference``.
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
+import numpy as np
 import torch
 
 from . import layer_reference, prefill, reference
@@ -36,6 +40,56 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
                                                 k_scale, v_scale)
     return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=k_scale,
                                        v_scale=v_scale)
+
+
+WORK_LIST_ENV = "KVPAGER_DECODE_WORK_LIST"
+
+
+class DecodePlanner:
+    """Our CUDA decode kernel planned once per step (``kernels/decode_plan.py``): ``plan`` the
+    step's work list on the host from its context lengths, copy it to the device with the step's
+    other inputs, then every layer's ``attention`` reuses it. One per (model, cache) pair."""
+
+    def __init__(self, query_like: torch.Tensor, k_cache: torch.Tensor) -> None:
+        from . import cuda
+
+        self._cuda = cuda
+        self.geometry = cuda.decode_work_geometry(query_like, k_cache)
+        self.num_q_heads, self.head_dim = query_like.shape[1], query_like.shape[2]
+        self.device = query_like.device
+
+    def capacity(self, rows: int) -> int:
+        """Item slots of a plan for ``rows`` rows."""
+        return self.geometry.capacity(rows)
+
+    def plan_size(self, rows: int) -> int:
+        """Ints of a plan for ``rows`` rows."""
+        return self.geometry.plan_size(rows)
+
+    def plan(self, context_lens) -> np.ndarray:
+        """The work list (int32, host) for rows of these context lengths (0 for padding rows).
+        O(S log S + items) in C++: tens of microseconds for hundreds of rows."""
+        return self._cuda.plan_decode_work(context_lens, self.geometry)
+
+    def workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A split-KV workspace for plans of ``rows`` rows (uninitialized; each plan writes what it reads)."""
+        return self._cuda.decode_workspace(self.capacity(rows), self.num_q_heads, self.head_dim, self.device)
+
+    def attention(self, query, k_cache, v_cache, block_tables, context_lens, work, workspace, scale, k_scale=1.0,
+                  v_scale=1.0) -> torch.Tensor:
+        """Decode attention over the device plan ``work`` (made from ``context_lens``' values)."""
+        return self._cuda.paged_decode_work(query, k_cache, v_cache, block_tables, context_lens, work, workspace,
+                                            self.geometry, scale, k_scale=k_scale, v_scale=v_scale)
+
+
+def decode_planner(query_like: torch.Tensor, k_cache: torch.Tensor) -> Optional[DecodePlanner]:
+    """A planner when our CUDA decode kernel serves queries like ``query_like`` ([*, heads,
+    head_dim]) over this cache; None where the per-call path (the reference, or no GPU) serves,
+    or when ``KVPAGER_DECODE_WORK_LIST=0`` asks for the per-call grid (before/after benchmarks)."""
+    impl = _cuda(query_like)
+    if impl is None or not impl.supports_decode(query_like, k_cache) or os.environ.get(WORK_LIST_ENV) == "0":
+        return None
+    return DecodePlanner(query_like, k_cache)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,

@@ -9,10 +9,12 @@ lm_head and argmax run eagerly after it (three launches; the logits' size depend
 
 Shapes: a graph serves one (batch bucket, table-width bucket). A step of S sequences whose table
 is W blocks wide runs in the smallest bucket B >= S (``BATCH_BUCKETS``, capped at
-``max_batch``) and the smallest power of two >= W (the decode kernel plans its KV splits from the
-table's width, so the width is part of the shape). Rows S..B-1 are padding: context 0 and slot
--1, so they write nothing and attend to nothing; table entries past a row's context are never
-read, so the buffers are not cleared between steps. Graphs are captured lazily, the first time a
+``max_batch``) and the smallest power of two >= W (the table's view is part of the shape). Rows
+S..B-1 are padding: context 0 and slot -1, so they write nothing and attend to nothing; table
+entries past a row's context are never read, so the buffers are not cleared between steps.
+Attention runs from the step's work list (``kernels/decode_plan.py``), planned on the host from
+the real lengths and copied into a static buffer with the other inputs: the launch geometry is
+fixed per model, so one graph serves every plan. Graphs are captured lazily, the first time a
 shape is seen (one eager warm-up per process, then the capture: about two eager steps' time),
 and share one memory pool: at most one runs at a time, and nothing a graph allocated outlives
 its replay except the static output, which every graph writes to the same buffer.
@@ -78,6 +80,11 @@ class DecodeGraphs:
             self._tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=dev)
             self._context = torch.zeros(max_batch, dtype=torch.int32, device=dev)
             self._hidden = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.embed.dtype, device=dev)
+            self._planner = model.decode_planner(self._layer_cache)
+            # The step's work list and the split-KV workspace, sized for the largest bucket; a
+            # bucket of B rows uses their prefixes.
+            self._work = torch.zeros(self._planner.plan_size(max_batch), dtype=torch.int32, device=dev)
+            self._workspace = self._planner.workspace(max_batch)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._warm = False
@@ -102,21 +109,30 @@ class DecodeGraphs:
         width = _width_bucket(w)
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         pad = [np.zeros(batch - s, np.int64), np.full(batch - s, -1, np.int64)]   # padding rows: 0, slot -1
+        plan = self._planner.plan(np.concatenate([np.asarray(step.context_lens, np.int32), np.zeros(batch - s, np.int32)]))
+        plan64 = np.concatenate([plan, np.zeros(len(plan) % 2, np.int32)]).view(np.int64)   # rides as int64 pairs
         host = host_ints([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
-                          step.context_lens, pad[0], step.block_tables], np.int64)
+                          step.context_lens, pad[0], plan64, step.block_tables], np.int64)
         staged = host.to(self.cache.device)
         self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
         self._context[:batch].copy_(staged[3 * batch:4 * batch])
-        self._tables[:s, :w].copy_(staged[4 * batch:].view(s, w))
+        tables_at = 4 * batch + len(plan64)
+        self._work[:len(plan)].copy_(staged[4 * batch:tables_at].view(torch.int32)[:len(plan)])
+        self._tables[:s, :w].copy_(staged[tables_at:].view(s, w))
         self.cache.wait()
         graph.replay()
         return self.model.logits(self._hidden[:s])
 
+    def _layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.gpu[:, layer, 0], self.cache.gpu[:, layer, 1]
+
     def _body(self, batch: int, width: int) -> None:
         tokens, positions, slots = self._longs[:, :batch]
-        gpu = self.cache.gpu
+        capacity = self._planner.capacity(batch)
+        work = (self._work[:self._planner.plan_size(batch)],
+                (self._workspace[0][:capacity], self._workspace[1][:capacity]))
         hidden = self.model.decode_hidden(tokens, positions, slots, self._tables[:batch, :width],
-                                          self._context[:batch], lambda layer: (gpu[:, layer, 0], gpu[:, layer, 1]))
+                                          self._context[:batch], self._layer_cache, work=work)
         self._hidden[:batch].copy_(hidden)
 
     def _capture(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
@@ -127,6 +143,8 @@ class DecodeGraphs:
         self._longs[:2, :batch].zero_()
         self._longs[2, :batch].fill_(-1)
         self._context[:batch].zero_()
+        plan = self._planner.plan(np.zeros(batch, np.int32))   # all padding: what the warm-up runs
+        self._work[:len(plan)].copy_(torch.from_numpy(plan))
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

@@ -82,6 +82,8 @@ class Decoder:
         self.scale = cfg.head_dim ** -0.5
         self._group = group
         self._dist = None
+        self._planner: Optional[ops.DecodePlanner] = None
+        self._planner_known = False
         if tp_size > 1:
             import torch.distributed as dist
 
@@ -144,14 +146,20 @@ class Decoder:
             query_lens = [step.query_lens[i] for i in computing]
             context_lens = [step.context_lens[i] for i in computing]
         starts = [0, *accumulate(query_lens)]
-        ints = host_ints([step.block_tables, context_lens, starts], np.int32).to(dev)
+        planner = self.decode_planner(layer_cache) if step.decode_only else None
+        plan = [planner.plan(context_lens)] if planner is not None else []   # the step's decode work list
+        ints = host_ints([step.block_tables, context_lens, starts, *plan], np.int32).to(dev)
         tables = ints[:table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
             tables = tables.index_select(0, torch.tensor(computing, device=dev))
         context = ints[table_len:table_len + len(context_lens)]
-        query_starts = ints[table_len + len(context_lens):]
+        query_starts = ints[table_len + len(context_lens):table_len + len(context_lens) + len(starts)]
         if step.decode_only:
-            return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer))
+            work = None
+            if planner is not None:
+                work = (ints[table_len + len(context_lens) + len(starts):], planner.workspace(len(context_lens)))
+            return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer,
+                                                  work))
         k_scale, v_scale = self.cfg.cache_scales
 
         def attention(q, k_cache, v_cache):
@@ -163,19 +171,39 @@ class Decoder:
 
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       tables: torch.Tensor, context: torch.Tensor, layer_cache: LayerCache,
-                      attention_timer: Optional[AbstractContextManager] = None) -> torch.Tensor:
+                      attention_timer: Optional[AbstractContextManager] = None,
+                      work: Optional[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
         """The last hidden states ``[B, hidden]`` (before the final norm) of a pure decode batch:
         one token per sequence, every input already on the device (``tables`` ``[B, width]``
         int32, ``context`` ``[B]`` int32). Reads nothing from the host and never syncs, so a
         CUDA graph can capture it (``worker.decode_graphs``); a row with context 0 and slot -1
-        is padding (writes nothing, attends to nothing). ``logits`` turns the rows into logits."""
+        is padding (writes nothing, attends to nothing). ``logits`` turns the rows into logits.
+        ``work``: the step's decode work list on the device (``decode_planner(...).plan`` of
+        ``context``'s values) and its workspace; every layer's attention then runs it (the
+        planned kernel). None: each layer plans its own launch from the table's width."""
         k_scale, v_scale = self.cfg.cache_scales
+        if work is None:
+            def attention(q, k_cache, v_cache):
+                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale, v_scale)
+        else:
+            planner, (plan, workspace) = self._planner, work
 
-        def attention(q, k_cache, v_cache):
-            return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale, v_scale)
+            def attention(q, k_cache, v_cache):
+                return planner.attention(q, k_cache, v_cache, tables, context, plan, workspace, self.scale, k_scale,
+                                         v_scale)
 
         timer = attention_timer if attention_timer is not None else nullcontext()
         return self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
+
+    def decode_planner(self, layer_cache: LayerCache) -> Optional[ops.DecodePlanner]:
+        """The planner of our CUDA decode kernel for this model over this cache (one per worker:
+        the cache never changes), or None where attention runs the per-call path."""
+        if not self._planner_known:
+            k_cache, _ = layer_cache(0)
+            query_like = torch.empty(0, self.q_heads, self.cfg.head_dim, dtype=self.embed.dtype, device=self.device)
+            self._planner = ops.decode_planner(query_like, k_cache)
+            self._planner_known = True
+        return self._planner
 
     def _paged_attend(self, layer_cache: LayerCache, slots: torch.Tensor, timer: AbstractContextManager,
                       attention: Callable[..., torch.Tensor]):

@@ -231,8 +231,8 @@ int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, T
   Tensor part_out, part_ml;
   if (a.num_splits > 1) {
     const auto f32 = query.options().dtype(torch::kFloat32);
-    part_out = torch::empty({a.num_seqs, a.num_q_heads, a.num_splits, a.head_dim}, f32);
-    part_ml = torch::empty({a.num_seqs, a.num_q_heads, a.num_splits, 2}, f32);
+    part_out = torch::empty({a.num_seqs * a.num_splits, a.num_q_heads, a.head_dim}, f32);
+    part_ml = torch::empty({a.num_seqs * a.num_splits, a.num_q_heads, 2}, f32);
     if (poison_workspace) {
       part_out.fill_(std::numeric_limits<float>::quiet_NaN());
       part_ml.fill_(std::numeric_limits<float>::quiet_NaN());
@@ -254,6 +254,94 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor 
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0, 1.0, 1.0);
   plan(&a, query, to_cache_dtype(k_cache), num_splits, loads);
   return {a.num_splits, a.partition_tokens, a.head_tile, a.loads};
+}
+
+// Work-list geometry for these sizes (kernels/decode_plan.py plans the items):
+// (workers, loads, head_tile, longest item in tokens).
+std::tuple<int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query, Tensor k_cache, Tensor v_cache,
+                                                                    int64_t loads) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const Tensor tables = torch::zeros({query.size(0), 1}, query.options().dtype(torch::kInt32));
+  const Tensor lens = torch::zeros({query.size(0)}, query.options().dtype(torch::kInt32));
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, tables, lens, 1.0, 1.0, 1.0);
+  KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: default), got ", loads);
+  a.requested_loads = static_cast<int>(loads);
+  const cudaError_t err = kvpager::plan_paged_decode_work(to_dtype(query, "query"), to_cache_dtype(k_cache),
+                                                          query.device().index(), &a);
+  KV_CHECK(err == cudaSuccess, "no work-list decode geometry for these sizes");
+  return {a.work_workers, a.loads, a.head_tile, a.partition_tokens};
+}
+
+// The step's work list, planned on the host into `out` (CPU int32, launch.h layout) from the
+// host context lengths; returns the item count.
+int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_item, int64_t min_item,
+                         int64_t item_cost, Tensor out) {
+  KV_CHECK(context_lens.device().is_cpu() && out.device().is_cpu(), "plan_decode_work plans on the host: "
+           "context_lens and out must be CPU tensors");
+  KV_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.dim() == 1 && context_lens.is_contiguous(),
+           "context_lens must be a contiguous 1-d int32 tensor");
+  KV_CHECK(out.scalar_type() == torch::kInt32 && out.dim() == 1 && out.is_contiguous(),
+           "out must be a contiguous 1-d int32 tensor");
+  const int64_t num_seqs = context_lens.size(0);
+  KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
+  const int64_t capacity = out.size(0) - kvpager::kWorkHeader - (workers + 1) - 2 * num_seqs;
+  KV_CHECK(capacity >= num_seqs && capacity <= std::numeric_limits<int32_t>::max(), "out holds ", out.size(0),
+           " ints: too few for ", num_seqs, " sequences and ", workers, " workers");
+  const int n = kvpager::plan_decode_work(context_lens.data_ptr<int32_t>(), static_cast<int>(num_seqs),
+                                          static_cast<int>(workers), static_cast<int>(longest_item),
+                                          static_cast<int>(capacity), static_cast<int>(min_item),
+                                          static_cast<int>(item_cost), out.data_ptr<int32_t>());
+  KV_CHECK(n != -2, "a context is longer than ", kvpager::kMaxSplits, " pieces of at most ", longest_item,
+           " tokens: the work-list decode cannot plan it");
+  KV_CHECK(n != -3, num_seqs, " sequences need more than the plan's ", capacity, " items");
+  KV_CHECK(n >= 0, "plan_decode_work: bad sizes (", num_seqs, " sequences, ", workers, " workers)");
+  return n;
+}
+
+// Decode over a work list planned on the host for this step (kernels/decode_plan.py layout),
+// already on the device; part_out / part_ml hold one row per item of its capacity.
+void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                       Tensor context_lens, Tensor work, Tensor part_out, Tensor part_ml, int64_t workers,
+                       int64_t loads, double scale, double k_scale, double v_scale) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+  check_cuda(out, "out", query.device());
+  KV_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must be ",
+           dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
+  KV_CHECK(out.stride(2) == 1 || out.size(2) == 1, "out must be contiguous in head_dim");
+  check_cuda(work, "work", query.device());
+  check_cuda(part_out, "part_out", query.device());
+  check_cuda(part_ml, "part_ml", query.device());
+  KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
+           "work must be a contiguous 1-d int32 tensor");
+  KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
+  const int64_t capacity = work.size(0) - kvpager::kWorkHeader - (workers + 1) - 2 * query.size(0);
+  KV_CHECK(capacity >= query.size(0), "work holds ", work.size(0), " ints: too few for ", query.size(0),
+           " sequences and ", workers, " workers (kernels/decode_plan.py plan_size)");
+  KV_CHECK(part_out.scalar_type() == torch::kFloat32 && part_out.is_contiguous() &&
+               part_out.sizes() == torch::IntArrayRef({capacity, query.size(1), query.size(2)}),
+           "part_out must be contiguous float32 [", capacity, ", ", query.size(1), ", ", query.size(2), "], got ",
+           dims(part_out.sizes()));
+  KV_CHECK(part_ml.scalar_type() == torch::kFloat32 && part_ml.is_contiguous() &&
+               part_ml.sizes() == torch::IntArrayRef({capacity, query.size(1), 2}),
+           "part_ml must be contiguous float32 [", capacity, ", ", query.size(1), ", 2], got ", dims(part_ml.sizes()));
+  a.requested_loads = static_cast<int>(loads);
+  KV_CHECK(kvpager::plan_paged_decode_work(to_dtype(query, "query"), to_cache_dtype(k_cache), query.device().index(),
+                                           &a) == cudaSuccess,
+           "no work-list decode geometry for these sizes");
+  a.prefetch_steps = kvpager::kDefaultPrefetchSteps;
+  a.out = out.data_ptr();
+  a.o_stride_seq = out.stride(0);
+  a.o_stride_head = out.stride(1);
+  a.work = work.data_ptr<int32_t>();
+  a.work_capacity = static_cast<int>(capacity);
+  a.work_workers = static_cast<int>(workers);
+  a.part_out = part_out.data_ptr<float>();
+  a.part_ml = part_ml.data_ptr<float>();
+  if (a.num_seqs == 0) return;
+  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), to_cache_dtype(k_cache), a,
+                                            at::cuda::getCurrentCUDAStream()),
+               "paged_decode (work list) launch");
 }
 
 void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
@@ -525,6 +613,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile, loads) paged_decode would use",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("num_splits"), py::arg("loads") = 0);
+  m.def("decode_work_geometry", &decode_work_geometry,
+        "(workers, loads, head_tile, longest item in tokens) of work-list decode launches", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("loads") = 0);
+  m.def("plan_decode_work", &plan_decode_work, "plan a step's decode work list on the host (launch.h layout)",
+        py::arg("context_lens"), py::arg("workers"), py::arg("longest_item"), py::arg("min_item"),
+        py::arg("item_cost"), py::arg("out"));
+  m.def("paged_decode_work", &paged_decode_work, "paged decode attention over a work list planned for the step",
+        py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),
+        py::arg("loads"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("write_kv", &write_kv, "scatter K/V into their cache slots (quantizing into an fp8 cache)",
         py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);

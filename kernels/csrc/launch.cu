@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "cache_ops.cuh"
@@ -182,22 +183,141 @@ int splits_for_full_waves(int64_t units, int64_t slots, int max_s, int64_t max_c
   return 0;
 }
 
-}  // namespace
-
-cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* a) {
-  if (a->num_kv_heads <= 0 || a->num_q_heads % a->num_kv_heads != 0 || a->block_size <= 0 ||
-      (a->block_size & (a->block_size - 1)) != 0 || a->block_size > kPartitionAlign ||
-      (a->requested_loads != 0 && a->requested_loads != 2 && a->requested_loads != 4))
-    return cudaErrorInvalidValue;
+// Query heads per thread block: the whole GQA group up to 8 (1, 2, 4 or 8) ... at most the
+// lanes sharing a token row (one per vector of the row, at most 32), and at most
+// kMaxTileElems / E heads, E = head_dim / row_lanes elements per lane (fp8: 4 heads). False when
+// no kernel instance serves these sizes.
+bool choose_head_tile(DType dtype, DType cache_dtype, DecodeArgs* a) {
   const int group = a->num_q_heads / a->num_kv_heads;
-  a->head_tile = group >= 8 ? 8 : group > 2 ? 4 : group;   // 1, 2, 4 or 8
-  // ... at most the lanes sharing a token row (one per vector of the row, at most 32), and at
-  // most kMaxTileElems / E heads, E = head_dim / row_lanes elements per lane (fp8: 4 heads).
+  a->head_tile = group >= 8 ? 8 : group > 2 ? 4 : group;
   const int row_lanes = std::min(32, a->head_dim / vec_elems(cache_dtype));
   const int lane_elems = a->head_dim / row_lanes;
   a->head_tile = std::max(1, std::min({a->head_tile, row_lanes, kMaxTileElems / lane_elems}));
   a->head_chunks = ceil_div(group, a->head_tile);
-  if (!dispatch_decode(dtype, cache_dtype, a->head_dim, a->head_tile, 4, [](auto) {})) return cudaErrorInvalidValue;
+  return dispatch_decode(dtype, cache_dtype, a->head_dim, a->head_tile, 4, [](auto) {});
+}
+
+bool valid_sizes(const DecodeArgs* a) {
+  return a->num_kv_heads > 0 && a->num_q_heads % a->num_kv_heads == 0 && a->block_size > 0 &&
+         (a->block_size & (a->block_size - 1)) == 0 && a->block_size <= kPartitionAlign &&
+         (a->requested_loads == 0 || a->requested_loads == 2 || a->requested_loads == 4);
+}
+
+}  // namespace
+
+
+namespace {
+
+int64_t align_up(int64_t x) { return (x + kPartitionAlign - 1) / kPartitionAlign * kPartitionAlign; }
+
+// The worker of the k-th longest item: dealt in rounds over the workers, odd rounds in reverse.
+int snake_worker(int64_t k, int workers) {
+  const int j = static_cast<int>(k % workers);
+  return (k / workers) % 2 == 1 ? workers - 1 - j : j;
+}
+
+}  // namespace
+
+int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
+                     int min_item, int item_cost, int32_t* out) {
+  if (workers < 1 || capacity < num_seqs || num_seqs < 0 || num_seqs > 65535) return -1;
+  std::vector<int64_t> ctx(num_seqs);
+  int64_t total = 0, longest = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    ctx[i] = std::max<int32_t>(0, context_lens[i]);
+    total += ctx[i];
+    longest = std::max(longest, ctx[i]);
+  }
+  const int64_t hi = longest_item / kPartitionAlign * kPartitionAlign;
+  const int64_t lo = std::max<int64_t>(kPartitionAlign, align_up((longest + kMaxSplits - 1) / kMaxSplits));
+  if (hi < lo) return -2;
+  const int64_t floor = std::max(lo, std::min<int64_t>(min_item, hi));
+  std::vector<int64_t> sizes = {hi};
+  for (int rounds : kWorkRounds)
+    sizes.push_back(std::min(hi, std::max(floor, align_up((total + rounds * workers - 1) / (int64_t{rounds} * workers)))));
+  std::sort(sizes.begin(), sizes.end(), std::greater<int64_t>());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+
+  std::vector<int64_t> pieces(num_seqs), last(num_seqs), loads(workers);
+  std::vector<int> by_last(num_seqs);
+  // Items longest first: every piece but a sequence's last (seq-major), then the last pieces by
+  // length (stable); fn(k, seq, piece, cost) for each.
+  auto for_each_item = [&](int64_t size, auto&& fn) {
+    int64_t k = 0;
+    for (int i = 0; i < num_seqs; ++i)
+      for (int64_t p = 0; p + 1 < pieces[i]; ++p) fn(k++, i, p, size + item_cost);
+    for (int i : by_last) fn(k++, i, pieces[i] - 1, last[i] + item_cost);
+  };
+  auto layout = [&](int64_t size) {   // pieces, last and by_last for this size; returns the item count
+    int64_t n = 0;
+    for (int i = 0; i < num_seqs; ++i) {
+      pieces[i] = std::max<int64_t>(1, (ctx[i] + size - 1) / size);
+      last[i] = ctx[i] - (pieces[i] - 1) * size;
+      n += pieces[i];
+    }
+    for (int i = 0; i < num_seqs; ++i) by_last[i] = i;
+    std::stable_sort(by_last.begin(), by_last.end(), [&](int a, int b) { return last[a] > last[b]; });
+    return n;
+  };
+  int64_t best_size = 0, best_span = 0;
+  for (const int64_t size : sizes) {   // largest first: ties keep the larger size
+    if (layout(size) > capacity) continue;
+    std::fill(loads.begin(), loads.end(), 0);
+    for_each_item(size, [&](int64_t k, int, int64_t, int64_t cost) { loads[snake_worker(k, workers)] += cost; });
+    const int64_t span = *std::max_element(loads.begin(), loads.end());
+    if (best_size == 0 || span < best_span) {
+      best_size = size;
+      best_span = span;
+    }
+  }
+  if (best_size == 0) return -3;
+  const int64_t n = layout(best_size);
+  int32_t* offsets = out + kWorkHeader;
+  int32_t* items = offsets + workers + 1;
+  int32_t* spans = items + capacity;
+  std::fill(out, out + kWorkHeader + workers + 1, 0);
+  out[0] = static_cast<int32_t>(n);
+  out[1] = static_cast<int32_t>(best_size);
+  for (int64_t k = 0; k < n; ++k) ++offsets[snake_worker(k, workers) + 1];
+  for (int w = 0; w < workers; ++w) offsets[w + 1] += offsets[w];
+  std::vector<int32_t> cursor(offsets, offsets + workers);
+  for_each_item(best_size, [&](int64_t k, int seq, int64_t piece, int64_t) {
+    items[cursor[snake_worker(k, workers)]++] =
+        static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
+  });
+  std::fill(items + n, items + capacity, 0);
+  int64_t first = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    spans[2 * i] = static_cast<int32_t>(first);
+    spans[2 * i + 1] = static_cast<int32_t>(pieces[i]);
+    first += pieces[i];
+  }
+  return static_cast<int>(n);
+}
+
+cudaError_t plan_paged_decode_work(DType dtype, DType cache_dtype, int device, DecodeArgs* a) {
+  if (!valid_sizes(a) || !choose_head_tile(dtype, cache_dtype, a)) return cudaErrorInvalidValue;
+  a->loads = a->requested_loads != 0 ? a->requested_loads : kWorkDefaultLoads;
+  const int64_t units = static_cast<int64_t>(a->num_kv_heads) * a->head_chunks;
+  const int64_t slots = sm_count(device) * decode_occupancy(dtype, cache_dtype, a->head_dim, a->head_tile, a->loads,
+                                                            device);
+  a->work_workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(slots / units, 65535)));
+  // The launch reserves the merge's shared memory, which the table slice reuses.
+  int merge_smem = 0;
+  dispatch_decode(dtype, cache_dtype, a->head_dim, a->head_tile, a->loads, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    merge_smem = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
+  });
+  const int64_t entries = std::min<int64_t>(merge_smem / static_cast<int>(sizeof(int)), kMaxTableEntries);
+  a->partition_tokens = static_cast<int>(entries * a->block_size / kPartitionAlign * kPartitionAlign);
+  a->num_splits = 0;
+  return a->partition_tokens >= kPartitionAlign ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* a) {
+  if (!valid_sizes(a)) return cudaErrorInvalidValue;
+  a->work = nullptr;
+  if (!choose_head_tile(dtype, cache_dtype, a)) return cudaErrorInvalidValue;
   const int64_t max_ctx = static_cast<int64_t>(a->max_blocks_per_seq) * a->block_size;
   const int64_t max_partition = static_cast<int64_t>(kMaxTableEntries) * a->block_size;
   a->loads = a->requested_loads != 0 ? a->requested_loads : 4;
@@ -244,20 +364,28 @@ cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_spli
 
 cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& a, cudaStream_t stream) {
   if (a.num_seqs == 0) return cudaSuccess;
-  if (a.num_splits < 1 || a.num_splits > kMaxSplits || a.partition_tokens % kPartitionAlign != 0 ||
-      a.partition_tokens / a.block_size > kMaxTableEntries || a.num_seqs > 65535 ||
-      (a.num_splits > 1 && (a.part_out == nullptr || a.part_ml == nullptr)))
+  const bool listed = a.work != nullptr;
+  if (listed ? (a.work_capacity < a.num_seqs || a.work_workers < 1 || a.part_out == nullptr || a.part_ml == nullptr)
+             : (a.num_splits < 1 || a.num_splits > kMaxSplits || a.partition_tokens % kPartitionAlign != 0 ||
+                a.partition_tokens / a.block_size > kMaxTableEntries ||
+                (a.num_splits > 1 && (a.part_out == nullptr || a.part_ml == nullptr))) ||
+      a.num_seqs > 65535)
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
   const bool ok = dispatch_decode(dtype, cache_dtype, a.head_dim, a.head_tile, a.loads, [&](auto cfg) {
     using Cfg = decltype(cfg);
     using T = typename Cfg::T;
-    const int smem = decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
-    // grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps warps.
-    const dim3 grid(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
+    // Work-list mode: the merge's shared memory, which bounds an item's table slice
+    // (plan_paged_decode_work's partition_tokens).
+    const int smem = listed ? decode_merge_smem_bytes<Cfg::D, Cfg::HT>()
+                            : decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
+    // grid: (num_kv_heads * head_chunks, num_seqs, num_splits) or, with a work list,
+    // (num_kv_heads * head_chunks, work_workers); block: kDecodeWarps warps.
+    const dim3 grid = listed ? dim3(a.num_kv_heads * a.head_chunks, a.work_workers)
+                             : dim3(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
     paged_decode_kernel<T, typename Cfg::C, Cfg::D, Cfg::HT, Cfg::LOADS><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
     err = cudaGetLastError();
-    if (err != cudaSuccess || a.num_splits == 1) return;
+    if (err != cudaSuccess || (!listed && a.num_splits == 1)) return;
     // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
     paged_decode_merge_kernel<T><<<dim3(a.num_q_heads, a.num_seqs), kMergeThreads, 0, stream>>>(a);
     err = cudaGetLastError();

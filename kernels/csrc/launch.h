@@ -25,6 +25,9 @@ constexpr int kMinPartitionTokens = 1024;      // automatic splits are at least 
 constexpr int kMinPartitionTokensSmall = 256;  // ... or this, when longer ones leave SMs without blocks
 constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
 constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmarks/kernels.py sweeps it)
+constexpr int kWorkHeader = 4;                 // ints before a work list's items (see DecodeArgs::work)
+constexpr int kWorkDefaultLoads = 2;           // kernel instance of work-list launches (a full resident grid)
+constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};  // items per worker the work-list planner tries (decode_plan.py ROUNDS)
 
 struct DecodeArgs {
   void* out;                       // [num_seqs, num_q_heads, head_dim], query dtype
@@ -46,6 +49,19 @@ struct DecodeArgs {
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   int requested_loads;             // 0: the planner picks; 2 or 4: that kernel instance (benchmarks)
+  // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
+  // a DEVICE int32 array [kWorkHeader + work_workers + 1 + work_capacity + 2 * num_seqs]:
+  //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2..3] unused;
+  //   work_workers + 1 offsets: worker (blockIdx.y) y runs items offsets[y] .. offsets[y + 1] - 1;
+  //   work_capacity item codes (seq << 16 | piece), the first n used: an item covers tokens
+  //   [piece * partition, min(context, (piece + 1) * partition)) of seq;
+  //   per sequence (first partial row, piece count): count >= 1 and <= kMaxSplits; a sequence
+  //   of one piece is written directly, others through partial rows first .. first + count - 1.
+  // part_out / part_ml then hold one row per item: [work_capacity, num_q_heads, head_dim] and
+  // [work_capacity, num_q_heads, 2]. (Grid mode: [num_seqs * num_splits, num_q_heads, ...].)
+  const int32_t* work;
+  int work_capacity;
+  int work_workers;                // work-list mode: thread blocks per (KV head, head chunk)
   // Filled by plan_paged_decode:
   int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8; >= the GQA group unless 8)
@@ -62,7 +78,26 @@ struct DecodeArgs {
 // dtype: the query's; cache_dtype: the cache's (dtype, or kFloat8E4M3 with a 16-bit query).
 cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* args);
 
-// Launches the decode kernel (and, when num_splits > 1, the merge kernel) on `stream`.
+// Work-list mode geometry for `args` (sizes filled in; requested_loads 0 or 2/4): head_tile,
+// head_chunks, loads, work_workers (as many blocks per (KV head, head chunk) as stay resident
+// together, one wave), and in partition_tokens the longest item a block can stage (its table
+// slice must fit the shared memory the launch reserves). Depends only on the sizes, dtypes and
+// device, so a CUDA graph captured with it serves any later plan.
+cudaError_t plan_paged_decode_work(DType dtype, DType cache_dtype, int device, DecodeArgs* args);
+
+// The step's work list (DecodeArgs::work layout) planned on the HOST from its context lengths:
+// pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *
+// workers) for R in kWorkRounds, at least min_item tokens, by the exact busiest-worker cost,
+// tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
+// odd rounds in reverse. out: kWorkHeader + workers + 1 + capacity + 2 * num_seqs ints.
+// Returns the item count, or < 0: -1 bad sizes, -2 a context too long for kMaxSplits pieces of
+// longest_item tokens, -3 more items than capacity. kernels/decode_plan.py is the same planner
+// in numpy (the reference the GPU tests compare this one with).
+int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
+                     int min_item, int item_cost, int32_t* out);
+
+// Launches the decode kernel (and, when num_splits > 1 or in work-list mode, the merge kernel) on
+// `stream`.
 cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& args, cudaStream_t stream);
 
 struct WriteKVArgs {

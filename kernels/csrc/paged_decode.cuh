@@ -1,7 +1,9 @@
 // Paged decode attention: one query token per sequence over its paged K/V cache.
 //
-// One thread block handles one (KV head, sequence, split) and up to HT query heads of that KV
-// head's GQA group, so each K/V byte of the split is read once for the whole group.
+// One thread block handles one work item at a time, a (KV head, sequence, token range), for up to
+// HT query heads of that KV head's GQA group, so each K/V byte of the range is read once for the
+// whole group. Ranges come either from the grid (split-KV planned from the table's width) or
+// from the step's work list (planned once per step from the real lengths, kernels/decode_plan.py).
 // Work split inside the block:
 //   - a token row of D elements is read as D / VEC 16-byte vectors; LPT = min(32, D / VEC)
 //     lanes share a row ("lane group"), each lane holding VPL = D / VEC / LPT vectors of it,
@@ -219,41 +221,35 @@ constexpr int decode_merge_smem_bytes() {
 
 // ---------------------------------------------------------------------------------------------
 // Decode kernel.
-// grid: (num_kv_heads * head_chunks, num_seqs, num_splits); block: kDecodeWarps * 32 threads;
-// dynamic smem: max(partition_tokens / block_size ints, decode_merge_smem_bytes<D, HT>()).
-// T: query and output type; C: cache type (T, or fp8 e4m3 with 16-bit T).
+// grid mode (a.work == nullptr): grid (num_kv_heads * head_chunks, num_seqs, num_splits), one
+//   split of one sequence per block;
+// work-list mode: grid (num_kv_heads * head_chunks, work_workers), block y running worker y's
+//   items of the step's work list (launch.h, kernels/decode_plan.py).
+// block: kDecodeWarps * 32 threads; dynamic smem: max(partition_tokens / block_size ints,
+// decode_merge_smem_bytes<D, HT>()). T: query and output type; C: cache type (T, or fp8 e4m3
+// with 16-bit T).
 
+// One work item: tokens [start, end) of sequence `seq`, for the query heads of the thread
+// block's (KV head, head chunk). Writes the output rows when `direct` (the item is the whole
+// sequence), else partial row `item` (part_out[item][h][:], part_ml[item][h][:]) for the merge.
+// Uses the block's dynamic shared memory: the caller syncs before the next item reuses it.
 template <typename T, typename C, int D, int HT, int LOADS>
-__global__ void __launch_bounds__(kDecodeWarps * 32, KVPAGER_DECODE_MIN_BLOCKS)
-paged_decode_kernel(const DecodeArgs a) {
+__device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* smem, int seq, int start, int end,
+                                            bool direct, int64_t item) {
   using S = DecodeShape<C, D, LOADS>;
   constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
   constexpr int QVEC = Elem<T>::kVec;                   // query elements per 16-byte load
   static_assert(VEC % QVEC == 0, "a lane's cache vector must be whole query vectors");
   constexpr int NT = kDecodeWarps * 32;
-
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_ctx;
   int* s_table = reinterpret_cast<int*>(smem);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane / LPT, r = lane % LPT;
   const int kvh = blockIdx.x / a.head_chunks, chunk = blockIdx.x % a.head_chunks;
-  const int seq = blockIdx.y, split = blockIdx.z;
   const int group = a.num_q_heads / a.num_kv_heads;
   const int head0 = kvh * group + chunk * HT;
   const int nheads = min(HT, group - chunk * HT);
   const int log2b = a.log2_block_size;
-
-  if (tid == 0) {
-    const int c = a.context_lens[seq];
-    s_ctx = max(0, min(c, a.max_blocks_per_seq << log2b));
-  }
-  __syncthreads();
-  const int ctx = s_ctx;
-  const int start = split * a.partition_tokens;
-  if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
-  const int end = min(ctx, start + a.partition_tokens);
 
   // This split's slice of the block table, once, into shared memory; invalid ids become -1.
   const int first_blk = start >> log2b;
@@ -482,17 +478,46 @@ paged_decode_kernel(const DecodeArgs a) {
     }
     const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;   // v_scale: 1 unless the cache is fp8
     const int h = head0 + g;
-    if (a.num_splits == 1) {
+    if (direct) {
       T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
       op[d] = Elem<T>::from_float(res);
     } else {
-      const int64_t row = (static_cast<int64_t>(seq) * a.num_q_heads + h) * a.num_splits + split;
+      const int64_t row = item * a.num_q_heads + h;
       a.part_out[row * D + d] = res;
       if (d == 0) {
         a.part_ml[row * 2] = mm;
         a.part_ml[row * 2 + 1] = ll;
       }
     }
+  }
+}
+
+template <typename T, typename C, int D, int HT, int LOADS>
+__global__ void __launch_bounds__(kDecodeWarps * 32, KVPAGER_DECODE_MIN_BLOCKS)
+paged_decode_kernel(const DecodeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int longest = a.max_blocks_per_seq << a.log2_block_size;   // tokens a table row can hold
+  if (a.work == nullptr) {
+    const int seq = blockIdx.y, split = blockIdx.z;
+    const int ctx = max(0, min(a.context_lens[seq], longest));
+    const int start = split * a.partition_tokens;
+    if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
+    decode_item<T, C, D, HT, LOADS>(a, smem, seq, start, min(ctx, start + a.partition_tokens), a.num_splits == 1,
+                                    static_cast<int64_t>(seq) * a.num_splits + split);
+    return;
+  }
+  const int partition = a.work[1];
+  const int32_t* offsets = a.work + kWorkHeader;          // worker y runs items offsets[y] .. offsets[y + 1] - 1
+  const int32_t* items = offsets + a.work_workers + 1;
+  const int32_t* spans = items + a.work_capacity;         // per sequence: first partial row, piece count
+  for (int i = offsets[blockIdx.y]; i < offsets[blockIdx.y + 1]; ++i) {
+    const uint32_t code = static_cast<uint32_t>(items[i]);
+    const int seq = static_cast<int>(code >> 16), piece = static_cast<int>(code & 0xffffu);
+    const int ctx = max(0, min(a.context_lens[seq], longest));
+    const int start = piece * partition;
+    decode_item<T, C, D, HT, LOADS>(a, smem, seq, start, min(ctx, start + partition), spans[2 * seq + 1] <= 1,
+                                    static_cast<int64_t>(spans[2 * seq]) + piece);
+    __syncthreads();   // the next item rewrites the shared memory
   }
 }
 
@@ -506,25 +531,36 @@ __global__ void __launch_bounds__(kMergeThreads)
 paged_decode_merge_kernel(const DecodeArgs a) {
   __shared__ float s_w[kMaxSplits];
   const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
-  const int c = a.context_lens[seq];
-  const int ctx = max(0, min(c, a.max_blocks_per_seq << a.log2_block_size));
-  const int nvalid = min(a.num_splits, (ctx + a.partition_tokens - 1) / a.partition_tokens);
-  const int64_t row0 = (static_cast<int64_t>(seq) * a.num_q_heads + h) * a.num_splits;
-  const float* ml = a.part_ml + row0 * 2;
+  int64_t first;
+  int nvalid;
+  if (a.work == nullptr) {
+    const int ctx = max(0, min(a.context_lens[seq], a.max_blocks_per_seq << a.log2_block_size));
+    first = static_cast<int64_t>(seq) * a.num_splits;
+    nvalid = min(a.num_splits, (ctx + a.partition_tokens - 1) / a.partition_tokens);
+  } else {
+    const int32_t* spans = a.work + kWorkHeader + a.work_workers + 1 + a.work_capacity;
+    first = spans[2 * seq];
+    nvalid = min(spans[2 * seq + 1], kMaxSplits);   // the planner keeps it <= kMaxSplits
+    if (nvalid <= 1) return;   // written directly by its only item
+  }
+  // Partial i of this (sequence, head) is row (first + i) * num_q_heads + h.
+  const int64_t stride = a.num_q_heads;
+  const float* ml = a.part_ml + (first * stride + h) * 2;
 
   float mm = -INFINITY;
-  for (int i = 0; i < nvalid; ++i) mm = fmaxf(mm, ml[2 * i]);
-  for (int i = threadIdx.x; i < nvalid; i += blockDim.x) s_w[i] = exp2_diff(ml[2 * i], mm) * ml[2 * i + 1];
+  for (int i = 0; i < nvalid; ++i) mm = fmaxf(mm, ml[2 * i * stride]);
+  for (int i = threadIdx.x; i < nvalid; i += blockDim.x)
+    s_w[i] = exp2_diff(ml[2 * i * stride], mm) * ml[2 * i * stride + 1];
   __syncthreads();
   float ll = 0.f;
   for (int i = 0; i < nvalid; ++i) ll += s_w[i];
   const float inv = ll > 0.f ? 1.f / ll : 0.f;
 
-  const float* po = a.part_out + row0 * D;
+  const float* po = a.part_out + (first * stride + h) * D;
   T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int i = 0; i < nvalid; ++i) o = fmaf(s_w[i], po[static_cast<int64_t>(i) * D + d], o);
+    for (int i = 0; i < nvalid; ++i) o = fmaf(s_w[i], po[static_cast<int64_t>(i) * stride * D + d], o);
     op[d] = Elem<T>::from_float(o * inv);
   }
 }

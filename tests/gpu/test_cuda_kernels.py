@@ -260,3 +260,85 @@ def test_copy_blocks_odd_block_size_tail():
     reference.copy_blocks(expect, src, dst)
     assert torch.equal(cache, expect)
     assert math.prod(cache.shape[1:]) * 2 % (256 * 4 * 16) != 0
+
+
+# ---- decode over a work list planned once per step (kernels/decode_plan.py) ----
+
+def _check_work(query, k_view, v_view, block_tables, context_lens, tol, k_scale=1.0, v_scale=1.0, host_lens=None):
+    """The planned kernel against float64: NaN-poisoned output and workspace, the plan made on
+    the host from ``host_lens`` (default: the context lengths)."""
+    geometry = cuda.decode_work_geometry(query, k_view)
+    lens = context_lens.tolist() if host_lens is None else host_lens
+    plan = cuda.plan_decode_work(lens, geometry)
+    work = torch.from_numpy(plan).to(DEV)
+    workspace = cuda.decode_workspace(geometry.capacity(len(lens)), query.shape[1], query.shape[2], DEV)
+    workspace[0].fill_(float("nan"))
+    workspace[1].fill_(float("nan"))
+    scale = query.shape[-1] ** -0.5
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
+    got = cuda.paged_decode_work(query, k_view, v_view, block_tables, context_lens, work, workspace, geometry, scale,
+                                 out=out, k_scale=k_scale, v_scale=v_scale)
+    assert got is out
+    if k_view.dtype == reference.FP8:
+        ref = reference.paged_decode_attention(query.double(), k_view, v_view, block_tables, context_lens, scale,
+                                               k_scale, v_scale)
+    else:
+        ref = reference.paged_decode_attention(query.double(), k_view.double(), v_view.double(), block_tables,
+                                               context_lens, scale)
+    assert torch.isfinite(got).all(), "unwritten or NaN outputs"
+    for i in range(query.shape[0]):
+        if lens[i] <= 0:
+            assert (got[i] == 0).all()
+            continue
+        err = float((got[i].double() - ref[i]).norm() / ref[i].norm())
+        assert err < tol, (i, lens[i], err)
+    return plan
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_work_list_decode_matches_float64(dtype, head_dim, block_size, group, loads):
+    """Ragged random lengths (split into pieces and whole), edge lengths around a block."""
+    seed = zlib.crc32(repr(("work", dtype, head_dim, block_size, group, loads)).encode())
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, block_size - 1, block_size, block_size + 1] + torch.randint(1, 3000, (12,), generator=gen).tolist()
+    lens.append(9000)
+    _check_work(*_case(dtype, head_dim, block_size, 2, group, lens, seed), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_work_list_decode_fp8_cache(dtype, head_dim, loads):
+    seed = zlib.crc32(repr(("work-fp8", dtype, head_dim, loads)).encode())
+    lens = [1, 17, 700, 2500, 64, 4097]
+    k_scale, v_scale = 0.043, 0.021
+    case = _case(dtype, head_dim, 16, 2, 4, lens, seed, reference.FP8, k_scale, v_scale)
+    _check_work(*case, TOL[dtype], k_scale, v_scale)
+
+
+def test_work_list_decode_padding_rows_and_the_llama_shape():
+    """32q/8kv d128 bf16 (the serving shape): a long sequence split into many pieces beside short
+    ones, and padding rows (context 0) that must come out as zeros."""
+    lens = [20000, 5, 0, 3000, 0, 129, 77, 4096]
+    case = _case(torch.bfloat16, 128, 16, 8, 4, [max(n, 1) for n in lens], seed=5)
+    query, k_view, v_view, tables, _ = case
+    context = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    plan = _check_work(query, k_view, v_view, tables, context, TOL[torch.bfloat16], host_lens=lens)
+    spans = plan[-2 * len(lens):].reshape(len(lens), 2)   # (first partial row, pieces) per row
+    assert spans[0, 1] > 1 and (spans[[2, 4], 1] == 1).all()
+
+
+def test_host_planners_agree():
+    """The C++ planner the worker uses equals kernels/decode_plan.py's numpy one."""
+    from kvpager.kernels import decode_plan
+    q, k = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=DEV), torch.empty(4, 8, 16, 128, dtype=torch.bfloat16,
+                                                                                   device=DEV)
+    geometry = cuda.decode_work_geometry(q, k)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        rows = int(torch.randint(1, 600, (1,), generator=gen))
+        lens = torch.randint(-2, [300, 5000, 40000][trial % 3], (rows,), generator=gen).tolist()
+        expect = decode_plan.plan_decode_work(lens, geometry.workers, geometry.longest_item)
+        assert (cuda.plan_decode_work(lens, geometry) == expect).all(), (trial, rows)

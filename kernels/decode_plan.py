@@ -1,0 +1,124 @@
+"""The decode kernel's work list for one step, planned on the host from the step's real lengths.
+
+Why: a decode batch is ragged. Splitting every sequence by the table's width (the longest
+sequence) gives short sequences empty splits and long ones too few, so a wave ends with a few
+thread blocks still reading while the rest of the GPU idles. Here the step's token ranges are cut
+into pieces of one size P and ordered so that every thread block of the launch (a fixed number of
+"workers" per KV head, as many as stay resident together) gets about the same number of tokens.
+
+Plan once per step, run per layer: the list depends only on the step's context lengths, so every
+layer's launch reads the same list (and a CUDA graph replays it: the launch geometry is fixed by
+the model and the device, ``cuda.decode_work_geometry``, only the list's contents change).
+
+Layout (int32, ``kernels/csrc/launch.h``, ``DecodeArgs::work``)::
+
+    [n, P, 0, 0]                      header (HEADER ints)
+    workers + 1 offsets               worker y runs items offsets[y] .. offsets[y + 1] - 1
+    capacity item codes                seq << 16 | piece (the first n used)
+    2 ints per sequence                first partial row, number of pieces (1 = written directly)
+
+Choosing P: a few candidates, each scored by the exact makespan of its assignment (tokens plus
+``item_cost`` per item, on the busiest worker): whole sequences (P = the longest item the kernel
+stages) and pieces of total / (R * workers) tokens for R in ROUNDS (at least ``min_item``); the
+lowest makespan wins, the larger P on ties.
+Items are sorted longest first and dealt in rounds over the workers, every other round in
+reverse (a snake), so no worker gets the long pieces of every round. Cost: O(S + n log n) numpy
+work per candidate (0.2-0.4 ms in all for 100-500 sequences on a slow host core).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HEADER = 4
+ALIGN = 64          # a piece's token count is a multiple of this (kPartitionAlign)
+MAX_PIECES = 256    # pieces of one sequence (kMaxSplits: the merge stages one weight per piece)
+MAX_ROUNDS = 16     # items per worker the planner aims at, at most
+ROUNDS = (1, 2, 4, 8, MAX_ROUNDS)
+MIN_ITEM = 256      # tokens: shorter pieces cost more in prologue and merge than they balance
+ITEM_COST = 32      # tokens' worth of time an item costs beyond its tokens (prologue, partials, merge)
+
+
+def capacity_for(num_seqs: int, workers: int) -> int:
+    """Item slots a plan for ``num_seqs`` rows needs at most: one per row plus MAX_ROUNDS per worker."""
+    return num_seqs + MAX_ROUNDS * workers
+
+
+def plan_size(num_seqs: int, workers: int, capacity: int) -> int:
+    """Ints of a plan for ``num_seqs`` rows, ``workers`` workers and ``capacity`` item slots."""
+    return HEADER + workers + 1 + capacity + 2 * num_seqs
+
+
+def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: int | None = None, *,
+                     min_item: int = MIN_ITEM, item_cost: int = ITEM_COST) -> np.ndarray:
+    """The work list (int32, layout above) for sequences of these context lengths (a list or an
+    integer array; lengths <= 0 get one empty item, so their output rows are written as zeros).
+    ``workers``: thread blocks per KV head of the launch; ``longest_item``: the most tokens one
+    item may hold (``cuda.decode_work_geometry``); ``capacity``: item slots (default
+    ``capacity_for``). Raises ValueError when no piece size fits (a context longer than
+    MAX_PIECES * longest_item, or too small a capacity)."""
+    ctx = np.maximum(np.asarray(context_lens, dtype=np.int64), 0)
+    num_seqs = len(ctx)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    capacity = capacity_for(num_seqs, workers) if capacity is None else capacity
+    if capacity < num_seqs:
+        raise ValueError(f"capacity {capacity} is below the {num_seqs} rows (one item each at least)")
+    hi = longest_item // ALIGN * ALIGN
+    longest = int(ctx.max()) if num_seqs else 0
+    lo = max(ALIGN, _align_up(-(-longest // MAX_PIECES)))
+    if hi < lo:
+        raise ValueError(f"a context of {longest} tokens needs pieces of {lo} tokens, above the kernel's "
+                         f"{hi} (at most {MAX_PIECES} pieces per sequence)")
+    total = int(ctx.sum())
+    floor = max(lo, min(min_item, hi))
+    sizes = {hi} | {min(hi, max(floor, _align_up(-(-total // (r * workers))))) for r in ROUNDS}
+    best = None
+    for size in sorted(sizes, reverse=True):
+        pieces = np.maximum(1, -(-ctx // size))
+        if int(pieces.sum()) > capacity:
+            continue
+        seq, piece, cost = _sorted_items(ctx, pieces, size, item_cost)
+        worker = _snake(len(seq), workers)
+        span = int(np.bincount(worker, weights=cost, minlength=workers).max())
+        if best is None or span < best[0] or (span == best[0] and size > best[1]):
+            best = (span, size, pieces, seq, piece, worker)
+    if best is None:
+        raise ValueError(f"{num_seqs} sequences of {total} tokens do not fit {capacity} items")
+    _, size, pieces, seq, piece, worker = best
+    by_worker = np.argsort(worker, kind="stable")
+    n = len(seq)
+    out = np.zeros(plan_size(num_seqs, workers, capacity), dtype=np.int32)
+    out[0], out[1] = n, size
+    offsets = out[HEADER:HEADER + workers + 1]
+    offsets[1:] = np.cumsum(np.bincount(worker, minlength=workers))
+    items = out[HEADER + workers + 1:HEADER + workers + 1 + capacity]
+    items[:n] = ((seq[by_worker] << 16) | piece[by_worker]).astype(np.uint32).view(np.int32)
+    spans = out[HEADER + workers + 1 + capacity:].reshape(num_seqs, 2)
+    spans[:, 1] = pieces
+    spans[1:, 0] = np.cumsum(pieces[:-1])
+    return out
+
+
+def _align_up(x: int) -> int:
+    return -(-x // ALIGN) * ALIGN
+
+
+def _sorted_items(ctx: np.ndarray, pieces: np.ndarray, size: int,
+                  item_cost: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq, piece, cost) of every item, longest first: every piece but a sequence's last holds
+    ``size`` tokens; the last pieces follow by length."""
+    inner = pieces - 1
+    seq_inner = np.repeat(np.arange(len(ctx), dtype=np.int64), inner)
+    piece_inner = np.arange(len(seq_inner), dtype=np.int64) - np.repeat(np.cumsum(inner) - inner, inner)
+    last_tokens = ctx - inner * size
+    seq_last = np.argsort(-last_tokens, kind="stable")
+    cost = np.concatenate([np.full(len(seq_inner), size + item_cost), last_tokens[seq_last] + item_cost])
+    return np.concatenate([seq_inner, seq_last]), np.concatenate([piece_inner, inner[seq_last]]), cost
+
+
+def _snake(n: int, workers: int) -> np.ndarray:
+    """The worker of each of n items dealt in rounds over the workers, odd rounds in reverse."""
+    k = np.arange(n)
+    j = k % workers
+    return np.where((k // workers) % 2 == 1, workers - 1 - j, j)
