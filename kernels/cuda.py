@@ -35,7 +35,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from . import decode_plan
+from . import decode_plan as work_plan
 
 __all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "DecodeGeometry",
            "decode_work_geometry", "plan_decode_work", "paged_decode_work", "decode_workspace", "write_kv", "copy_blocks",
@@ -211,11 +211,11 @@ class DecodeGeometry:
 
     def capacity(self, num_seqs: int) -> int:
         """Item slots a plan for ``num_seqs`` rows needs."""
-        return decode_plan.capacity_for(num_seqs, self.workers)
+        return work_plan.capacity_for(num_seqs, self.workers)
 
     def plan_size(self, num_seqs: int, capacity: int | None = None) -> int:
         """Ints of a plan for ``num_seqs`` rows (``capacity`` item slots, default ``capacity(num_seqs)``)."""
-        return decode_plan.plan_size(num_seqs, self.workers,
+        return work_plan.plan_size(num_seqs, self.workers,
                                      self.capacity(num_seqs) if capacity is None else capacity)
 
 
@@ -241,8 +241,8 @@ def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | Non
     ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does."""
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
     out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
-    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, decode_plan.MIN_ITEM,
-                             decode_plan.ITEM_COST, torch.from_numpy(out))
+    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, work_plan.MIN_ITEM,
+                             work_plan.ITEM_COST, torch.from_numpy(out))
     return out
 
 
