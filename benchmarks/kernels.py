@@ -217,6 +217,10 @@ RAGGED_CONFIGS = [("ragged", 128, 8192), ("ragged", 64, 32768), ("ragged", 256, 
                   ("uniform", 128, 2048), ("uniform", 256, 1024), ("uniform", 32, 16384)]
 
 
+PLAN_MIN_ITEMS = (128, 256, 512)
+PLAN_ITEM_COSTS = (32, 96, 256)
+
+
 def bench_ragged(ceiling: float) -> None:
     """Decode planned once per step from the real lengths (work list, kernels/decode_plan.py)
     against the per-call grid planned from the table's width, on ragged batches (lengths uniform
@@ -269,6 +273,15 @@ def bench_ragged(ceiling: float) -> None:
         print(f"{kind:>7} {batch:>5} x {longest:<6} {tokens:>8} | {t_grid * 1e6:8.1f} {100 * nbytes / t_grid / ceiling:5.1f} | "
               f"{t_list * 1e6:8.1f} {100 * nbytes / t_list / ceiling:5.1f} {int(plan[0]):>5} {int(plan[1]):>5} | "
               f"{plan_s * 1e6:7.1f} | {sdpa:>6} | {err:8.1e}")
+        sweep = []
+        for min_item in PLAN_MIN_ITEMS:
+            for item_cost in PLAN_ITEM_COSTS:
+                swept = torch.from_numpy(cuda.plan_decode_work(host_lens, geometry, min_item=min_item,
+                                                               item_cost=item_cost)).cuda()
+                t = timed(lambda: cuda.paged_decode_work(q, k, v, tables, lens, swept, workspace, geometry, scale,
+                                                         out=out_list), reps=9)
+                sweep.append(f"m{min_item}/c{item_cost}={100 * nbytes / t / ceiling:.1f}")
+        print(f"{'':29}planner knobs (min_item/item_cost=%): " + " ".join(sweep))
         del q, cache, k, v
         torch.cuda.empty_cache()
     print(f"(work list: {geometry.workers} workers per KV head, kernel instance with {geometry.loads} loads)")

@@ -235,14 +235,16 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor) -> Dec
     return geometry
 
 
-def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None) -> np.ndarray:
+def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None, *,
+                     min_item: int = work_plan.MIN_ITEM, item_cost: int = work_plan.ITEM_COST) -> np.ndarray:
     """The step's work list (int32 numpy, ``decode_plan`` layout) for these host context lengths
     (a list or an integer array, one per row): the C++ planner, equal to
-    ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does."""
+    ``decode_plan.plan_decode_work`` and ~50x faster (``min_item``, ``item_cost``: its knobs, for
+    benchmark sweeps). Raises ValueError as that one does."""
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
     out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
-    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, work_plan.MIN_ITEM,
-                             work_plan.ITEM_COST, torch.from_numpy(out))
+    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
+                             torch.from_numpy(out))
     return out
 
 
