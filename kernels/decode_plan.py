@@ -36,7 +36,8 @@ MAX_PIECES = 256    # pieces of one sequence (kMaxSplits: the merge stages one w
 MAX_ROUNDS = 16     # items per worker the planner aims at, at most
 ROUNDS = (1, 2, 4, 8, MAX_ROUNDS)
 MIN_ITEM = 256      # tokens: shorter pieces cost more in prologue and merge than they balance
-ITEM_COST = 32      # tokens' worth of time an item costs beyond its tokens (prologue, partials, merge)
+ITEM_COST = 96      # tokens' worth of time an item costs beyond its tokens (prologue, partials, merge;
+                    # benchmarks/kernels.py --only ragged sweeps it: 96 was best or within 0.3% on an H100)
 
 
 def capacity_for(num_seqs: int, workers: int) -> int:

@@ -80,11 +80,13 @@ class DecodeGraphs:
             self._tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=dev)
             self._context = torch.zeros(max_batch, dtype=torch.int32, device=dev)
             self._hidden = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.embed.dtype, device=dev)
-            self._planner = model.decode_planner(self._layer_cache)
             # The step's work list and the split-KV workspace, sized for the largest bucket; a
-            # bucket of B rows uses their prefixes.
-            self._work = torch.zeros(self._planner.plan_size(max_batch), dtype=torch.int32, device=dev)
-            self._workspace = self._planner.workspace(max_batch)
+            # bucket of B rows uses their prefixes. (No planner: KVPAGER_DECODE_WORK_LIST=0, the
+            # per-call grid inside the graph, planned from the table's width at capture.)
+            self._planner = model.decode_planner(self._layer_cache)
+            if self._planner is not None:
+                self._work = torch.zeros(self._planner.plan_size(max_batch), dtype=torch.int32, device=dev)
+                self._workspace = self._planner.workspace(max_batch)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._warm = False
@@ -109,7 +111,10 @@ class DecodeGraphs:
         width = _width_bucket(w)
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         pad = [np.zeros(batch - s, np.int64), np.full(batch - s, -1, np.int64)]   # padding rows: 0, slot -1
-        plan = self._planner.plan(np.concatenate([np.asarray(step.context_lens, np.int32), np.zeros(batch - s, np.int32)]))
+        plan = np.zeros(0, np.int32)
+        if self._planner is not None:
+            plan = self._planner.plan(np.concatenate([np.asarray(step.context_lens, np.int32),
+                                                      np.zeros(batch - s, np.int32)]))
         plan64 = np.concatenate([plan, np.zeros(len(plan) % 2, np.int32)]).view(np.int64)   # rides as int64 pairs
         host = host_ints([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
                           step.context_lens, pad[0], plan64, step.block_tables], np.int64)
@@ -117,7 +122,8 @@ class DecodeGraphs:
         self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
         self._context[:batch].copy_(staged[3 * batch:4 * batch])
         tables_at = 4 * batch + len(plan64)
-        self._work[:len(plan)].copy_(staged[4 * batch:tables_at].view(torch.int32)[:len(plan)])
+        if len(plan):
+            self._work[:len(plan)].copy_(staged[4 * batch:tables_at].view(torch.int32)[:len(plan)])
         self._tables[:s, :w].copy_(staged[tables_at:].view(s, w))
         self.cache.wait()
         graph.replay()
@@ -128,9 +134,11 @@ class DecodeGraphs:
 
     def _body(self, batch: int, width: int) -> None:
         tokens, positions, slots = self._longs[:, :batch]
-        capacity = self._planner.capacity(batch)
-        work = (self._work[:self._planner.plan_size(batch)],
-                (self._workspace[0][:capacity], self._workspace[1][:capacity]))
+        work = None
+        if self._planner is not None:
+            capacity = self._planner.capacity(batch)
+            work = (self._work[:self._planner.plan_size(batch)],
+                    (self._workspace[0][:capacity], self._workspace[1][:capacity]))
         hidden = self.model.decode_hidden(tokens, positions, slots, self._tables[:batch, :width],
                                           self._context[:batch], self._layer_cache, work=work)
         self._hidden[:batch].copy_(hidden)
@@ -143,8 +151,9 @@ class DecodeGraphs:
         self._longs[:2, :batch].zero_()
         self._longs[2, :batch].fill_(-1)
         self._context[:batch].zero_()
-        plan = self._planner.plan(np.zeros(batch, np.int32))   # all padding: what the warm-up runs
-        self._work[:len(plan)].copy_(torch.from_numpy(plan))
+        if self._planner is not None:
+            plan = self._planner.plan(np.zeros(batch, np.int32))   # all padding: what the warm-up runs
+            self._work[:len(plan)].copy_(torch.from_numpy(plan))
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
