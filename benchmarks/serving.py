@@ -693,6 +693,16 @@ def _roofline(iterations: list[dict], min_batch: int, weight_bytes: int, kv_per_
         runner_fraction=sum(roof) / sum(runner), iteration_fraction=sum(roof) / sum(wall),
         runner_fraction_p50=pct([r / t for r, t in zip(roof, runner)], 0.5),
         iteration_fraction_p50=pct([r / t for r, t in zip(roof, wall)], 0.5))
+    # The same by batch range: at large batches the GEMMs near their compute limit, which a
+    # bytes-only roofline does not count.
+    ranges = []
+    for lo, hi in ((min_batch, 128), (128, 256), (256, 1 << 30)):
+        picked = [k for k, i in enumerate(steps) if max(lo, min_batch) <= i["seqs"] < hi]
+        if picked:
+            ranges.append(dict(batch_from=max(lo, min_batch), batch_to=hi, steps=len(picked),
+                               runner_fraction=sum(roof[k] for k in picked) / sum(runner[k] for k in picked),
+                               iteration_fraction=sum(roof[k] for k in picked) / sum(wall[k] for k in picked)))
+    out["by_batch"] = ranges
     return out
 
 
@@ -1215,6 +1225,10 @@ def report(summary: dict) -> str:
                 f"{rf['runner_p50_ms']:.2f} ms = {rf['runner_fraction']:.1%} of roofline (per-step p50 "
                 f"{rf['runner_fraction_p50']:.1%}); whole iteration p50 {rf['iteration_p50_ms']:.2f} ms = "
                 f"{rf['iteration_fraction']:.1%} (p50 {rf['iteration_fraction_p50']:.1%})")
+            for r in rf.get("by_batch", []):
+                upper = f"< {r['batch_to']}" if r["batch_to"] < 1 << 30 else "and up"
+                lines.append(f"    batch {r['batch_from']} {upper}: {r['steps']} steps, runner call "
+                             f"{r['runner_fraction']:.1%} of roofline, whole iteration {r['iteration_fraction']:.1%}")
         else:
             lines.append(f"kvpager decode steps at batch >= {rf['min_batch']}: none in this run "
                          f"(copy ceiling {rf['copy_ceiling_GBps']:,.0f} GB/s)")
