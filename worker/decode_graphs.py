@@ -46,10 +46,8 @@ from .model import Decoder, host_ints
 
 log = logging.getLogger("kvpager.worker")
 
-# Steps of 1/8 or finer from 64 up: a batch pads at most ~12% (above 256 the GEMMs are near their
-# compute limit, so padded rows cost time, not just bytes).
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288,
-                 320, 352, 384, 416, 448, 480, 512, 576, 640, 704, 768, 832, 896, 960, 1024)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                 640, 768, 896, 1024)
 MIN_WIDTH = 8
 
 
