@@ -31,6 +31,11 @@ class PlanNotApplied(RuntimeError):
     worker ran nothing. Retrying after the plan arrives is safe."""
 
 
+class FeedbackUnavailable(RuntimeError):
+    """A step takes tokens from a previous step's output that this worker does not hold (it ran
+    another step since, or it is not a single rank): the worker ran nothing."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepInput:
     step_id: int                # the manager's id of the Step this input comes from
@@ -47,6 +52,13 @@ class StepInput:
     # What rank 0 returns for each sequence that computed tokens: False, its last token's float32
     # logits [vocab]; True, their argmax (greedy decoding: the token ids alone cross the wire).
     greedy: bool = False
+    # Tokens the scheduler does not know yet (it sent this step before the previous one's tokens
+    # came back): [T] ints, -1 for a token given in token_ids (where these rows hold 0), else the
+    # row of step ``feedback_step``'s greedy output whose id the worker puts there on the device.
+    # Single-rank groups only; a worker whose last greedy step is not feedback_step refuses the
+    # step (FeedbackUnavailable) and runs nothing.
+    feedback_rows: Sequence[int] | None = None
+    feedback_step: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -78,13 +90,17 @@ class StepInput:
                              f"not {s} rows of {self.max_blocks}")
         if not any(self.query_lens):
             raise ValueError(f"step {self.step_id}: no sequence computes a token")
+        if self.feedback_rows is not None and (len(self.feedback_rows) != t or not self.feedback_step):
+            raise ValueError(f"step {self.step_id}: {len(self.feedback_rows)} feedback rows for {t} tokens "
+                             f"(feedback step {self.feedback_step})")
         for i, (q, ctx) in enumerate(zip(self.query_lens, self.context_lens)):
             if q < 0 or q > ctx:
                 raise ValueError(f"step {self.step_id}: sequence {i} computes {q} tokens of a {ctx}-token context")
 
     @classmethod
     def from_step_reply(cls, reply: Any, token_ids: list[int], positions: list[int],
-                        greedy: bool = False) -> "StepInput":
+                        greedy: bool = False, feedback_rows: Sequence[int] | None = None,
+                        feedback_step: int = 0) -> "StepInput":
         """The input for a manager ``StepResponse`` (read by field name, so no protobuf import):
         its step id, whether its plan moved blocks, and its batch tables as they are, with the
         tokens the scheduler computes (``token_ids``/``positions``, sequence after sequence, as
@@ -102,7 +118,8 @@ class StepInput:
         return cls(step_id=reply.step_id, plan_step_id=reply.step_id if moved else 0, token_ids=token_ids,
                    positions=positions, slot_mapping=batch.slot_mapping[:], query_lens=batch.query_lens[:],
                    context_lens=batch.context_lens[:], block_tables=block_tables,
-                   max_blocks=batch.max_blocks, greedy=greedy)
+                   max_blocks=batch.max_blocks, greedy=greedy, feedback_rows=feedback_rows,
+                   feedback_step=feedback_step)
 
 
 def unpack_int32(data: bytes) -> np.ndarray:

@@ -42,7 +42,7 @@ from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 from .kv_cache import CacheSpec, KVCache
 from .metrics import WorkerInfo, WorkerMetrics
-from kvpager.step import PlanNotApplied, StepInput
+from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
 
 from .decode_graphs import DecodeGraphs, supported as graphs_supported
 from .model import Decoder, ModelConfig
@@ -106,11 +106,6 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def _result(step: StepInput, logits: torch.Tensor) -> torch.Tensor:
-    """What rank 0 sends back: the logits, or their argmax for a greedy step (on the CPU)."""
-    return (logits.argmax(dim=-1) if step.greedy else logits).cpu()
-
-
 class CacheWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -133,6 +128,10 @@ class CacheWorker:
                            last_step_id=0)
         # Step ids of the plans applied, newest last (bounded: a step needs a recent plan).
         self._applied_plans: deque[int] = deque(maxlen=APPLIED_PLANS_KEPT)
+        # The last greedy step's token ids, on the device, for a step that takes its tokens from
+        # them (StepInput.feedback_rows); its step id (0: none).
+        self._last_ids: Optional[torch.Tensor] = None
+        self._last_ids_step = 0
         self._applied_set: set[int] = set()
 
     # ---- life cycle ------------------------------------------------------------------------------------
@@ -307,31 +306,56 @@ class CacheWorker:
         if metrics is None:
             with self._lock:
                 self._require_plan(step)
-                logits = self._forward(step)
-            return _result(step, logits) if self.config.rank == 0 else None
+                logits = self._forward(step, previous_ids=self._fed_tokens(step))
+                out = self._output(step, logits) if self.config.rank == 0 else None
+            return out.cpu() if out is not None else None   # the host waits here, outside the lock
         attention = metrics.attention_span()
         with self._lock:
             self._require_plan(step)
+            previous = self._fed_tokens(step)
             metrics.poll()
             started = time.perf_counter()
-            logits = self._forward(step, attention)
-        if self.config.rank == 0:
-            out = _result(step, logits)
-        else:
-            out = None
-            if self.cache.device.type == "cuda":
-                # Other ranks return nothing to copy; wait for the step here so that its wall time
-                # is the step's, not its launch's. Free: the caller waits for every rank anyway.
-                torch.cuda.current_stream(self.cache.device).synchronize()
+            logits = self._forward(step, attention, previous)
+            out = self._output(step, logits) if self.config.rank == 0 else None
+        if out is not None:
+            out = out.cpu()
+        elif self.cache.device.type == "cuda":
+            # Other ranks return nothing to copy; wait for the step here so that its wall time
+            # is the step's, not its launch's. Free: the caller waits for every rank anyway.
+            torch.cuda.current_stream(self.cache.device).synchronize()
         metrics.observe_model_step(len(step.token_ids), time.perf_counter() - started, attention)
         return out
 
-    def _forward(self, step: StepInput, attention_timer=None) -> Optional[torch.Tensor]:
+    def _forward(self, step: StepInput, attention_timer=None,
+                 previous_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Under the lock: the model on the step, from a CUDA graph when one serves it (then the
         attention is not timed per layer: the graph runs as one launch)."""
         if self.graphs is not None and self.graphs.serves(step):
-            return self.graphs.run(step)
-        return self.model.forward_paged(step, self.cache.layer, attention_timer=attention_timer)
+            return self.graphs.run(step, previous_ids)
+        return self.model.forward_paged(step, self.cache.layer, attention_timer=attention_timer,
+                                        previous_ids=previous_ids)
+
+    def _output(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+        """Under the lock, on rank 0: what goes back (still on the device; the caller copies it
+        to the host): the logits, or their argmax for a greedy step, kept for a next step that
+        takes its tokens from them (``StepInput.feedback_rows``)."""
+        if not step.greedy:
+            self._last_ids, self._last_ids_step = None, 0
+            return logits
+        ids = logits.argmax(dim=-1)
+        self._last_ids, self._last_ids_step = ids, step.step_id
+        return ids
+
+    def _fed_tokens(self, step: StepInput) -> Optional[torch.Tensor]:
+        """Under the lock: the previous greedy step's ids a step takes tokens from (None if it
+        takes none); FeedbackUnavailable when this worker does not hold them."""
+        if step.feedback_rows is None:
+            return None
+        if self.config.tensor_parallel_size > 1 or self._last_ids_step != step.feedback_step:
+            raise FeedbackUnavailable(
+                f"rank {self.config.rank}: step {step.step_id} takes tokens from step {step.feedback_step}'s output, "
+                f"but this worker holds {self._last_ids_step or 'none'} (single-rank groups only); nothing was run")
+        return self._last_ids
 
     def _require_plan(self, step: StepInput) -> None:
         """Under the lock: refuse a step whose plan has not been applied (delayed, dropped or

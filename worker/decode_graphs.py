@@ -42,7 +42,7 @@ from kvpager.kernels import ops
 from kvpager.step import StepInput
 
 from .kv_cache import KVCache
-from .model import Decoder, host_ints
+from .model import Decoder, feed_tokens, host_ints
 
 log = logging.getLogger("kvpager.worker")
 
@@ -102,10 +102,11 @@ class DecodeGraphs:
         return sorted(self._graphs)
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> torch.Tensor:
+    def run(self, step: StepInput, previous_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The step's logits ``[S, vocab]`` (float32), as ``Decoder.forward_paged`` gives them,
         from one graph replay. The step must be one that ``serves`` takes. O(S * W) host work:
-        one host-to-device copy of its inputs, four device copies into the static buffers."""
+        one host-to-device copy of its inputs, four device copies into the static buffers.
+        ``previous_ids``: as ``Decoder.forward_paged`` takes them (``step.feedback_rows``)."""
         s, w = step.num_seqs, step.max_blocks
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, s)]
         width = _width_bucket(w)
@@ -116,14 +117,18 @@ class DecodeGraphs:
             plan = self._planner.plan(np.concatenate([np.asarray(step.context_lens, np.int32),
                                                       np.zeros(batch - s, np.int32)]))
         plan64 = np.concatenate([plan, np.zeros(len(plan) % 2, np.int32)]).view(np.int64)   # rides as int64 pairs
+        fed = [] if step.feedback_rows is None else [step.feedback_rows]
         host = host_ints([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
-                          step.context_lens, pad[0], plan64, step.block_tables], np.int64)
+                          step.context_lens, pad[0], plan64, *fed, step.block_tables], np.int64)
         staged = host.to(self.cache.device)
         self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
         self._context[:batch].copy_(staged[3 * batch:4 * batch])
-        tables_at = 4 * batch + len(plan64)
+        rows_at = 4 * batch + len(plan64)
+        tables_at = rows_at + (s if fed else 0)
+        if fed:
+            feed_tokens(self._longs[0, :s], staged[rows_at:tables_at], previous_ids)
         if len(plan):
-            self._work[:len(plan)].copy_(staged[4 * batch:tables_at].view(torch.int32)[:len(plan)])
+            self._work[:len(plan)].copy_(staged[4 * batch:rows_at].view(torch.int32)[:len(plan)])
         self._tables[:s, :w].copy_(staged[tables_at:].view(s, w))
         self.cache.wait()
         graph.replay()

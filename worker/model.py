@@ -65,6 +65,12 @@ def host_ints(parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
 
 
+def feed_tokens(tokens: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> None:
+    """``tokens[i] = previous[rows[i]]`` where ``rows[i] >= 0``, in place, on the device: no host
+    sync (the tokens of a step sent before the previous step's output came back)."""
+    tokens.copy_(torch.where(rows >= 0, previous[rows.clamp(min=0)], tokens))
+
+
 class Decoder:
     def __init__(self, cfg: ModelConfig, rank: int = 0, tp_size: int = 1, device: torch.device | str = "cpu",
                  group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
@@ -125,18 +131,24 @@ class Decoder:
     # ---- the two ways to run ----------------------------------------------------------------------
     @torch.inference_mode()
     def forward_paged(self, step: StepInput, layer_cache: LayerCache,
-                      attention_timer: Optional[AbstractContextManager] = None) -> Optional[torch.Tensor]:
+                      attention_timer: Optional[AbstractContextManager] = None,
+                      previous_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Compute the step's tokens over the paged cache. Returns, on rank 0, the float32 logits
         ``[sequences with query_len > 0, vocab]`` of each such sequence's last token (in the
         step's order); None on the other ranks. ``layer_cache(l)`` gives layer l's K and V views.
         ``attention_timer``, if given, is entered around every layer's attention call (after
         the cache's wait for the plan and the K/V write, so neither counts as attention); a
-        reusable context manager that must not make the host wait (``worker.metrics.Span``)."""
+        reusable context manager that must not make the host wait (``worker.metrics.Span``).
+        ``previous_ids``: the previous greedy step's ids on the device, for the tokens that
+        ``step.feedback_rows`` takes from them."""
         timer = attention_timer if attention_timer is not None else nullcontext()
         dev, n = self.device, len(step.token_ids)
         # Two host-to-device copies: the int64 token data, the int32 tables and lengths.
-        longs = host_ints([step.token_ids, step.positions, step.slot_mapping], np.int64).to(dev)
-        tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:]
+        fed = [] if step.feedback_rows is None else [step.feedback_rows]
+        longs = host_ints([step.token_ids, step.positions, step.slot_mapping, *fed], np.int64).to(dev)
+        tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:3 * n]
+        if fed:
+            feed_tokens(tokens, longs[3 * n:], previous_ids)
         num_seqs = step.num_seqs
         table_len = num_seqs * step.max_blocks
         computing = [i for i, q in enumerate(step.query_lens) if q] if 0 in step.query_lens else None

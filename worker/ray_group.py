@@ -133,6 +133,12 @@ class RayWorkerGroup:
         group.metrics_addresses = [e["metrics"] for e in endpoints]
         return group
 
+    @property
+    def feeds_back(self) -> bool:
+        """Whether a step may take tokens from the previous greedy step's output on the worker
+        (``StepInput.feedback_rows``): single-rank groups (one rank holds the argmax)."""
+        return len(self.actors) == 1
+
     def __call__(self, step: StepInput) -> torch.Tensor:
         """Run one model step on every rank; rank 0's logits. Raises WorkerDied as soon as any
         rank's call fails (the others may be blocked in a collective waiting for it)."""

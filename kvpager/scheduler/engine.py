@@ -15,7 +15,11 @@ tokens yet, so they reserve the slots only (count-only appends: the manager's pr
 never indexes generated tokens, only prompts); the step's inputs are built once step N's
 tokens are in. A sequence that ends by its token limit in step N gets no append; one that
 samples a stop token in step N was already given a slot: it computes one token more, which is
-dropped, and is freed a step later. Steps that may move blocks (swap-ins, preemption, forked
+dropped, and is freed a step later. When both steps are greedy and the runner ``feeds_back`` (a
+single-rank Ray group), step N+1 goes to the workers before step N's tokens come back: its
+tokens that step N computes are named by their row of step N's output
+(``StepInput.feedback_rows``) and the worker takes them from the argmax it kept on the device,
+so the GPU goes from step N to N+1 without waiting for this loop. Steps that may move blocks (swap-ins, preemption, forked
 samples whose appends may copy on write) first wait for the step in flight, so a plan never
 reaches the workers ahead of a step queued before it. The tokens are those of the plain loop.
 
@@ -64,6 +68,7 @@ class _InFlight:
     computed: list[tuple[SeqState, int]]      # (sequence, its context length after the step)
     greedy: bool
     seq_ids: frozenset[str] = frozenset()     # of ``computed``: O(1) membership
+    step_id: int = 0                          # the manager's id of the step
 
 
 @dataclass(slots=True)
@@ -76,6 +81,7 @@ class SchedulerStats:
     restarts: int = 0              # groups freed and recomputed (no CPU room, or workers lost)
     recoveries: int = 0            # times workers were lost and the live requests restarted
     overlapped_steps: int = 0      # Step RPCs sent while the previous step computed (overlap)
+    fed_steps: int = 0             # steps sent before the previous one's tokens came back (overlap)
     step_latencies: list[float] = field(default_factory=list)  # Step RPC round trips, seconds
 
 
@@ -95,6 +101,7 @@ class Scheduler:
         self.runner = runner
         self.overlap = overlap
         self._pending: Optional[_InFlight] = None   # the step in flight (overlap only)
+        self._fed: Optional[_InFlight] = None       # a step whose tokens the launch being built takes on the worker
         self.recover = recover
         self.recover_timeout = recover_timeout
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
@@ -198,8 +205,25 @@ class Scheduler:
                 handler(result, err)
             elif err is not None:
                 raise err  # a fork or free the scheduler believed valid
-        settled = self._settle()
-        return self._launch(reply) or settled
+        # The step in flight's greedy tokens can feed this one on the worker (device-side): send it
+        # before they come back, so the GPU goes from one step to the next without this loop.
+        feed = self._pending if self._may_feed() else None
+        if feed is None:
+            settled = self._settle()
+            return self._launch(reply) or settled
+        self._pending = None
+        launched = self._launch(reply, feed)
+        if self._fed is not None:   # the launch did not need to wait for it
+            self._fed = None
+            self._take(feed.computed, feed.greedy, feed.wait())
+        return launched or True
+
+    def _may_feed(self) -> bool:
+        """Whether the next step may go out before the one in flight returns: both greedy (the
+        worker keeps the argmax on the device) and a runner that feeds tokens back (one rank)."""
+        pending = self._pending
+        return (pending is not None and pending.greedy and getattr(self.runner, "feeds_back", False)
+                and all(group.request.params.temperature <= 0 for group in self.running))
 
     def _may_overlap(self) -> bool:
         """Whether the next Step may go out while a step is in flight: it moves no blocks (no
@@ -215,33 +239,72 @@ class Scheduler:
         limit = self._group_of[seq.seq_id].request.params.max_new_tokens
         return seq.num_generated + 1 >= limit and seq.seq_id in pending.seq_ids
 
-    def _launch(self, reply: pb.StepResponse) -> bool:
+    def _launch(self, reply: pb.StepResponse, feed: Optional[_InFlight] = None) -> bool:
         """Start the model on the tokens of the step's batch (its tables as the manager sent them);
         with overlap leave it in flight, else wait for it and take its tokens. Rows of sequences
-        that already finished (a stop token in the previous step) compute a token that is dropped."""
-        batch = reply.batch
-        token_ids: list[int] = []
-        positions: list[int] = []
-        computed: list[tuple[SeqState, int]] = []
-        for seq_id, q, ctx in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            if q == 0:  # forked or swapped in: nothing to compute
-                continue
-            seq = self._seqs[seq_id]
-            token_ids += seq.tokens[ctx - q:ctx]
-            positions += range(ctx - q, ctx)
-            computed.append((seq, ctx))
+        that already finished (a stop token in the previous step) compute a token that is dropped.
+        ``feed``: the step in flight, whose greedy tokens this step may take on the worker (then
+        ``self._fed`` is left set: the caller takes that step's tokens after this launch); when
+        it cannot (a token it does not compute is unknown), its tokens are taken first. O(S + T)."""
+        self._fed = feed
+        inputs = self._inputs(reply, feed)
+        if inputs is None:   # needs a token the step in flight computes but cannot take it there
+            self._fed = None
+            self._take(feed.computed, feed.greedy, feed.wait())
+            inputs = self._inputs(reply, None)
+        token_ids, positions, computed, rows = inputs
         if not computed:
             return False
         # All greedy: the workers pick the tokens, and only their ids cross the wire.
         greedy = all(self._group_of[seq.seq_id].request.params.temperature <= 0 for seq, _ in computed)
-        step = StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy)
+        if rows is not None and not greedy:
+            self._fed = None
+            self._take(feed.computed, feed.greedy, feed.wait())
+            token_ids, positions, computed, rows = self._inputs(reply, None)
+        step = StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy, feedback_rows=rows,
+                                         feedback_step=feed.step_id if rows is not None else 0)
         self.stats.tokens_computed += len(token_ids)
+        self.stats.fed_steps += rows is not None
         submit = getattr(self.runner, "submit", None) if self.overlap else None
         if submit is None:
             self._take(computed, greedy, self.runner(step))
         else:
-            self._pending = _InFlight(submit(step), computed, greedy, frozenset(s.seq_id for s, _ in computed))
+            self._pending = _InFlight(submit(step), computed, greedy, frozenset(s.seq_id for s, _ in computed),
+                                      reply.step_id)
         return True
+
+    def _inputs(self, reply: pb.StepResponse, feed: Optional[_InFlight]):
+        """(token ids, positions, computed sequences, feedback rows or None) of the step's batch.
+        A token not known yet (the last one, computed by ``feed``) is 0 with its row of ``feed``'s
+        output; None when such a token's sequence is not in ``feed``. O(S + T)."""
+        batch = reply.batch
+        token_ids: list[int] = []
+        positions: list[int] = []
+        computed: list[tuple[SeqState, int]] = []
+        rows: Optional[list[int]] = None
+        fed_row = {seq.seq_id: i for i, (seq, _) in enumerate(feed.computed)} if feed is not None else {}
+        for seq_id, q, ctx in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            if q == 0:  # forked or swapped in: nothing to compute
+                continue
+            seq = self._seqs[seq_id]
+            known = seq.tokens[ctx - q:ctx]
+            if len(known) < q:   # its last token is the step in flight's output
+                row = fed_row.get(seq_id)
+                if row is None or len(known) + 1 != q:
+                    return None
+                if rows is None:
+                    rows = [-1] * len(token_ids)
+                token_ids += known
+                token_ids.append(0)
+                rows += [-1] * len(known)
+                rows.append(row)
+            else:
+                token_ids += known
+                if rows is not None:
+                    rows += [-1] * q
+            positions += range(ctx - q, ctx)
+            computed.append((seq, ctx))
+        return token_ids, positions, computed, rows
 
     def _settle(self) -> bool:
         """Wait for the step in flight, if any, and take its tokens."""

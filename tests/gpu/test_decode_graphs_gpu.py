@@ -132,3 +132,29 @@ def test_graph_steps_on_an_fp8_cache():
     for step_id, batch in enumerate([5, 40], start=1):
         step, owned = random_step(rng, model, [rng.randint(1, 2000) for _ in range(batch)], step_id)
         compare(model, eager_cache, graph_cache, graphs, step, owned, cache_tol=0.25)
+
+
+def test_fed_back_tokens_in_graph_and_eager_steps():
+    """Tokens taken on the device from the previous step's ids (``feedback_rows``, rows shuffled,
+    one token given) give what the same step with the tokens given gives, graph and eager."""
+    model, eager_cache = make("d128")
+    _, graph_cache = make("d128")
+    graph_cache.gpu.copy_(eager_cache.gpu)
+    graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
+    rng = random.Random(4)
+    step, owned = random_step(rng, model, [rng.randint(1, 1500) for _ in range(30)], 1)
+    previous = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(40)], device="cuda")
+    rows = list(range(40))
+    rng.shuffle(rows)
+    rows = rows[:30]
+    rows[3] = -1   # given in token_ids
+    given = replace(step, token_ids=[step.token_ids[3] if i == 3 else int(previous[r]) for i, r in enumerate(rows)])
+    fed = replace(given, token_ids=[given.token_ids[3] if i == 3 else 0 for i in range(30)], feedback_rows=rows,
+                  feedback_step=7)
+    compare(model, eager_cache, graph_cache, graphs, given, owned)       # captures the shape
+    want_eager = model.forward_paged(given, eager_cache.layer)
+    got_eager = model.forward_paged(fed, eager_cache.layer, previous_ids=previous)
+    assert torch.equal(got_eager, want_eager)
+    want_graph = graphs.run(given)
+    got_graph = graphs.run(fed, previous)
+    assert torch.equal(got_graph, want_graph)

@@ -101,3 +101,25 @@ def test_inconsistent_step_inputs_are_refused(worker, change, message):
     with pytest.raises(ValueError, match=message):
         worker.execute_model(StepInput(**{**fields, **change}))
     assert torch.equal(worker.cache.gpu, before)
+
+
+def test_fed_back_tokens_equal_sending_them(worker):
+    """A step that takes its token from the previous greedy step's output on the worker
+    (``feedback_rows``) computes what the same step with that token given computes; a step naming
+    a previous step the worker did not run last is refused (FeedbackUnavailable) and writes nothing."""
+    import dataclasses
+
+    from kvpager.step import FeedbackUnavailable
+
+    first = dataclasses.replace(prefill(1, 0, [3, 1, 4, 1, 5], [5, 2]), greedy=True)
+    token = int(worker.execute_model(first)[0])
+    given = StepInput(step_id=2, plan_step_id=0, token_ids=[token], positions=[5], slot_mapping=[2 * BLOCK + 1],
+                      query_lens=[1], context_lens=[6], block_tables=[5, 2], max_blocks=2)
+    fed = dataclasses.replace(given, token_ids=[0], feedback_rows=[0], feedback_step=1)
+    expect = worker.execute_model(given)          # not greedy: the worker keeps no ids after it
+    before = worker.cache.gpu.clone()
+    with pytest.raises(FeedbackUnavailable, match="takes tokens from step 1's output"):
+        worker.execute_model(fed)
+    assert torch.equal(worker.cache.gpu, before), "a refused step wrote K/V"
+    assert int(worker.execute_model(first)[0]) == token   # step 1 again: its ids are held now
+    assert torch.equal(worker.execute_model(fed), expect)
