@@ -392,6 +392,7 @@ class TimedRunner:
         self.blocked_s = 0.0         # time the scheduler spent waiting for steps, all calls together
         if hasattr(runner, "submit"):
             self.submit = self._submit
+        self.feeds_back = getattr(runner, "feeds_back", False)   # the scheduler may feed tokens on the worker
 
     def __call__(self, step):
         started = time.perf_counter()
@@ -548,7 +549,7 @@ def run_kvpager(spec: dict) -> dict:
     expected = dict(zip(ids, wl["output_lens"]))
     result["latency"] = latency_summary(arrivals, times, expected)
     st = sched.stats
-    result["scheduler"] = dict(steps=st.steps, overlapped_steps=st.overlapped_steps, iterations=len(iterations),
+    result["scheduler"] = dict(steps=st.steps, overlapped_steps=st.overlapped_steps, fed_steps=st.fed_steps, iterations=len(iterations),
                                tokens_computed=st.tokens_computed,
                                tokens_generated=st.tokens_generated, preemptions=st.preemptions,
                                restarts=st.restarts, recoveries=st.recoveries,
@@ -1211,7 +1212,8 @@ def report(summary: dict) -> str:
                 sc = kv.get("scheduler", {})
                 lines.append(f"  worker-side model step (its /metrics): {s:.1f} s over {n:.0f} steps; exposed control "
                              f"plane (wall time outside them): {1 - s / wall:.1%}; {sc.get('overlapped_steps', 0)} of "
-                             f"{sc.get('steps', 0)} Step RPCs overlapped a computing step")
+                             f"{sc.get('steps', 0)} Step RPCs overlapped a computing step, "
+                             f"{sc.get('fed_steps', 0)} steps sent before the previous one's tokens came back")
     if (rf := kv.get("decode_roofline")) is not None:
         lines.append("")
         if rf.get("steps"):

@@ -152,3 +152,5 @@ def test_smoke_cpu_ray_and_child_processes(tmp_path, models):
     check_report(stdout, summary)
     assert "Ray" in summary["systems"]["kvpager"]["workers"]
     assert summary["workload"]["rate_per_s"] == 40
+    scheduler = summary["systems"]["kvpager"]["scheduler"]
+    assert scheduler["fed_steps"] > 0   # greedy on one Ray rank: tokens fed back on the worker
