@@ -26,7 +26,7 @@ import uuid
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import grpc
 import torch
@@ -40,7 +40,7 @@ from kvpager import auth
 from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
-from .kv_cache import CacheSpec, KVCache
+from .kv_cache import CacheSpec, KVCache, PlanExpired
 from .metrics import WorkerInfo, WorkerMetrics
 from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
 
@@ -270,9 +270,17 @@ class CacheWorker:
 
     # ---- work ----------------------------------------------------------------------------------------
     def execute_plan(self, step_id: int, swap_out: tuple[Sequence[int], Sequence[int]],
-                     swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]]) -> None:
+                     swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]],
+                     still_wanted: Optional[Callable[[], bool]] = None) -> None:
+        """Enqueue a step's swaps and copies. ``still_wanted`` (the gRPC call's ``is_active``) is
+        asked under the lock, right before anything moves: a plan whose sender stopped waiting
+        (its deadline passed while this worker was stopped or busy, so the manager rolled the
+        step back and may have given its blocks out again) raises PlanExpired, nothing applied."""
         metrics = self.metrics
         with self._lock:
+            if still_wanted is not None and not still_wanted():
+                raise PlanExpired(f"step {step_id}: the manager stopped waiting for this plan (its deadline passed); "
+                                  "not applied")
             # Acknowledged means ENQUEUED (on the cache's swap stream), not done: the compute
             # stream waits for the plan's event at the model's first cache access (KVCache.layer),
             # and the next plan's swap stream waits for the compute stream, so every ordering

@@ -46,6 +46,11 @@ class PlanRejected(ValueError):
     """A plan names a block that does not exist, or repeats a target; nothing was executed."""
 
 
+class PlanExpired(RuntimeError):
+    """A plan reached the cache after its sender stopped waiting for it (the step was rolled
+    back): nothing was executed."""
+
+
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
     num_layers: int

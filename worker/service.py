@@ -8,7 +8,7 @@ import grpc
 
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
-from .kv_cache import PlanRejected
+from .kv_cache import PlanExpired, PlanRejected
 
 
 class CacheWorkerService(worker_pb2_grpc.CacheWorkerServicer):
@@ -26,9 +26,12 @@ class CacheWorkerService(worker_pb2_grpc.CacheWorkerServicer):
                 (plan.blocks_to_swap_out.src, plan.blocks_to_swap_out.dst),
                 (plan.blocks_to_swap_in.src, plan.blocks_to_swap_in.dst),
                 (plan.blocks_to_copy.src, plan.blocks_to_copy.dst),
+                still_wanted=context.is_active,
             )
         except PlanRejected as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {err}")
+        except PlanExpired as err:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(err))
         return worker_pb2.ExecutePlanResponse(step_id=plan.step_id,
                                               elapsed_ms=(time.perf_counter() - started) * 1e3)
 

@@ -123,3 +123,33 @@ def test_fed_back_tokens_equal_sending_them(worker):
     assert torch.equal(worker.cache.gpu, before), "a refused step wrote K/V"
     assert int(worker.execute_model(first)[0]) == token   # step 1 again: its ids are held now
     assert torch.equal(worker.execute_model(fed), expect)
+
+
+def test_a_plan_whose_sender_stopped_waiting_is_not_applied(worker):
+    """A plan that waits in the worker past its deadline (the worker was busy or stopped, and the
+    manager has rolled the step back): the worker answers DEADLINE_EXCEEDED and moves nothing,
+    instead of copying into blocks that may have been given out again."""
+    import threading
+    import time
+
+    before = worker.cache.gpu.clone()
+    plan = plan_pb2.ExecutionPlan(step_id=11, blocks_to_copy=plan_pb2.BlockMapping(src=[1], dst=[2]))
+    errors = []
+
+    def send():
+        try:
+            worker.stub.ExecutePlan(worker_pb2.ExecutePlanRequest(plan=plan), timeout=0.3)
+        except grpc.RpcError as err:
+            errors.append(err.code())
+
+    with worker._lock:   # busy (as a stopped process would be) until the deadline has passed
+        sender = threading.Thread(target=send)
+        sender.start()
+        sender.join()
+        time.sleep(0.2)
+    time.sleep(0.3)   # the handler now gets the lock, finds the call gone, and applies nothing
+    assert errors == [grpc.StatusCode.DEADLINE_EXCEEDED]
+    assert torch.equal(worker.cache.gpu, before), "an expired plan moved blocks"
+    assert worker.memory_stats().plans_executed == 0
+    send_plan(worker, 12, copy=([1], [2]))    # a live plan still runs
+    assert worker.memory_stats().plans_executed == 1
