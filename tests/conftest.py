@@ -53,3 +53,14 @@ def small_config() -> ManagerConfig:
 def served(small_config):
     with running_server(small_config) as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A private local Ray cluster on loopback for the module's tests (4 CPUs), shut down after them."""
+    ray = pytest.importorskip("ray")
+    from kvpager.worker.ray_group import init_local_ray
+
+    init_local_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()

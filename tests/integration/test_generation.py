@@ -147,17 +147,7 @@ def test_missed_heartbeats_drop_the_worker_and_health_says_so():
         worker.stop()
 
 
-# ---- a real local Ray cluster -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    from kvpager.worker.ray_group import init_local_ray
-
-    init_local_ray(num_cpus=4)
-    yield ray
-    ray.shutdown()
-
-
+# ---- a real local Ray cluster (tests/conftest.py's ray_cluster) ---------------------------------------
 def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_cluster):
     from kvpager.worker.ray_group import RayWorkerGroup
 

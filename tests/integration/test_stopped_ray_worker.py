@@ -125,16 +125,6 @@ def load(target: str, kind: str, threads: int, ids, go, stop, results) -> None:
     results.put((calls, mutations, forgotten[0], failed))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    from kvpager.worker.ray_group import init_local_ray
-
-    init_local_ray(num_cpus=4)
-    yield ray
-    ray.shutdown()
-
-
 def table(client, seq_id: str) -> tuple:
     reply = client.get_block_table(seq_id)
     return reply.tier, reply.num_tokens, tuple(reply.block_ids)
