@@ -8,6 +8,7 @@ before the last refuses to start with a clear message. CPU only, no workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -435,11 +436,26 @@ def test_snapshots_rotate_the_log_and_recover(tmp_path):
         svc.close()
 
 
+@contextlib.contextmanager
+def serving(config: ManagerConfig):
+    """An in-process manager server on 127.0.0.1 with a client: yields (client, service); stops
+    both and closes the state directory after."""
+    from kvpager.manager.service import create_server
+
+    server, port, svc, _ = create_server(config)
+    server.start()
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
+            yield bm, svc
+    finally:
+        server.stop(0).wait()
+        svc.close()
+
+
 def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
     """--num-gpu-blocks 0: the pools the workers sized are recovered before any worker registers
     again; a worker with less capacity than them is refused FAILED_PRECONDITION."""
     import grpc
-    from kvpager.manager.service import create_server
 
     d = str(tmp_path / "state")
     config = ManagerConfig(block_size=4, num_gpu_blocks=0, state_dir=d, worker_heartbeat_timeout=60)
@@ -449,40 +465,26 @@ def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
             address="127.0.0.1:1", rank=0, tensor_parallel_size=1, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
             block_size=4, block_bytes=1024))
 
-    server, port, svc, _ = create_server(config)
-    server.start()
-    try:
-        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
-            assert register(bm.stub, 64, 32).num_gpu_blocks == 64
-            bm.allocate("a", token_ids=list(range(10)))
-            table = bm.get_block_table("a")
-    finally:
-        server.stop(0).wait()
-        svc.close()
-    server, port, svc, _ = create_server(config)
-    server.start()
-    try:
+    with serving(config) as (bm, svc):
+        assert register(bm.stub, 64, 32).num_gpu_blocks == 64
+        bm.allocate("a", token_ids=list(range(10)))
+        table = bm.get_block_table("a")
+    with serving(config) as (bm, svc):
         assert (svc.manager.gpu.num_blocks, svc.manager.cpu.num_blocks) == (64, 32)
-        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
-            assert bm.get_block_table("a") == table
-            with pytest.raises(grpc.RpcError) as err:
-                register(bm.stub, 48, 32)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert register(bm.stub, 64, 32).num_gpu_blocks == 64
-            bm.append("a", token_ids=[1])
-            svc.manager.check_invariants()
-    finally:
-        server.stop(0).wait()
-        svc.close()
+        assert bm.get_block_table("a") == table
+        with pytest.raises(grpc.RpcError) as err:
+            register(bm.stub, 48, 32)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert register(bm.stub, 64, 32).num_gpu_blocks == 64
+        bm.append("a", token_ids=[1])
+        svc.manager.check_invariants()
 
 
 def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
     """A rank that comes back with another cache id lost its cache: a new epoch, every sequence
     answers DATA_LOSS (naming it) until freed; the same cache id again (a manager restart, a
     dropped heartbeat) loses nothing. Epoch and lost sequences survive a restart."""
-    import grpc
     from kvpager.manager.errors import DataLoss
-    from kvpager.manager.service import create_server
 
     d = str(tmp_path / "state")
     config = ManagerConfig(**POOL, state_dir=d, worker_heartbeat_timeout=60)
@@ -492,47 +494,35 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
             address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
             block_size=4, block_bytes=1024, cache_id=cache_id))
 
-    server, port, svc, _ = create_server(config)
-    server.start()
-    try:
-        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
-            register(bm.stub, "A0", 0)
-            register(bm.stub, "A1", 1)
-            bm.allocate("a", token_ids=list(range(10)))
-            bm.allocate("b", token_ids=list(range(6)))
-            register(bm.stub, "A0", 0)  # the same cache: nothing lost
-            assert bm.get_stats().epoch == 0 and bm.get_block_table("a").num_tokens == 10
-            register(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
-            register(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
-            s = bm.get_stats()
-            assert (s.epoch, s.lost_sequences, s.running_sequences, s.gpu.used_blocks) == (1, 2, 0, 0)
-            with pytest.raises(DataLoss, match="'a' lost its K/V"):
-                bm.append("a", token_ids=[1])
-            with pytest.raises(DataLoss, match="'b'"):
-                bm.get_block_table("b")
-            with pytest.raises(DataLoss):
-                bm.allocate("a", token_ids=[1, 2])
-            reply = bm.step([C.append_batch_op(["a", "b"], [1, 2])])
-            assert [e.code for _, e in C.batch_failures(reply.results[0])] == ["DATA_LOSS", "DATA_LOSS"]
-            bm.free("a")
-            bm.allocate("a", token_ids=[1, 2, 3])  # recomputed under its id
-            svc.manager.check_invariants()
-    finally:
-        server.stop(0).wait()
-        svc.close()
-    server, port, svc, _ = create_server(config)
-    server.start()
-    try:
-        with C.BlockManagerClient(f"127.0.0.1:{port}") as bm:
-            s = bm.get_stats()
-            assert (s.epoch, s.lost_sequences, s.running_sequences) == (1, 1, 1)
-            register(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
-            register(bm.stub, "B1", 1)
-            assert bm.get_stats().epoch == 1 and bm.get_block_table("a").num_tokens == 3
-            with pytest.raises(DataLoss):
-                bm.fork("b", "c")
-            bm.free("b")
-            assert bm.get_stats().lost_sequences == 0
-    finally:
-        server.stop(0).wait()
-        svc.close()
+    with serving(config) as (bm, svc):
+        register(bm.stub, "A0", 0)
+        register(bm.stub, "A1", 1)
+        bm.allocate("a", token_ids=list(range(10)))
+        bm.allocate("b", token_ids=list(range(6)))
+        register(bm.stub, "A0", 0)  # the same cache: nothing lost
+        assert bm.get_stats().epoch == 0 and bm.get_block_table("a").num_tokens == 10
+        register(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
+        register(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
+        s = bm.get_stats()
+        assert (s.epoch, s.lost_sequences, s.running_sequences, s.gpu.used_blocks) == (1, 2, 0, 0)
+        with pytest.raises(DataLoss, match="'a' lost its K/V"):
+            bm.append("a", token_ids=[1])
+        with pytest.raises(DataLoss, match="'b'"):
+            bm.get_block_table("b")
+        with pytest.raises(DataLoss):
+            bm.allocate("a", token_ids=[1, 2])
+        reply = bm.step([C.append_batch_op(["a", "b"], [1, 2])])
+        assert [e.code for _, e in C.batch_failures(reply.results[0])] == ["DATA_LOSS", "DATA_LOSS"]
+        bm.free("a")
+        bm.allocate("a", token_ids=[1, 2, 3])  # recomputed under its id
+        svc.manager.check_invariants()
+    with serving(config) as (bm, svc):
+        s = bm.get_stats()
+        assert (s.epoch, s.lost_sequences, s.running_sequences) == (1, 1, 1)
+        register(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
+        register(bm.stub, "B1", 1)
+        assert bm.get_stats().epoch == 1 and bm.get_block_table("a").num_tokens == 3
+        with pytest.raises(DataLoss):
+            bm.fork("b", "c")
+        bm.free("b")
+        assert bm.get_stats().lost_sequences == 0

@@ -44,6 +44,16 @@ class StuckWorker(worker_pb2_grpc.CacheWorkerServicer):
         return worker_pb2.WorkerMemoryStats()
 
 
+def serve_stuck_worker() -> tuple["StuckWorker", grpc.Server, int]:
+    """A StuckWorker behind a real gRPC server on 127.0.0.1: (worker, server, port)."""
+    worker = StuckWorker()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return worker, server, port
+
+
 def p99(samples: list[float]) -> float:
     samples = sorted(samples)
     return samples[min(len(samples) - 1, int(0.99 * len(samples)))]
@@ -99,11 +109,7 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
                            worker_plan_timeout=PLAN_TIMEOUT, worker_heartbeat_timeout=5.0)
     server, port, service, _ = create_server(config, "127.0.0.1:0", max_workers=16)
     server.start()
-    worker = StuckWorker()
-    worker_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, worker_server)
-    worker_port = worker_server.add_insecure_port("127.0.0.1:0")
-    worker_server.start()
+    worker, worker_server, worker_port = serve_stuck_worker()
     target = f"127.0.0.1:{port}"
     context = multiprocessing.get_context("spawn")
     go, stop, results, ids = context.Event(), context.Event(), context.Queue(), context.Queue()
@@ -179,11 +185,7 @@ def test_a_rank_dropped_for_missed_heartbeats_fails_its_step_at_once():
                            worker_plan_timeout=30.0, worker_heartbeat_timeout=1.0)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
-    worker = StuckWorker()
-    worker_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, worker_server)
-    worker_port = worker_server.add_insecure_port("127.0.0.1:0")
-    worker_server.start()
+    worker, worker_server, worker_port = serve_stuck_worker()
     try:
         with C.BlockManagerClient(f"127.0.0.1:{port}", timeout=40, retries=0) as client:
             client.stub.RegisterWorker(pb.RegisterWorkerRequest(
