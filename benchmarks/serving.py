@@ -388,7 +388,7 @@ class TimedRunner:
 
     def __init__(self, runner: Callable) -> None:
         self.runner = runner
-        self.calls: list[list] = []  # [start, s, decode, seqs, tokens, ctx]
+        self.calls: list[list] = []  # [start, s, decode, seqs, tokens, ctx, step id]
         self.blocked_s = 0.0         # time the scheduler spent waiting for steps, all calls together
         if hasattr(runner, "submit"):
             self.submit = self._submit
@@ -400,13 +400,14 @@ class TimedRunner:
         took = time.perf_counter() - started
         self.blocked_s += took
         self.calls.append([started, took, step.decode_only, step.num_seqs, len(step.token_ids),
-                           sum(step.context_lens)])
+                           sum(step.context_lens), step.step_id])
         return out
 
     def _submit(self, step):
         started = time.perf_counter()
         wait = self.runner.submit(step)
-        call = [started, 0.0, step.decode_only, step.num_seqs, len(step.token_ids), sum(step.context_lens)]
+        call = [started, 0.0, step.decode_only, step.num_seqs, len(step.token_ids), sum(step.context_lens),
+                step.step_id]
         self.calls.append(call)
 
         def result():
@@ -533,6 +534,7 @@ def run_kvpager(spec: dict) -> dict:
         disp1 = _histogram_sums(registry, "kvpager_plan_dispatch_duration_seconds")
         rpc1 = _histogram_sums(registry, "kvpager_rpc_duration_seconds", {"method": "Step"})
         worker1 = [_scrape_worker(a) for a in system.worker_metrics]
+        _join_device_timings(iterations, system.runner)
         if error:
             result["error"] = error
         try:
@@ -642,8 +644,25 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
     for it in iterations:
         call = it.pop("call")
         it.update(runner=call[1] if call else 0.0, decode=call[2] if call else False, seqs=call[3] if call else 0,
-                  tokens=call[4] if call else 0, context=call[5] if call else 0)
+                  tokens=call[4] if call else 0, context=call[5] if call else 0, step_id=call[6] if call else 0)
     return iterations, arrivals, error
+
+
+def _join_device_timings(iterations: list[dict], runner) -> None:
+    """Add each iteration's model step as rank 0's device ran it (``busy``) and the device idle
+    before it (``gap``), by step id (``CacheWorker.step_timings``: needs --worker-metrics)."""
+    fetch = getattr(runner, "step_timings", None) or getattr(getattr(runner, "__self__", None), "step_timings", None)
+    if fetch is None:
+        return
+    try:
+        by_step = {t.step_id: t for t in fetch()}
+    except Exception as exc:  # noqa: BLE001 - the device timings are a bonus
+        log(f"kvpager: no device step timings ({type(exc).__name__}: {exc})")
+        return
+    for it in iterations:
+        timing = by_step.get(it["step_id"]) if it["step_id"] else None
+        if timing is not None:
+            it.update(busy=timing.busy, gap=timing.gap)
 
 
 def _breakdown(iterations: list[dict], dispatch_s: float, dispatches: float, step_server_s: float,
@@ -667,6 +686,10 @@ def _breakdown(iterations: list[dict], dispatch_s: float, dispatches: float, ste
     computed = [i for i in iterations if i["tokens"]]
     out = dict(all=part(computed), decode=part([i for i in computed if i["decode"]]),
                prefill_or_mixed=part([i for i in computed if not i["decode"]]))
+    timed = [i for i in computed if i.get("busy")]
+    if timed:   # rank 0's device over the whole timed run: busy in steps, idle between them
+        busy, idle = sum(i["busy"] for i in timed), sum(i["gap"] or 0.0 for i in timed)
+        out["device"] = dict(steps=len(timed), busy_s=busy, idle_s=idle, idle_share=idle / (busy + idle))
     wall = out["all"]["wall_s"]
     out["manager"] = dict(step_server_s=step_server_s, steps=step_server_n, plan_dispatch_s=dispatch_s,
                           plan_dispatches=dispatches,
@@ -693,7 +716,8 @@ def _roofline(iterations: list[dict], min_batch: int, weight_bytes: int, kv_per_
         # time-weighted: all those steps' roofline time over their measured time
         runner_fraction=sum(roof) / sum(runner), iteration_fraction=sum(roof) / sum(wall),
         runner_fraction_p50=pct([r / t for r, t in zip(roof, runner)], 0.5),
-        iteration_fraction_p50=pct([r / t for r, t in zip(roof, wall)], 0.5))
+        iteration_fraction_p50=pct([r / t for r, t in zip(roof, wall)], 0.5),
+        **_device_fractions(steps, roof))
     # The same by batch range: at large batches the GEMMs near their compute limit, which a
     # bytes-only roofline does not count.
     ranges = []
@@ -702,9 +726,24 @@ def _roofline(iterations: list[dict], min_batch: int, weight_bytes: int, kv_per_
         if picked:
             ranges.append(dict(batch_from=max(lo, min_batch), batch_to=hi, steps=len(picked),
                                runner_fraction=sum(roof[k] for k in picked) / sum(runner[k] for k in picked),
-                               iteration_fraction=sum(roof[k] for k in picked) / sum(wall[k] for k in picked)))
+                               iteration_fraction=sum(roof[k] for k in picked) / sum(wall[k] for k in picked),
+                               **_device_fractions([steps[k] for k in picked], [roof[k] for k in picked])))
     out["by_batch"] = ranges
     return out
+
+
+def _device_fractions(steps: list[dict], roof: list[float]) -> dict:
+    """Of the steps rank 0's device timed (``_join_device_timings``): their roofline time over
+    their device time, and the device idle before them over idle plus busy (what the host path
+    left exposed). Empty when no step was timed."""
+    timed = [(i, r) for i, r in zip(steps, roof) if i.get("busy")]
+    if not timed:
+        return {}
+    busy = sum(i["busy"] for i, _ in timed)
+    gaps = [i["gap"] for i, _ in timed if i.get("gap") is not None]
+    return dict(device_steps=len(timed), device_fraction=sum(r for _, r in timed) / busy,
+                device_busy_p50_ms=pct([i["busy"] for i, _ in timed], 0.5) * 1e3,
+                idle_share=sum(gaps) / (sum(gaps) + busy), idle_gap_p50_ms=pct(gaps, 0.5) * 1e3 if gaps else None)
 
 
 # ---- transformers -------------------------------------------------------------------------------------------
@@ -1203,6 +1242,10 @@ def report(summary: dict) -> str:
             lines.append(f"  inside the Step RPCs: the manager's Step handler {m['step_server_share']:.1%} of the wall "
                          f"time, of which plan dispatch to the worker {m['plan_dispatch_share']:.1%} "
                          f"({m['plan_dispatches']:.0f} plans)")
+        if (dv := bd.get("device")) is not None:
+            lines.append(f"  rank 0's device (CUDA events): busy {dv['busy_s']:.1f} s in {dv['steps']} steps, idle "
+                         f"between them {dv['idle_s']:.1f} s = {dv['idle_share']:.1%} (the control plane the overlap "
+                         "did not hide)")
         if bd.get("worker_metrics_rank0"):
             w = bd["worker_metrics_rank0"]
             s, n = w.get("kvpager_worker_model_step_duration_seconds_sum"), \
@@ -1230,7 +1273,14 @@ def report(summary: dict) -> str:
             for r in rf.get("by_batch", []):
                 upper = f"< {r['batch_to']}" if r["batch_to"] < 1 << 30 else "and up"
                 lines.append(f"    batch {r['batch_from']} {upper}: {r['steps']} steps, runner call "
-                             f"{r['runner_fraction']:.1%} of roofline, whole iteration {r['iteration_fraction']:.1%}")
+                             f"{r['runner_fraction']:.1%} of roofline, whole iteration {r['iteration_fraction']:.1%}"
+                             + (f"; on the device {r['device_fraction']:.1%} of roofline, device idle before "
+                                f"them {r['idle_share']:.1%}" if "device_fraction" in r else ""))
+            if "device_fraction" in rf:
+                lines.append(f"  on rank 0's device (CUDA events, {rf['device_steps']} steps): step p50 "
+                             f"{rf['device_busy_p50_ms']:.2f} ms = {rf['device_fraction']:.1%} of roofline; device "
+                             f"idle between steps {rf['idle_share']:.1%} of the time (gap p50 "
+                             f"{rf['idle_gap_p50_ms'] or 0:.2f} ms)")
         else:
             lines.append(f"kvpager decode steps at batch >= {rf['min_batch']}: none in this run "
                          f"(copy ceiling {rf['copy_ceiling_GBps']:,.0f} GB/s)")

@@ -178,6 +178,13 @@ class BlockManagerClient:
         reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
+    def health_epoch(self, service: str = "") -> tuple[str, int]:
+        """(health status, worker epoch): the epoch counts the times the workers' caches were
+        lost (a replaced group); a manager that sends none gives 0."""
+        reply, call = self._call(self._health.Check.with_call, health_pb2.HealthCheckRequest(service=service))
+        epoch = dict(call.initial_metadata()).get("kvpager-epoch", "0")
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), int(epoch)
+
     # ---- plumbing --------------------------------------------------------------------------------
     def _mutate(self, method, request, request_id: Optional[str]):
         """Send a mutating request with a request id (``request_id``, or a new uuid4); retry it

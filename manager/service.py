@@ -34,6 +34,7 @@ from . import tenancy, wire
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .epochs import WorkerCaches
+from .health import HealthService
 from .errors import (
     DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange, Unavailable,
     quote,
@@ -506,7 +507,7 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
     manager's client certificate) and send ``worker_token``. ``quotas`` (tenant -> blocks) adds to
     the tokens' ``quota_blocks`` (docs/security.md, "Tenants")."""
     from kvpager import auth
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthService()
     if isinstance(manager, BlockManager):
         service = BlockManagerService(manager.config, manager, health_servicer)
     else:
@@ -517,6 +518,7 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
                          + ([auth.manager_interceptor(tokens)] if tokens is not None else [])
                          + [MalformedRequestInterceptor()],
                          options=[("grpc.so_reuseport", 0)])
+    health_servicer.epoch = lambda: service.caches.epoch
     service.quotas = {**(tokens.quotas() if tokens is not None else {}), **(quotas or {})}
     service.max_waiting = max(1, max_workers // 2)
     if worker_tls is not None or worker_token:

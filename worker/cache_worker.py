@@ -17,16 +17,16 @@ before the first write or attention: see ``worker.kv_cache``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import grpc
 import torch
@@ -41,7 +41,8 @@ from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 from .kv_cache import CacheSpec, KVCache, PlanExpired
-from .metrics import WorkerInfo, WorkerMetrics
+from .launched_steps import LaunchedSteps
+from .metrics import StepTiming, WorkerInfo, WorkerMetrics
 from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
 
 from .decode_graphs import DecodeGraphs, supported as graphs_supported
@@ -133,6 +134,8 @@ class CacheWorker:
         self._last_ids: Optional[torch.Tensor] = None
         self._last_ids_step = 0
         self._applied_set: set[int] = set()
+        self._launched = LaunchedSteps()           # steps launched, their outputs not fetched yet
+        self._tickets = itertools.count(1)         # execute_model's own tickets
 
     # ---- life cycle ------------------------------------------------------------------------------------
     def start(self) -> str:
@@ -308,31 +311,46 @@ class CacheWorker:
         computed tokens, its last token's float32 logits ``[S, vocab]`` or, for a greedy step,
         their argmax ``[S]`` (int64). Raises ValueError for an inconsistent
         input and PlanNotApplied when the plan the step needs has not been applied here; in
-        both cases nothing ran."""
+        both cases nothing ran. ``launch_model`` and ``fetch_output`` are its two halves."""
+        ticket = ("execute", next(self._tickets))
+        self.launch_model(step, ticket)
+        return self.fetch_output(ticket)
+
+    def launch_model(self, step: StepInput, ticket: Hashable) -> None:
+        """Enqueue one step and the copy of its output to the host, and return without waiting
+        for the device (``worker.launched_steps``); ``fetch_output(ticket)`` gives what
+        ``execute_model`` returns. A step launched while another runs on the GPU queues behind
+        it. Refuses as ``execute_model`` does, with nothing run and nothing kept."""
         step.check()
         metrics = self.metrics
-        if metrics is None:
-            with self._lock:
-                self._require_plan(step)
-                logits = self._forward(step, previous_ids=self._fed_tokens(step))
-                out = self._output(step, logits) if self.config.rank == 0 else None
-            return out.cpu() if out is not None else None   # the host waits here, outside the lock
-        attention = metrics.attention_span()
         with self._lock:
             self._require_plan(step)
             previous = self._fed_tokens(step)
-            metrics.poll()
-            started = time.perf_counter()
-            logits = self._forward(step, attention, previous)
+            if metrics is None:
+                logits = self._forward(step, previous_ids=previous)
+            else:
+                metrics.poll()
+                attention = metrics.attention_span()
+                start = metrics.timeline.begin()
+                logits = self._forward(step, attention, previous)
             out = self._output(step, logits) if self.config.rank == 0 else None
-        if out is not None:
-            out = out.cpu()
-        elif self.cache.device.type == "cuda":
-            # Other ranks return nothing to copy; wait for the step here so that its wall time
-            # is the step's, not its launch's. Free: the caller waits for every rank anyway.
-            torch.cuda.current_stream(self.cache.device).synchronize()
-        metrics.observe_model_step(len(step.token_ids), time.perf_counter() - started, attention)
-        return out
+            self._launched.add(ticket, out, self.cache.device)
+            if metrics is not None:
+                metrics.observe_model_step(step.step_id, len(step.token_ids), start, attention)
+
+    def fetch_output(self, ticket: Hashable) -> Optional[torch.Tensor]:
+        """The output of the step launched under ``ticket`` (None on ranks > 0), once it is on the
+        host; waits for the device, never for the worker's lock. StepNotLaunched when there is
+        none (its launch failed)."""
+        return self._launched.take(ticket)
+
+    def step_timings(self) -> list[StepTiming]:
+        """The recent model steps' device time and the idle gap before each (needs metrics on;
+        empty otherwise): what the serving benchmark reads for its roofline and idle figures."""
+        if self.metrics is None:
+            return []
+        self.metrics.poll()
+        return list(self.metrics.timeline.recent)
 
     def _forward(self, step: StepInput, attention_timer=None,
                  previous_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:

@@ -7,9 +7,11 @@ replays it: the step's tokens, positions, slots, block tables and lengths are co
 device buffers the graph reads, then one ``replay()`` runs the whole model. The final norm,
 lm_head and argmax run eagerly after it (three launches; the logits' size depends on the batch).
 
-Shapes: a graph serves one (batch bucket, table-width bucket). A step of S sequences whose table
-is W blocks wide runs in the smallest bucket B >= S (``BATCH_BUCKETS``, capped at
-``max_batch``) and the smallest power of two >= W (the table's view is part of the shape). Rows
+Shapes: a graph serves one batch bucket: a step of S sequences runs in the smallest bucket
+B >= S (``BATCH_BUCKETS``, capped at ``max_batch``), its tables in the first S rows of a
+buffer ``max_blocks`` wide (the work list reads each row only up to its context). Without a work
+list (``KVPAGER_DECODE_WORK_LIST=0``) the grid is planned from the table's width at capture, so
+a graph serves one (batch bucket, power-of-two width >= W) for tables W blocks wide. Rows
 S..B-1 are padding: context 0 and slot -1, so they write nothing and attend to nothing; table
 entries past a row's context are never read, so the buffers are not cleared between steps.
 Attention runs from the step's work list (``kernels/decode_plan.py``), planned on the host from
@@ -42,7 +44,7 @@ from kvpager.kernels import ops
 from kvpager.step import StepInput
 
 from .kv_cache import KVCache
-from .model import Decoder, feed_tokens, host_ints
+from .model import Decoder, feed_tokens, host_ints, to_device
 
 log = logging.getLogger("kvpager.worker")
 
@@ -109,7 +111,9 @@ class DecodeGraphs:
         ``previous_ids``: as ``Decoder.forward_paged`` takes them (``step.feedback_rows``)."""
         s, w = step.num_seqs, step.max_blocks
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, s)]
-        width = _width_bucket(w)
+        # With a work list the kernel reads the tables only up to each row's context, so one
+        # graph per batch bucket, over the buffer's full width, serves every width.
+        width = self.max_blocks if self._planner is not None else _width_bucket(w)
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
         pad = [np.zeros(batch - s, np.int64), np.full(batch - s, -1, np.int64)]   # padding rows: 0, slot -1
         plan = np.zeros(0, np.int32)
@@ -120,7 +124,7 @@ class DecodeGraphs:
         fed = [] if step.feedback_rows is None else [step.feedback_rows]
         host = host_ints([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
                           step.context_lens, pad[0], plan64, *fed, step.block_tables], np.int64)
-        staged = host.to(self.cache.device)
+        staged = to_device(host, self.cache.device)
         self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
         self._context[:batch].copy_(staged[3 * batch:4 * batch])
         rows_at = 4 * batch + len(plan64)

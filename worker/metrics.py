@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -160,6 +161,65 @@ class Span:
         self._clock.submit(marks, self._observe)
 
 
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One model step as the device ran it (seconds; wall time on a CPU)."""
+
+    step_id: int
+    tokens: int
+    busy: float             # from the step's first device work to its output's copy to the host
+    gap: Optional[float]    # idle since the previous step's end (None: the first step)
+
+
+class StepTimeline:
+    """The device time of each model step and the idle gap before it, from two CUDA events per
+    step on the compute stream (``perf_counter`` on the CPU); ``poll`` reads the steps the device
+    has finished, in order, never waiting. A gap is the device idle between two steps: the host
+    path that the overlap did not hide (the Ray call, building inputs, a graph capture) or no
+    work at all."""
+
+    KEPT = 1 << 16   # recent steps kept for ``recent`` (the serving benchmark reads them)
+
+    def __init__(self, device: torch.device, observe: Callable[[StepTiming], None]) -> None:
+        self._on_cuda = device.type == "cuda"
+        self._device = device
+        self._observe = observe
+        self._pending: deque[tuple[int, int, Mark, Mark]] = deque()
+        self._previous_end: Optional[Mark] = None
+        self._lock = threading.Lock()
+        self.recent: deque[StepTiming] = deque(maxlen=self.KEPT)
+
+    def begin(self) -> Mark:
+        if not self._on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def end(self, step_id: int, tokens: int, start: Mark) -> None:
+        """After the step's last device work (its output copy) was enqueued."""
+        end = self.begin()
+        with self._lock:
+            self._pending.append((step_id, tokens, start, end))
+        self.poll()
+
+    def poll(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending or (self._on_cuda and not self._pending[0][3].query()):
+                    return
+                step_id, tokens, start, end = self._pending.popleft()
+                previous, self._previous_end = self._previous_end, end
+            if self._on_cuda:
+                busy = start.elapsed_time(end) / 1e3
+                gap = previous.elapsed_time(start) / 1e3 if previous is not None else None
+            else:
+                busy, gap = end - start, (start - previous if previous is not None else None)
+            timing = StepTiming(step_id, tokens, busy, gap)
+            self.recent.append(timing)
+            self._observe(timing)
+
+
 class WorkerMetrics:
     """The registry of one worker and the calls the worker makes as it works.
 
@@ -191,8 +251,12 @@ class WorkerMetrics:
                                        "Tokens whose K/V the model computed and wrote.", registry=r)
         self.model_step_duration = Histogram(
             "kvpager_worker_model_step_duration_seconds",
-            "Wall time of one model step on this rank (the whole forward pass, logits copied to the host).",
-            buckets=MODEL_STEP_BUCKETS, registry=r)
+            "Time of one model step on this rank, from its first device work to its output's copy to the host "
+            "(CUDA events on a GPU, wall time on a CPU).", buckets=MODEL_STEP_BUCKETS, registry=r)
+        self.idle = Counter("kvpager_worker_device_idle_seconds_total",
+                            "Device time between one model step's end and the next one's start: the host path the "
+                            "overlap did not hide, or no work.", registry=r)
+        self.timeline = StepTimeline(cache.device, self._observe_timing)
         self.attention_duration = Histogram(
             "kvpager_worker_attention_duration_seconds",
             "Time of one step's attention, summed over layers (CUDA events on a GPU, wall time on a CPU).",
@@ -208,6 +272,7 @@ class WorkerMetrics:
     def poll(self) -> None:
         """Observe the device timings that have finished (called at each plan and step)."""
         self.clock.poll()
+        self.timeline.poll()
 
     # ---- plans ---------------------------------------------------------------------------------------
     @contextmanager
@@ -233,11 +298,18 @@ class WorkerMetrics:
         """A span for one step's attention: the model enters it around each layer's attention."""
         return self.clock.span(self.attention_duration.observe)
 
-    def observe_model_step(self, tokens: int, seconds: float, attention: Span) -> None:
+    def observe_model_step(self, step_id: int, tokens: int, start: Mark, attention: Span) -> None:
+        """After the step's work and its output copy were enqueued; ``start`` is
+        ``timeline.begin()`` from before its first device work."""
         self.model_steps.inc()
         self.computed_tokens.inc(tokens)
-        self.model_step_duration.observe(seconds)
+        self.timeline.end(step_id, tokens, start)
         attention.submit()
+
+    def _observe_timing(self, timing: StepTiming) -> None:
+        self.model_step_duration.observe(timing.busy)
+        if timing.gap is not None:
+            self.idle.inc(timing.gap)
 
 
 class _StateCollector:

@@ -65,6 +65,16 @@ def host_ints(parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without making the host wait: on CUDA through pinned memory, copied
+    in stream order behind the work already queued (torch's caching host allocator keeps the
+    pinned buffer until the copy has run). A plain ``.to(device)`` from pageable memory waits
+    for the whole stream, which would stall a step launched while the previous one computes."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def feed_tokens(tokens: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> None:
     """``tokens[i] = previous[rows[i]]`` where ``rows[i] >= 0``, in place, on the device: no host
     sync (the tokens of a step sent before the previous step's output came back)."""
@@ -145,7 +155,7 @@ class Decoder:
         dev, n = self.device, len(step.token_ids)
         # Two host-to-device copies: the int64 token data, the int32 tables and lengths.
         fed = [] if step.feedback_rows is None else [step.feedback_rows]
-        longs = host_ints([step.token_ids, step.positions, step.slot_mapping, *fed], np.int64).to(dev)
+        longs = to_device(host_ints([step.token_ids, step.positions, step.slot_mapping, *fed], np.int64), dev)
         tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:3 * n]
         if fed:
             feed_tokens(tokens, longs[3 * n:], previous_ids)
@@ -160,10 +170,11 @@ class Decoder:
         starts = [0, *accumulate(query_lens)]
         planner = self.decode_planner(layer_cache) if step.decode_only else None
         plan = [planner.plan(context_lens)] if planner is not None else []   # the step's decode work list
-        ints = host_ints([step.block_tables, context_lens, starts, *plan], np.int32).to(dev)
+        rows = [] if computing is None else [computing]
+        ints = to_device(host_ints([step.block_tables, context_lens, starts, *plan, *rows], np.int32), dev)
         tables = ints[:table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
-            tables = tables.index_select(0, torch.tensor(computing, device=dev))
+            tables = tables.index_select(0, ints[len(ints) - len(computing):])
         context = ints[table_len:table_len + len(context_lens)]
         query_starts = ints[table_len + len(context_lens):table_len + len(context_lens) + len(starts)]
         if step.decode_only:

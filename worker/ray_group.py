@@ -12,8 +12,11 @@ with ``RayWorkerGroup.attach()``; the actors stay owned by the process that star
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 import socket
 import time
+import uuid
 from typing import Callable, Optional
 
 import torch
@@ -21,6 +24,8 @@ import torch
 from kvpager.step import StepInput
 
 from .cache_worker import CacheWorker, WorkerConfig
+
+log = logging.getLogger("kvpager.worker")
 
 
 class WorkerDied(RuntimeError):
@@ -43,9 +48,19 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace:
     ``address="local"`` starts a new cluster, never one that ``ray start`` left on this machine."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address=node_ip or LOOPBACK_NODE_IP, namespace=namespace)
+    for attempt in (1, 2):
+        if ray.is_initialized():
+            return
+        try:
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                     log_to_driver=False, _node_ip_address=node_ip or LOOPBACK_NODE_IP, namespace=namespace)
+        except Exception as exc:  # noqa: BLE001 - Ray raises a plain Exception for this
+            # On a loaded machine the raylet sometimes never registers within Ray's fixed 30 s
+            # ("The current node timed out during startup"); a second start has always worked.
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            log.warning("the local Ray cluster did not start (%s); starting it once more", exc)
+            ray.shutdown()
 
 
 def actor_name(rank: int) -> str:
@@ -75,6 +90,7 @@ class RayWorkerGroup:
 
         self._ray = ray
         self._owned = True
+        self._caller, self._tickets = uuid.uuid4().hex, itertools.count(1)   # launch tickets: unique per group object
         self.step_timeout_s = step_timeout_s
         if use_gpu is None:
             use_gpu = ray.cluster_resources().get("GPU", 0) >= tensor_parallel_size
@@ -125,6 +141,7 @@ class RayWorkerGroup:
         size = ray.get(first.worker_config.remote(), timeout=timeout_s).tensor_parallel_size
         group = cls.__new__(cls)
         group._ray, group._owned, group.step_timeout_s = ray, False, DEFAULT_STEP_TIMEOUT_S
+        group._caller, group._tickets = uuid.uuid4().hex, itertools.count(1)
         group.actors = [first] + [find(rank) for rank in range(1, size)]
         group.configs = ray.get([a.worker_config.remote() for a in group.actors], timeout=timeout_s)
         group.use_gpu = group.configs[0].device != "cpu"
@@ -147,27 +164,40 @@ class RayWorkerGroup:
     def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
         """Start one model step on every rank and return at once; the returned callable waits
         for it and gives what ``__call__`` gives (raising as it does). Each actor runs its calls
-        in order, so a step submitted after another computes after it. The step must finish
-        within ``step_timeout_s`` of its submission, else WorkerDied."""
-        refs = [a.execute_model.remote(step) for a in self.actors]
+        in order, so a step submitted after another computes after it: each rank launches the
+        step (``CacheWorker.launch_model``: enqueued, not waited for), and the callable fetches
+        its output, so a step submitted before the previous one's output is fetched is already
+        queued on the GPU behind it. The step must finish within ``step_timeout_s`` of its
+        submission, else WorkerDied."""
+        ticket = (self._caller, next(self._tickets))
+        launches = [a.launch_model.remote(step, ticket) for a in self.actors]
         deadline = time.monotonic() + self.step_timeout_s
 
         def wait() -> torch.Tensor:
-            pending = list(refs)
-            while pending:
-                ready, pending = self._ray.wait(pending, num_returns=1,
-                                                timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    stuck = [refs.index(r) for r in pending]
-                    raise WorkerDied(f"rank(s) {stuck} did not finish model step {step.step_id} within "
-                                     f"{self.step_timeout_s:g} s (stopped, or waiting in a collective for a dead "
-                                     "peer): the group must be replaced")
-                try:
-                    self._ray.get(ready)
-                except self._ray.exceptions.RayActorError as exc:
-                    raise WorkerDied(f"rank {refs.index(ready[0])} died during a model step: {exc}") from exc
-            return self._ray.get(refs[0])
+            self._wait(launches, step, deadline)   # a refused launch raises here, and nothing is fetched
+            fetches = [a.fetch_output.remote(ticket) for a in self.actors]
+            self._wait(fetches, step, deadline)
+            return self._ray.get(fetches[0])
         return wait
+
+    def _wait(self, refs: list, step: StepInput, deadline: float) -> None:
+        """Wait for one call per rank until ``deadline``; WorkerDied if a rank is stuck or died."""
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                stuck = [refs.index(r) for r in pending]
+                raise WorkerDied(f"rank(s) {stuck} did not finish model step {step.step_id} within "
+                                 f"{self.step_timeout_s:g} s (stopped, or waiting in a collective for a dead "
+                                 "peer): the group must be replaced")
+            try:
+                self._ray.get(ready)
+            except self._ray.exceptions.RayActorError as exc:
+                raise WorkerDied(f"rank {refs.index(ready[0])} died during a model step: {exc}") from exc
+
+    def step_timings(self) -> list:
+        """Rank 0's recent model steps as its device ran them (``CacheWorker.step_timings``)."""
+        return self._ray.get(self.actors[0].step_timings.remote(), timeout=60)
 
     def memory_stats(self) -> list:
         return self._ray.get([a.memory_stats.remote() for a in self.actors])

@@ -501,10 +501,12 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
         bm.allocate("b", token_ids=list(range(6)))
         register(bm.stub, "A0", 0)  # the same cache: nothing lost
         assert bm.get_stats().epoch == 0 and bm.get_block_table("a").num_tokens == 10
+        assert bm.health_epoch() == ("SERVING", 0)
         register(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
         register(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
         s = bm.get_stats()
         assert (s.epoch, s.lost_sequences, s.running_sequences, s.gpu.used_blocks) == (1, 2, 0, 0)
+        assert bm.health_epoch() == ("SERVING", 1)   # health shows the replaced group too
         with pytest.raises(DataLoss, match="'a' lost its K/V"):
             bm.append("a", token_ids=[1])
         with pytest.raises(DataLoss, match="'b'"):
@@ -519,6 +521,7 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
     with serving(config) as (bm, svc):
         s = bm.get_stats()
         assert (s.epoch, s.lost_sequences, s.running_sequences) == (1, 1, 1)
+        assert bm.health_epoch("kvpager.v1.BlockManager")[1] == 1   # before the workers are back
         register(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
         register(bm.stub, "B1", 1)
         assert bm.get_stats().epoch == 1 and bm.get_block_table("a").num_tokens == 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
 import time
 
@@ -232,7 +233,10 @@ def test_a_stuck_rank_fails_the_model_step_at_its_deadline(ray_cluster):
         def __init__(self, delay: float) -> None:
             self.delay = delay
 
-        def execute_model(self, step):
+        def launch_model(self, step, ticket):
+            pass
+
+        def fetch_output(self, ticket):   # the step never finishes on a stuck rank's device
             time.sleep(self.delay)
             return torch.zeros(1)
 
@@ -241,6 +245,7 @@ def test_a_stuck_rank_fails_the_model_step_at_its_deadline(ray_cluster):
 
     group = RayWorkerGroup.__new__(RayWorkerGroup)
     group._ray, group._owned, group.step_timeout_s = ray_cluster, False, 1.0
+    group._caller, group._tickets = "test", itertools.count(1)
     group.actors = [Rank.remote(0.0), Rank.remote(30.0)]
     ray_cluster.get([a.ready.remote() for a in group.actors])   # started: only rank 1 is slow
     step = StepInput(step_id=7, plan_step_id=0, token_ids=[1], positions=[0], slot_mapping=[0], query_lens=[1],

@@ -125,6 +125,48 @@ def test_fed_back_tokens_equal_sending_them(worker):
     assert torch.equal(worker.execute_model(fed), expect)
 
 
+def test_launched_steps_are_fetched_by_ticket_in_any_order(worker):
+    """``launch_model`` then ``fetch_output`` is ``execute_model`` in two halves: two steps
+    launched back to back (the second taking its token from the first's output on the worker, as
+    an overlapped scheduler sends them) give, fetched in either order, what running them one by
+    one gives; a refused launch keeps nothing, and its ticket fetches StepNotLaunched."""
+    import dataclasses
+
+    from kvpager.worker.launched_steps import StepNotLaunched
+
+    first = dataclasses.replace(prefill(1, 0, [3, 1, 4, 1, 5], [5, 2]), greedy=True)
+    token = int(worker.execute_model(first)[0])
+    given = StepInput(step_id=2, plan_step_id=0, token_ids=[token], positions=[5], slot_mapping=[2 * BLOCK + 1],
+                      query_lens=[1], context_lens=[6], block_tables=[5, 2], max_blocks=2, greedy=True)
+    expect = worker.execute_model(given)
+    fed = dataclasses.replace(given, token_ids=[0], feedback_rows=[0], feedback_step=1)
+    worker.launch_model(first, "a")
+    worker.launch_model(fed, "b")
+    assert torch.equal(worker.fetch_output("b"), expect)
+    assert int(worker.fetch_output("a")[0]) == token
+    with pytest.raises(StepNotLaunched, match="ticket 'a'"):
+        worker.fetch_output("a")      # fetched once only
+    with pytest.raises(PlanNotApplied):
+        worker.launch_model(prefill(9, 9, [1, 2], [3]), "c")
+    with pytest.raises(StepNotLaunched, match="its launch failed"):
+        worker.fetch_output("c")
+    with pytest.raises(ValueError, match="launched twice"):
+        worker.launch_model(first, "d")
+        worker.launch_model(first, "d")
+
+
+def test_steps_launched_and_never_fetched_are_dropped_oldest_first(worker):
+    from kvpager.worker.launched_steps import LaunchedSteps, StepNotLaunched
+
+    step = prefill(1, 0, [3, 1, 4], [5])
+    for ticket in range(LaunchedSteps.KEPT + 2):
+        worker.launch_model(step, ticket)
+    for ticket in (0, 1):
+        with pytest.raises(StepNotLaunched):
+            worker.fetch_output(ticket)
+    assert worker.fetch_output(LaunchedSteps.KEPT + 1).shape == (1, worker.config.model.vocab_size)
+
+
 def test_a_plan_whose_sender_stopped_waiting_is_not_applied(worker):
     """A plan that waits in the worker past its deadline (the worker was busy or stopped, and the
     manager has rolled the step back): the worker answers DEADLINE_EXCEEDED and moves nothing,

@@ -148,8 +148,12 @@ def test_smoke_cpu(tmp_path, models):
 def test_smoke_cpu_ray_and_child_processes(tmp_path, models):
     """The script's default path: each system in its own child process, kvpager on a Ray worker
     (about 40 s here, most of it starting Ray); Poisson arrivals."""
-    stdout, summary = run_smoke(tmp_path, models, "--rate", "40")
+    stdout, summary = run_smoke(tmp_path, models, "--rate", "40", "--worker-metrics")
     check_report(stdout, summary)
+    # The worker's own timeline of its steps (busy, and idle between them) joined by step id.
+    device = summary["systems"]["kvpager"]["breakdown"]["device"]
+    assert device["steps"] > 0 and device["busy_s"] > 0 and 0 < device["idle_share"] < 1
+    assert "rank 0's device" in stdout and summary["systems"]["kvpager"]["decode_roofline"]["device_fraction"] > 0
     assert "Ray" in summary["systems"]["kvpager"]["workers"]
     assert summary["workload"]["rate_per_s"] == 40
     scheduler = summary["systems"]["kvpager"]["scheduler"]

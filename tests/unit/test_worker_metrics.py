@@ -114,6 +114,12 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     step_sum = value(m, "kvpager_worker_model_step_duration_seconds", "kvpager_worker_model_step_duration_seconds_sum")
     assert value(m, "kvpager_worker_attention_duration_seconds", "kvpager_worker_attention_duration_seconds_sum") \
         < step_sum
+    # The device idled between the two steps (this test's Python ran in between), and each step's
+    # timing is kept for the benchmark, in order, the first without a gap.
+    assert value(m, "kvpager_worker_device_idle_seconds_total") > 0
+    timings = worker.step_timings()
+    assert [(t.step_id, t.tokens) for t in timings] == [(4, 8), (5, 2)]
+    assert timings[0].gap is None and timings[1].gap > 0 and all(t.busy > 0 for t in timings)
 
     cache = worker.cache
     assert value(m, "kvpager_worker_cache_blocks", tier="gpu") == 12

@@ -1,0 +1,26 @@
+"""The standard gRPC health service, with the worker epoch in every answer.
+
+``grpc.health.v1.Health/Check`` answers a status only. Which worker caches hold the manager's
+state (the epoch of ``manager/epochs.py``: how many times they were lost) matters to whoever
+watches health, so each Check answer carries it as initial metadata ``kvpager-epoch``: a
+replaced worker group shows in health, not only in GetStats. The statuses are set by the
+service (``BlockManagerService._update_health``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from grpc_health.v1 import health
+
+EPOCH_METADATA = "kvpager-epoch"
+
+
+class HealthService(health.HealthServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch: Callable[[], int] = lambda: 0   # the service sets it once its caches exist
+
+    def Check(self, request, context):  # noqa: N802 - the gRPC method's name
+        context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch())),))
+        return super().Check(request, context)
