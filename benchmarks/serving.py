@@ -662,7 +662,7 @@ def _join_device_timings(iterations: list[dict], runner) -> None:
     for it in iterations:
         timing = by_step.get(it["step_id"]) if it["step_id"] else None
         if timing is not None:
-            it.update(busy=timing.busy, gap=timing.gap)
+            it.update(busy=timing.busy, gap=timing.gap, launch=timing.launch)
 
 
 def _breakdown(iterations: list[dict], dispatch_s: float, dispatches: float, step_server_s: float,
@@ -743,7 +743,8 @@ def _device_fractions(steps: list[dict], roof: list[float]) -> dict:
     gaps = [i["gap"] for i, _ in timed if i.get("gap") is not None]
     return dict(device_steps=len(timed), device_fraction=sum(r for _, r in timed) / busy,
                 device_busy_p50_ms=pct([i["busy"] for i, _ in timed], 0.5) * 1e3,
-                idle_share=sum(gaps) / (sum(gaps) + busy), idle_gap_p50_ms=pct(gaps, 0.5) * 1e3 if gaps else None)
+                idle_share=sum(gaps) / (sum(gaps) + busy), idle_gap_p50_ms=pct(gaps, 0.5) * 1e3 if gaps else None,
+                worker_launch_p50_ms=pct([i["launch"] for i, _ in timed], 0.5) * 1e3)
 
 
 # ---- transformers -------------------------------------------------------------------------------------------
@@ -1280,7 +1281,8 @@ def report(summary: dict) -> str:
                 lines.append(f"  on rank 0's device (CUDA events, {rf['device_steps']} steps): step p50 "
                              f"{rf['device_busy_p50_ms']:.2f} ms = {rf['device_fraction']:.1%} of roofline; device "
                              f"idle between steps {rf['idle_share']:.1%} of the time (gap p50 "
-                             f"{rf['idle_gap_p50_ms'] or 0:.2f} ms)")
+                             f"{rf['idle_gap_p50_ms'] or 0:.2f} ms); the worker's launch of a step (host) p50 "
+                             f"{rf['worker_launch_p50_ms']:.2f} ms")
         else:
             lines.append(f"kvpager decode steps at batch >= {rf['min_batch']}: none in this run "
                          f"(copy ceiling {rf['copy_ceiling_GBps']:,.0f} GB/s)")

@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import deque
 from concurrent import futures
@@ -321,6 +322,7 @@ class CacheWorker:
         for the device (``worker.launched_steps``); ``fetch_output(ticket)`` gives what
         ``execute_model`` returns. A step launched while another runs on the GPU queues behind
         it. Refuses as ``execute_model`` does, with nothing run and nothing kept."""
+        called = time.perf_counter()
         step.check()
         metrics = self.metrics
         with self._lock:
@@ -336,7 +338,8 @@ class CacheWorker:
             out = self._output(step, logits) if self.config.rank == 0 else None
             self._launched.add(ticket, out, self.cache.device)
             if metrics is not None:
-                metrics.observe_model_step(step.step_id, len(step.token_ids), start, attention)
+                metrics.observe_model_step(step.step_id, len(step.token_ids), start, attention,
+                                           time.perf_counter() - called)
 
     def fetch_output(self, ticket: Hashable) -> Optional[torch.Tensor]:
         """The output of the step launched under ``ticket`` (None on ranks > 0), once it is on the

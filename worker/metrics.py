@@ -169,6 +169,7 @@ class StepTiming:
     tokens: int
     busy: float             # from the step's first device work to its output's copy to the host
     gap: Optional[float]    # idle since the previous step's end (None: the first step)
+    launch: float           # host time the worker took to enqueue the step (wall; all of it on a CPU)
 
 
 class StepTimeline:
@@ -184,7 +185,7 @@ class StepTimeline:
         self._on_cuda = device.type == "cuda"
         self._device = device
         self._observe = observe
-        self._pending: deque[tuple[int, int, Mark, Mark]] = deque()
+        self._pending: deque[tuple[int, int, Mark, Mark, float]] = deque()
         self._previous_end: Optional[Mark] = None
         self._lock = threading.Lock()
         self.recent: deque[StepTiming] = deque(maxlen=self.KEPT)
@@ -196,11 +197,12 @@ class StepTimeline:
         event.record(torch.cuda.current_stream(self._device))
         return event
 
-    def end(self, step_id: int, tokens: int, start: Mark) -> None:
-        """After the step's last device work (its output copy) was enqueued."""
+    def end(self, step_id: int, tokens: int, start: Mark, launch: float) -> None:
+        """After the step's last device work (its output copy) was enqueued; ``launch``: the
+        host time its launch took."""
         end = self.begin()
         with self._lock:
-            self._pending.append((step_id, tokens, start, end))
+            self._pending.append((step_id, tokens, start, end, launch))
         self.poll()
 
     def poll(self) -> None:
@@ -208,14 +210,14 @@ class StepTimeline:
             with self._lock:
                 if not self._pending or (self._on_cuda and not self._pending[0][3].query()):
                     return
-                step_id, tokens, start, end = self._pending.popleft()
+                step_id, tokens, start, end, launch = self._pending.popleft()
                 previous, self._previous_end = self._previous_end, end
             if self._on_cuda:
                 busy = start.elapsed_time(end) / 1e3
                 gap = previous.elapsed_time(start) / 1e3 if previous is not None else None
             else:
                 busy, gap = end - start, (start - previous if previous is not None else None)
-            timing = StepTiming(step_id, tokens, busy, gap)
+            timing = StepTiming(step_id, tokens, busy, gap, launch)
             self.recent.append(timing)
             self._observe(timing)
 
@@ -298,12 +300,12 @@ class WorkerMetrics:
         """A span for one step's attention: the model enters it around each layer's attention."""
         return self.clock.span(self.attention_duration.observe)
 
-    def observe_model_step(self, step_id: int, tokens: int, start: Mark, attention: Span) -> None:
+    def observe_model_step(self, step_id: int, tokens: int, start: Mark, attention: Span, launch: float) -> None:
         """After the step's work and its output copy were enqueued; ``start`` is
-        ``timeline.begin()`` from before its first device work."""
+        ``timeline.begin()`` from before its first device work, ``launch`` the host time so far."""
         self.model_steps.inc()
         self.computed_tokens.inc(tokens)
-        self.timeline.end(step_id, tokens, start)
+        self.timeline.end(step_id, tokens, start, launch)
         attention.submit()
 
     def _observe_timing(self, timing: StepTiming) -> None:
