@@ -187,7 +187,12 @@ class CacheWorker:
                 log.info("rank %d: decode steps run eagerly: %s", cfg.rank, reason)
             return None
         max_blocks = -(-cfg.model.context_len // cfg.block_size)
-        return DecodeGraphs(self.model, self.cache, cfg.cuda_graph_max_batch, max_blocks)
+        graphs = DecodeGraphs(self.model, self.cache, cfg.cuda_graph_max_batch, max_blocks)
+        captured = graphs.capture_all()   # before serving: no step waits for a capture
+        if captured:
+            log.info("rank %d: captured %d decode CUDA graphs (batches up to %d) in %.1f s", cfg.rank, captured,
+                     graphs.max_batch, graphs.capture_seconds)
+        return graphs
 
     def endpoints(self) -> dict[str, str]:
         """The advertised addresses: ``grpc`` and ``metrics`` (empty when metrics are off)."""

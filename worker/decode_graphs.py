@@ -16,9 +16,9 @@ S..B-1 are padding: context 0 and slot -1, so they write nothing and attend to n
 entries past a row's context are never read, so the buffers are not cleared between steps.
 Attention runs from the step's work list (``kernels/decode_plan.py``), planned on the host from
 the real lengths and copied into a static buffer with the other inputs: the launch geometry is
-fixed per model, so one graph serves every plan. Graphs are captured lazily, the first time a
-shape is seen (one eager warm-up per process, then the capture: about two eager steps' time),
-and share one memory pool: at most one runs at a time, and nothing a graph allocated outlives
+fixed per model, so one graph serves every plan. The worker captures every bucket when it starts
+(``capture_all``: about two eager steps' time each, one eager warm-up per process); shapes not
+captured yet (no work list) are captured the first time they are seen. Graphs share one memory pool: at most one runs at a time, and nothing a graph allocated outlives
 its replay except the static output, which every graph writes to the same buffer.
 
 Ordering: the graph does not wait for the cache's last swap/copy plan itself (an event recorded
@@ -137,6 +137,17 @@ class DecodeGraphs:
         self.cache.wait()
         graph.replay()
         return self.model.logits(self._hidden[:s])
+
+    def capture_all(self) -> int:
+        """Capture every batch bucket now (with a work list one graph per bucket serves every
+        table width), so that no step of a serving run waits for a capture; returns how many were
+        captured. Without a work list the widths are open-ended: nothing is captured ahead (0)."""
+        if self._planner is None:
+            return 0
+        todo = [b for b in self.batch_buckets if (b, self.max_blocks) not in self._graphs]
+        for batch in todo:
+            self._capture(batch, self.max_blocks)
+        return len(todo)
 
     def _layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.gpu[:, layer, 0], self.cache.gpu[:, layer, 1]

@@ -173,7 +173,7 @@ class Scheduler:
             tokens = [] if in_flight else [s.next_token for s in decoding]
             add(C.append_batch_op([s.seq_id for s in decoding], tokens), self._appended)
         room = self._available - self._reserve - self._append_need()
-        while self.swapped and self._blocks(self.swapped[0]) <= room:
+        while self.swapped and not in_flight and self._blocks(self.swapped[0]) <= room:
             group = self.swapped.popleft()
             self._in_flight.append(group)
             room -= self._blocks(group)
@@ -227,9 +227,12 @@ class Scheduler:
 
     def _may_overlap(self) -> bool:
         """Whether the next Step may go out while a step is in flight: it moves no blocks (no
-        group waits to swap in, and no running group has forked samples whose appends may copy
-        on write); preemption settles on its own (``_preempt_if_short``)."""
-        return not self.swapped and all(len(group.seqs) == 1 for group in self.running)
+        swapped group has room to come back in this step, and no running group has forked samples
+        whose appends may copy on write); preemption settles on its own (``_preempt_if_short``).
+        A swapped group that does not fit yet waits while steps overlap. O(running groups)."""
+        if self.swapped and self._blocks(self.swapped[0]) <= self._available - self._reserve - self._append_need():
+            return False
+        return all(len(group.seqs) == 1 for group in self.running)
 
     def _ends_in_flight(self, seq: SeqState) -> bool:
         """The step in flight gives this sequence its last token (its limit), so it needs no slot. O(1)."""
