@@ -19,9 +19,13 @@ dropped, and is freed a step later. When both steps are greedy and the runner ``
 single-rank Ray group), step N+1 goes to the workers before step N's tokens come back: its
 tokens that step N computes are named by their row of step N's output
 (``StepInput.feedback_rows``) and the worker takes them from the argmax it kept on the device,
-so the GPU goes from step N to N+1 without waiting for this loop. Steps that may move blocks (swap-ins, preemption, forked
-samples whose appends may copy on write) first wait for the step in flight, so a plan never
-reaches the workers ahead of a step queued before it. The tokens are those of the plain loop.
+so the GPU goes from step N to N+1 without waiting for this loop; the loop then takes the tokens
+of the oldest step in flight only once ``PIPELINE_DEPTH`` (2) are out, so while it prepares step
+N+2 the GPU has N+1 queued behind N. A step that needs a token no step in flight can feed (a
+sequence that skipped a step) first takes every step in flight. Steps that may move blocks
+(swap-ins, preemption, forked samples whose appends may copy on write) first wait for every step
+in flight, so a plan never reaches the workers ahead of a step queued before it. The tokens are
+those of the plain loop.
 
 Workers lost (a Step answers UNAVAILABLE, or the runner raises WorkerDied): the K/V of every
 live sequence may be gone, on the GPU and in the workers' CPU swap space alike. The scheduler
@@ -29,6 +33,8 @@ calls ``recover`` (if given) for a runner over replacement workers, waits until 
 serves again, frees every live sequence and restarts each unfinished request from scratch
 (its samples' seeds restart too, so the outputs are those an undisturbed run gives). A Step
 that answers DATA_LOSS (a replaced worker group lost the sequences' K/V) is recovered the same way.
+A restarted request's tokens are not streamed again (``on_token`` carries on after the last one
+it had: greedy and seeded sampling recompute the same tokens).
 
 Manager restarted (its Step cannot reach it): with ``--state-dir`` the manager recovers its
 state, so the scheduler waits (pinging with backoff, up to ``recover_timeout``) and sends the
@@ -86,6 +92,10 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # Steps in flight at most (overlap with tokens fed back on the worker): the GPU computes one
+    # while the next waits behind it, and this loop prepares the one after.
+    PIPELINE_DEPTH = 2
+
     def __init__(self, client: C.BlockManagerClient, runner: Runner, block_size: int,
                  max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None,
                  recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0,
@@ -100,8 +110,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.runner = runner
         self.overlap = overlap
-        self._pending: Optional[_InFlight] = None   # the step in flight (overlap only)
-        self._fed: Optional[_InFlight] = None       # a step whose tokens the launch being built takes on the worker
+        # Steps in flight, oldest first (overlap only): their tokens are not taken yet.
+        self._inflight: deque[_InFlight] = deque()
+        self._streamed: dict[str, int] = {}   # seq id -> tokens on_token has had (a restart does not repeat them)
         self.recover = recover
         self.recover_timeout = recover_timeout
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
@@ -133,7 +144,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._to_free or self._pending)
+        return bool(self.waiting or self.running or self.swapped or self._to_free or self._inflight)
 
     def run(self, requests: Iterable[Request] = ()) -> dict[str, RequestOutput]:
         for request in requests:
@@ -155,7 +166,7 @@ class Scheduler:
             return False
 
     def _iterate(self) -> bool:
-        if self._pending is not None and not self._may_overlap():
+        if self._inflight and not self._may_overlap():
             self._settle()
         self._preempt_if_short()
         ops, handlers = [], []
@@ -167,7 +178,7 @@ class Scheduler:
         freeing = len(self._to_free)     # dropped from the list once the Step has applied them
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
-        in_flight = self._pending is not None
+        in_flight = bool(self._inflight)
         decoding = [seq for group in self.running for seq in group.unfinished() if not self._ends_in_flight(seq)]
         if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
             tokens = [] if in_flight else [s.next_token for s in decoding]
@@ -205,23 +216,24 @@ class Scheduler:
                 handler(result, err)
             elif err is not None:
                 raise err  # a fork or free the scheduler believed valid
-        # The step in flight's greedy tokens can feed this one on the worker (device-side): send it
-        # before they come back, so the GPU goes from one step to the next without this loop.
-        feed = self._pending if self._may_feed() else None
+        # The newest step in flight's greedy tokens can feed this one on the worker (device-side):
+        # send it before they come back, so the GPU goes from one step to the next without this
+        # loop; then take the tokens of the oldest steps, keeping PIPELINE_DEPTH in flight.
+        feed = self._inflight[-1] if self._may_feed() else None
         if feed is None:
             settled = self._settle()
             return self._launch(reply) or settled
-        self._pending = None
-        launched = self._launch(reply, feed)
-        if self._fed is not None:   # the launch did not need to wait for it
-            self._fed = None
-            self._take(feed.computed, feed.greedy, feed.wait())
-        return launched or True
+        if not self._launch(reply, feed):
+            return self._settle()
+        while len(self._inflight) > self.PIPELINE_DEPTH:
+            oldest = self._inflight.popleft()
+            self._take(oldest.computed, oldest.greedy, oldest.wait())
+        return True
 
     def _may_feed(self) -> bool:
         """Whether the next step may go out before the one in flight returns: both greedy (the
         worker keeps the argmax on the device) and a runner that feeds tokens back (one rank)."""
-        pending = self._pending
+        pending = self._inflight[-1] if self._inflight else None
         return (pending is not None and pending.greedy and getattr(self.runner, "feeds_back", False)
                 and all(group.request.params.temperature <= 0 for group in self.running))
 
@@ -235,34 +247,32 @@ class Scheduler:
         return all(len(group.seqs) == 1 for group in self.running)
 
     def _ends_in_flight(self, seq: SeqState) -> bool:
-        """The step in flight gives this sequence its last token (its limit), so it needs no slot. O(1)."""
-        pending = self._pending
-        if pending is None:
+        """The steps in flight give this sequence its last token (its limit), so it needs no
+        slot. O(steps in flight)."""
+        coming = sum(seq.seq_id in p.seq_ids for p in self._inflight)
+        if not coming:
             return False
-        limit = self._group_of[seq.seq_id].request.params.max_new_tokens
-        return seq.num_generated + 1 >= limit and seq.seq_id in pending.seq_ids
+        return seq.num_generated + coming >= self._group_of[seq.seq_id].request.params.max_new_tokens
 
     def _launch(self, reply: pb.StepResponse, feed: Optional[_InFlight] = None) -> bool:
         """Start the model on the tokens of the step's batch (its tables as the manager sent them);
         with overlap leave it in flight, else wait for it and take its tokens. Rows of sequences
-        that already finished (a stop token in the previous step) compute a token that is dropped.
-        ``feed``: the step in flight, whose greedy tokens this step may take on the worker (then
-        ``self._fed`` is left set: the caller takes that step's tokens after this launch); when
-        it cannot (a token it does not compute is unknown), its tokens are taken first. O(S + T)."""
-        self._fed = feed
+        that already finished (a stop token in a step before) compute a token that is dropped.
+        ``feed``: the newest step in flight, whose greedy tokens this step may take on the worker;
+        when it cannot (a token it does not compute is unknown, or this step samples), every
+        step in flight is taken first. O(S + T)."""
         inputs = self._inputs(reply, feed)
-        if inputs is None:   # needs a token the step in flight computes but cannot take it there
-            self._fed = None
-            self._take(feed.computed, feed.greedy, feed.wait())
-            inputs = self._inputs(reply, None)
+        if inputs is None:   # needs a token an older step in flight computes: take them all first
+            self._settle()
+            feed, inputs = None, self._inputs(reply, None)
         token_ids, positions, computed, rows = inputs
         if not computed:
             return False
         # All greedy: the workers pick the tokens, and only their ids cross the wire.
         greedy = all(self._group_of[seq.seq_id].request.params.temperature <= 0 for seq, _ in computed)
         if rows is not None and not greedy:
-            self._fed = None
-            self._take(feed.computed, feed.greedy, feed.wait())
+            self._settle()
+            feed = None
             token_ids, positions, computed, rows = self._inputs(reply, None)
         step = StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy, feedback_rows=rows,
                                          feedback_step=feed.step_id if rows is not None else 0)
@@ -272,8 +282,8 @@ class Scheduler:
         if submit is None:
             self._take(computed, greedy, self.runner(step))
         else:
-            self._pending = _InFlight(submit(step), computed, greedy, frozenset(s.seq_id for s, _ in computed),
-                                      reply.step_id)
+            self._inflight.append(_InFlight(submit(step), computed, greedy,
+                                            frozenset(s.seq_id for s, _ in computed), reply.step_id))
         return True
 
     def _inputs(self, reply: pb.StepResponse, feed: Optional[_InFlight]):
@@ -310,11 +320,12 @@ class Scheduler:
         return token_ids, positions, computed, rows
 
     def _settle(self) -> bool:
-        """Wait for the step in flight, if any, and take its tokens."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """Wait for every step in flight, oldest first, and take their tokens; whether there was any."""
+        if not self._inflight:
             return False
-        self._take(pending.computed, pending.greedy, pending.wait())
+        while self._inflight:
+            pending = self._inflight.popleft()
+            self._take(pending.computed, pending.greedy, pending.wait())
         return True
 
     def _take(self, computed: list[tuple[SeqState, int]], greedy: bool, rows: torch.Tensor) -> None:
@@ -370,11 +381,16 @@ class Scheduler:
             seq.finish_reason = "stop"
         elif seq.num_generated == params.max_new_tokens:
             seq.finish_reason = "length"
-        if self.on_token is not None:
+        if self.on_token is not None and (seq.num_generated > self._streamed.get(seq.seq_id, 0) or seq.finish_reason):
+            # A restarted request recomputes its tokens (the same ones, greedy or seeded): the
+            # stream carries on where it was instead of repeating them.
+            self._streamed[seq.seq_id] = seq.num_generated
             self.on_token(group.request.request_id, group.seqs.index(seq), token, seq.finish_reason)
         if seq.finish_reason:
             self._to_free.append(seq)
             if group.done:
+                for s in group.seqs:
+                    self._streamed.pop(s.seq_id, None)
                 self.running.remove(group)
                 self.stats.requests_finished += 1
                 prompt_len = len(group.request.prompt)
@@ -387,7 +403,7 @@ class Scheduler:
         """Free every sequence the manager holds for us and queue each unfinished request again
         from scratch, ahead of the waiting ones (module docstring)."""
         self.stats.recoveries += 1
-        self._pending = None   # its workers are gone; its groups restart below
+        self._inflight.clear()   # their workers are gone; their groups restart below
         if self.recover is not None:
             self.runner = self.recover()
         deadline = time.monotonic() + self.recover_timeout
@@ -459,7 +475,7 @@ class Scheduler:
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
         """One Step RPC, asking for the padded block tables only (all that ``StepInput`` reads), packed:
         the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
-        self.stats.overlapped_steps += self._pending is not None
+        self.stats.overlapped_steps += bool(self._inflight)
         started = time.perf_counter()
         reply = self._send_step(ops)
         self.stats.step_latencies.append(time.perf_counter() - started)

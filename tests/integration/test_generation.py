@@ -187,6 +187,27 @@ def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_clus
             group.stop()
 
 
+class OutstandingSteps:
+    """A runner passing steps to ``group``, counting the most submitted and not yet waited for."""
+
+    def __init__(self, group) -> None:
+        self.group, self.feeds_back = group, group.feeds_back
+        self.outstanding = self.most = 0
+
+    def __call__(self, step):
+        return self.submit(step)()
+
+    def submit(self, step):
+        wait = self.group.submit(step)
+        self.outstanding += 1
+        self.most = max(self.most, self.outstanding)
+
+        def result():
+            self.outstanding -= 1
+            return wait()
+        return result
+
+
 def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
     """With overlap, each Step RPC runs while the previous step computes on a Ray worker: the
     tokens are the contiguous cache's, also when samples stop early on stop tokens (a slot was
@@ -207,9 +228,13 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
                               manager_address=client.target)
         group = RayWorkerGroup(config, tensor_parallel_size=1, use_gpu=False)
         try:
-            scheduler, stats = check_against_reference(client, service, group, requests, overlap=True)
+            counting = OutstandingSteps(group)
+            scheduler, stats = check_against_reference(client, service, counting, requests, overlap=True)
             assert scheduler.stats.overlapped_steps >= 5 and scheduler.stats.preemptions > 0
             assert scheduler.stats.fed_steps >= 5   # greedy on one rank: tokens fed back on the worker
+            # Between iterations two steps are out (one computing, the next queued behind it); the
+            # next is sent before the oldest's tokens are taken.
+            assert counting.most == Scheduler.PIPELINE_DEPTH + 1
             assert stats.cow_copies > 0
             assert any(out.finish_reasons[0] == "stop" for out in scheduler.outputs.values())
             plain = Scheduler(client, group, block_size=BLOCK).run(sampled)
@@ -290,11 +315,16 @@ def test_scheduler_restarts_the_live_requests_when_a_worker_dies_mid_run(ray_clu
 
         try:
             requests = make_requests(24, 4)
-            scheduler = Scheduler(client, runner, block_size=BLOCK, recover=recover)
+            streamed: dict[tuple[str, int], list[int]] = {}
+            scheduler = Scheduler(client, runner, block_size=BLOCK, recover=recover,
+                                  on_token=lambda rid, i, token, _: streamed.setdefault((rid, i), []).append(token))
             outputs = scheduler.run(requests)
             expected = generate_contiguous(Decoder(MODEL), requests)
             for request in requests:
                 assert outputs[request.request_id].samples == expected[request.request_id], request.request_id
+                # The stream of a restarted request carries on: each token once, as in the output.
+                for i, sample in enumerate(expected[request.request_id]):
+                    assert streamed[(request.request_id, i)] == sample, request.request_id
             assert scheduler.stats.recoveries == 1 and scheduler.stats.restarts > 0 and len(groups) == 2
             with service.lock:
                 service.manager.check_invariants()
