@@ -417,6 +417,7 @@ class TimedRunner:
             call[1] = done - started
             self.blocked_s += done - waiting
             return out
+        result.prefetch = getattr(wait, "prefetch", lambda: None)   # the scheduler asks early (overlap)
         return result
 
 

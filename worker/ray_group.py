@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -77,6 +77,40 @@ def _free_port() -> int:
 def _rank_metrics_port(base: Optional[int], rank: int) -> Optional[int]:
     """Rank r serves metrics on base + r; 0 (a free port for each) and None (off) stay as they are."""
     return base + rank if base else base
+
+
+class SubmittedStep:
+    """A step the group's ranks are launching (``RayWorkerGroup.submit``). Calling it waits for
+    the step's output; ``prefetch`` asks the ranks for it early, without waiting, so that the
+    fetch does not queue on the actors behind a step submitted later (the actors run their calls
+    in order)."""
+
+    __slots__ = ("_group", "_step", "_ticket", "_launches", "_deadline", "_fetches")
+
+    def __init__(self, group: "RayWorkerGroup", step: StepInput, ticket: tuple, launches: list,
+                 deadline: float) -> None:
+        self._group, self._step, self._ticket = group, step, ticket
+        self._launches, self._deadline = launches, deadline
+        self._fetches: Optional[list] = None
+
+    def prefetch(self) -> None:
+        """Send the fetches now if every rank has launched the step (never waits); a launch
+        not done yet, or refused, is left to the call."""
+        if self._fetches is None:
+            ray = self._group._ray
+            done, _ = ray.wait(self._launches, num_returns=len(self._launches), timeout=0)
+            if len(done) == len(self._launches):
+                self._fetches = [a.fetch_output.remote(self._ticket) for a in self._group.actors]
+
+    def __call__(self) -> torch.Tensor:
+        group = self._group
+        if self._fetches is None:
+            group._wait(self._launches, self._step, self._deadline)   # a refused launch raises here
+            self._fetches = [a.fetch_output.remote(self._ticket) for a in group.actors]
+        else:
+            group._wait(self._launches, self._step, self._deadline)
+        group._wait(self._fetches, self._step, self._deadline)
+        return group._ray.get(self._fetches[0])
 
 
 class RayWorkerGroup:
@@ -161,24 +195,17 @@ class RayWorkerGroup:
         rank's call fails (the others may be blocked in a collective waiting for it)."""
         return self.submit(step)()
 
-    def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
-        """Start one model step on every rank and return at once; the returned callable waits
-        for it and gives what ``__call__`` gives (raising as it does). Each actor runs its calls
-        in order, so a step submitted after another computes after it: each rank launches the
-        step (``CacheWorker.launch_model``: enqueued, not waited for), and the callable fetches
-        its output, so a step submitted before the previous one's output is fetched is already
-        queued on the GPU behind it. The step must finish within ``step_timeout_s`` of its
-        submission, else WorkerDied."""
+    def submit(self, step: StepInput) -> "SubmittedStep":
+        """Start one model step on every rank and return at once; calling the returned handle
+        waits for the step and gives what ``__call__`` gives (raising as it does). Each actor runs
+        its calls in order, so a step submitted after another computes after it: each rank
+        launches the step (``CacheWorker.launch_model``: enqueued, not waited for), and the
+        handle fetches its output, so a step submitted before the previous one's output is
+        fetched is already queued on the GPU behind it. The step must finish within
+        ``step_timeout_s`` of its submission, else WorkerDied."""
         ticket = (self._caller, next(self._tickets))
         launches = [a.launch_model.remote(step, ticket) for a in self.actors]
-        deadline = time.monotonic() + self.step_timeout_s
-
-        def wait() -> torch.Tensor:
-            self._wait(launches, step, deadline)   # a refused launch raises here, and nothing is fetched
-            fetches = [a.fetch_output.remote(ticket) for a in self.actors]
-            self._wait(fetches, step, deadline)
-            return self._ray.get(fetches[0])
-        return wait
+        return SubmittedStep(self, step, ticket, launches, time.monotonic() + self.step_timeout_s)
 
     def _wait(self, refs: list, step: StepInput, deadline: float) -> None:
         """Wait for one call per rank until ``deadline``; WorkerDied if a rank is stuck or died."""

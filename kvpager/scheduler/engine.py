@@ -61,7 +61,8 @@ from .request import Group, Request, RequestOutput, SeqState, sample
 
 # Runs one step on the workers: for each sequence that computed tokens, the float32 logits of its
 # last token, or (a greedy step) their argmax. A runner may also have ``submit(step)``, which
-# starts the step and returns a callable that waits for and returns the same (overlap).
+# starts the step and returns a callable that waits for and returns the same (overlap); the
+# callable may have ``prefetch()``, asking for the result early without waiting.
 Runner = Callable[[StepInput], torch.Tensor]
 # Called for every sampled token: (request id, sample index, token id, finish reason or "").
 TokenCallback = Callable[[str, int, int, str], None]
@@ -168,6 +169,12 @@ class Scheduler:
     def _iterate(self) -> bool:
         if self._inflight and not self._may_overlap():
             self._settle()
+        if len(self._inflight) >= self.PIPELINE_DEPTH:
+            # Its tokens are taken after this iteration's launch: ask for them now, so that the
+            # workers answer while the Step RPC runs instead of after that launch.
+            prefetch = getattr(self._inflight[0].wait, "prefetch", None)
+            if prefetch is not None:
+                prefetch()
         self._preempt_if_short()
         ops, handlers = [], []
 

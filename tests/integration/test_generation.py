@@ -192,7 +192,7 @@ class OutstandingSteps:
 
     def __init__(self, group) -> None:
         self.group, self.feeds_back = group, group.feeds_back
-        self.outstanding = self.most = 0
+        self.outstanding = self.most = self.prefetches = 0
 
     def __call__(self, step):
         return self.submit(step)()
@@ -205,6 +205,11 @@ class OutstandingSteps:
         def result():
             self.outstanding -= 1
             return wait()
+        def prefetch():
+            self.prefetches += 1
+            wait.prefetch()
+
+        result.prefetch = prefetch
         return result
 
 
@@ -234,7 +239,7 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
             assert scheduler.stats.fed_steps >= 5   # greedy on one rank: tokens fed back on the worker
             # Between iterations two steps are out (one computing, the next queued behind it); the
             # next is sent before the oldest's tokens are taken.
-            assert counting.most == Scheduler.PIPELINE_DEPTH + 1
+            assert counting.most == Scheduler.PIPELINE_DEPTH + 1 and counting.prefetches > 0
             assert stats.cow_copies > 0
             assert any(out.finish_reasons[0] == "stop" for out in scheduler.outputs.values())
             plain = Scheduler(client, group, block_size=BLOCK).run(sampled)
