@@ -113,7 +113,6 @@ class Scheduler:
         self.overlap = overlap
         # Steps in flight, oldest first (overlap only): their tokens are not taken yet.
         self._inflight: deque[_InFlight] = deque()
-        self._streamed: dict[str, int] = {}   # seq id -> tokens on_token has had (a restart does not repeat them)
         self.recover = recover
         self.recover_timeout = recover_timeout
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
@@ -186,7 +185,8 @@ class Scheduler:
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
         in_flight = bool(self._inflight)
-        decoding = [seq for group in self.running for seq in group.unfinished() if not self._ends_in_flight(seq)]
+        decoding = [seq for group in self.running for seq in group.seqs
+                    if not seq.finish_reason and not self._ends_in_flight(seq, group)]
         if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
             tokens = [] if in_flight else [s.next_token for s in decoding]
             add(C.append_batch_op([s.seq_id for s in decoding], tokens), self._appended)
@@ -253,13 +253,13 @@ class Scheduler:
             return False
         return all(len(group.seqs) == 1 for group in self.running)
 
-    def _ends_in_flight(self, seq: SeqState) -> bool:
+    def _ends_in_flight(self, seq: SeqState, group: Group) -> bool:
         """The steps in flight give this sequence its last token (its limit), so it needs no
-        slot. O(steps in flight)."""
-        coming = sum(seq.seq_id in p.seq_ids for p in self._inflight)
-        if not coming:
+        slot. O(1) unless it is that close to its limit, then O(steps in flight)."""
+        left = group.request.params.max_new_tokens - seq.num_generated
+        if left > len(self._inflight):
             return False
-        return seq.num_generated + coming >= self._group_of[seq.seq_id].request.params.max_new_tokens
+        return sum(seq.seq_id in p.seq_ids for p in self._inflight) >= left
 
     def _launch(self, reply: pb.StepResponse, feed: Optional[_InFlight] = None) -> bool:
         """Start the model on the tokens of the step's batch (its tables as the manager sent them);
@@ -303,10 +303,25 @@ class Scheduler:
         computed: list[tuple[SeqState, int]] = []
         rows: Optional[list[int]] = None
         fed_row = {seq.seq_id: i for i, (seq, _) in enumerate(feed.computed)} if feed is not None else {}
+        seqs = self._seqs
         for seq_id, q, ctx in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
+            if q == 1 and rows is not None:   # the fed decode case, without slices
+                seq = seqs[seq_id]
+                if len(seq.tokens) >= ctx:
+                    token_ids.append(seq.tokens[ctx - 1])
+                    rows.append(-1)
+                else:
+                    row = fed_row.get(seq_id)
+                    if row is None:
+                        return None
+                    token_ids.append(0)
+                    rows.append(row)
+                positions.append(ctx - 1)
+                computed.append((seq, ctx))
+                continue
             if q == 0:  # forked or swapped in: nothing to compute
                 continue
-            seq = self._seqs[seq_id]
+            seq = seqs[seq_id]
             known = seq.tokens[ctx - q:ctx]
             if len(known) < q:   # its last token is the step in flight's output
                 row = fed_row.get(seq_id)
@@ -388,16 +403,13 @@ class Scheduler:
             seq.finish_reason = "stop"
         elif seq.num_generated == params.max_new_tokens:
             seq.finish_reason = "length"
-        if self.on_token is not None and (seq.num_generated > self._streamed.get(seq.seq_id, 0) or seq.finish_reason):
+        if self.on_token is not None and (seq.num_generated > seq.streamed or seq.finish_reason):
             # A restarted request recomputes its tokens (the same ones, greedy or seeded): the
             # stream carries on where it was instead of repeating them.
-            self._streamed[seq.seq_id] = seq.num_generated
             self.on_token(group.request.request_id, group.seqs.index(seq), token, seq.finish_reason)
         if seq.finish_reason:
             self._to_free.append(seq)
             if group.done:
-                for s in group.seqs:
-                    self._streamed.pop(s.seq_id, None)
                 self.running.remove(group)
                 self.stats.requests_finished += 1
                 prompt_len = len(group.request.prompt)
@@ -428,7 +440,7 @@ class Scheduler:
             if err is not None and not isinstance(err, errors.NotFound):
                 raise err
         unfinished = [g for g in groups if g.request.request_id not in self.outputs]
-        self.waiting.extendleft(self._new_group(g.request) for g in reversed(unfinished))
+        self.waiting.extendleft(self._new_group(g.request, g) for g in reversed(unfinished))
         self.stats.restarts += len(unfinished)
         self.running.clear()
         self.swapped.clear()
@@ -454,7 +466,7 @@ class Scheduler:
                 finished = [s for s in self._to_free if s in victim.seqs]
                 self._to_free = [s for s in self._to_free if s not in victim.seqs]
                 self._step([C.free_op(s.seq_id) for s in live + finished])  # no CPU room: recompute later
-                self.waiting.appendleft(self._new_group(victim.request))
+                self.waiting.appendleft(self._new_group(victim.request, victim))
                 self.stats.restarts += 1
             else:
                 raise err
@@ -464,6 +476,10 @@ class Scheduler:
         copy-on-write block for samples that may still share a partial last block."""
         need, B = 0, self.block_size
         for group in self.running:
+            seqs = group.seqs
+            if len(seqs) == 1:   # the common case, without building a list
+                need += not seqs[0].finish_reason and seqs[0].num_cached % B == 0
+                continue
             live = group.unfinished()
             if len(live) == 1:
                 need += live[0].num_cached % B == 0
@@ -527,7 +543,9 @@ class Scheduler:
         except errors.ManagerError:  # the manager is restarting: not serving yet
             return "UNREACHABLE"
 
-    def _new_group(self, request: Request) -> Group:
+    def _new_group(self, request: Request, previous: Optional[Group] = None) -> Group:
+        """The request's sequences, from its prompt; ``previous``: the group it restarts, whose
+        streamed tokens are not streamed again."""
         params = request.params
         group = Group(request)
         for i in range(params.n):
@@ -535,7 +553,11 @@ class Scheduler:
             generator = None
             if params.temperature > 0:
                 generator = torch.Generator().manual_seed((params.seed or 0) * 1000003 + i)
-            seq = SeqState(seq_id, list(request.prompt), generator=generator)
+            streamed = 0
+            if previous is not None:
+                old = previous.seqs[i]
+                streamed = max(old.streamed, old.num_generated)
+            seq = SeqState(seq_id, list(request.prompt), generator=generator, streamed=streamed)
             group.seqs.append(seq)
             self._seqs[seq_id] = seq
         for seq in group.seqs:

@@ -57,6 +57,7 @@ class SeqState:
     num_generated: int = 0
     generator: Optional[torch.Generator] = None
     finish_reason: str = ""    # "" while generating, then "stop" or "length"
+    streamed: int = 0          # tokens a restarted request streamed before (not streamed again)
 
     @property
     def next_token(self) -> int:
