@@ -170,6 +170,12 @@ class Durability:
                 m.admit = admit
             try:
                 result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
+            except BaseException:
+                # Rolled back (a worker unreachable, an answer too large, a bug), yet its step id
+                # is spent: its plan may have reached some workers. Logged, so that a restarted
+                # manager never gives that id to another step.
+                pending.append(("event", "steps_used", m.steps))
+                raise
             finally:
                 if live_admit is not None:
                     m.admit = live_admit
@@ -303,6 +309,8 @@ class Durability:
             if result.step_id != before + 1 or _codes(result) != codes:
                 raise CorruptState(f"log record {index}: replaying step {before + 1} gave step {result.step_id} with "
                                    f"outcomes {_codes(result)}, the log says {codes}: refusing to start")
+        elif kind == "event" and change[1] == "steps_used":
+            m.steps = max(m.steps, change[2])
         elif kind == "event" and change[1] == "forget_gpu_contents":
             m.gpu.forget_contents()
         elif kind == "event" and change[1] == "worker_cache":

@@ -529,3 +529,28 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
             bm.fork("b", "c")
         bm.free("b")
         assert bm.get_stats().lost_sequences == 0
+
+
+def test_a_rolled_back_step_id_is_never_given_again_after_a_restart(tmp_path):
+    """A step rolled back after its plan went out (here: dispatch fails UNAVAILABLE) spent its
+    step id: some worker may hold that plan. A restarted manager goes on after it."""
+    from kvpager.manager.errors import Unavailable
+
+    config = ManagerConfig(**POOL, state_dir=str(tmp_path / "state"))
+    with serving(config) as (bm, svc):
+        bm.allocate("a", token_ids=list(range(6)))
+        first = bm.step([C.append_batch_op(["a"], [1])]).step_id
+
+        def unreachable(plan):
+            raise Unavailable(f"step {plan.step_id}: a worker is unreachable")
+
+        svc.manager.dispatch = unreachable
+        for _ in range(3):
+            with pytest.raises(Unavailable):
+                bm.step([C.append_batch_op(["a"], [2])])
+        spent = svc.manager.steps      # each attempt (the client retries UNAVAILABLE) spent one
+        assert spent >= first + 3
+    with serving(config) as (bm, svc):
+        assert bm.get_block_table("a").num_tokens == 7       # the rolled-back appends are not there
+        assert bm.step([C.append_batch_op(["a"], [3])]).step_id == spent + 1
+        svc.manager.check_invariants()
