@@ -58,7 +58,24 @@ class ManagerMetrics:
                                      ["direction"], registry=self.registry)
         for direction in ("out", "in"):
             self.swapped_bytes.labels(direction)
+        # The write-ahead log of --state-dir (manager/wal.py); zero without one.
+        self.wal_appends = Histogram("kvpager_wal_append_duration_seconds",
+                                     "Time to write one log record and fsync it as --fsync says (the time every "
+                                     "mutating answer waits for).", buckets=RPC_BUCKETS, registry=self.registry)
+        self.wal_bytes = Counter("kvpager_wal_bytes", "Bytes appended to the write-ahead log.", registry=self.registry)
+        self.wal_snapshots = Histogram("kvpager_wal_snapshot_duration_seconds",
+                                       "Time to write one snapshot (the log is truncated after it).",
+                                       buckets=RPC_BUCKETS, registry=self.registry)
         self.registry.register(ManagerStateCollector(service))
+
+    def watch_state_dir(self, state_dir) -> None:
+        """Observe the log's appends and snapshots (a ``wal.StateDir``)."""
+        def appended(nbytes: int, seconds: float) -> None:
+            self.wal_appends.observe(seconds)
+            self.wal_bytes.inc(nbytes)
+
+        state_dir.on_append = appended
+        state_dir.on_snapshot = lambda nbytes, seconds: self.wal_snapshots.observe(seconds)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpc_duration.labels(method).observe(seconds)

@@ -347,6 +347,7 @@ def open_state(service) -> Durability:
     Durability that logs from now on. Raises CorruptState (the manager must not start)."""
     config = service.config
     state = StateDir(config.state_dir, config.fsync)
+    service.metrics.watch_state_dir(state)
     durable = Durability(service, state)
     try:
         log.info("%s", durable.recover())

@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 MAGIC = b"KVPAGER-STATE\n"
 VERSION = 1
@@ -133,6 +133,10 @@ class StateDir:
         self._stop = threading.Event()
         self._flusher: Optional[threading.Thread] = None
         self.dropped: Optional[str] = None  # why a torn tail was dropped at recovery
+        # Metrics hooks (manager/metrics.py): an appended record's (bytes, seconds of write and
+        # fsync), a snapshot's (bytes, seconds).
+        self.on_append: Optional[Callable[[int, float], None]] = None
+        self.on_snapshot: Optional[Callable[[int, float], None]] = None
 
     # ---- recovery ------------------------------------------------------------------------------
     def load(self) -> tuple[Optional[dict], list[Any]]:
@@ -192,6 +196,7 @@ class StateDir:
     def append(self, record: Any) -> None:
         """Append one record (one write; fsync as --fsync says). Raises OSError when the write fails."""
         data = frame(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        started = time.perf_counter()
         with self._io_lock:
             written = os.write(self._fd, data)
             if written != len(data):
@@ -203,6 +208,8 @@ class StateDir:
         self.records += 1
         self.records_total += 1
         self.bytes += len(data)
+        if self.on_append is not None:
+            self.on_append(len(data), time.perf_counter() - started)
 
     def due(self) -> bool:
         """Time for a snapshot (every ``snapshot_records`` records or ``snapshot_bytes`` of log)."""
@@ -210,6 +217,7 @@ class StateDir:
 
     def snapshot(self, state: dict) -> None:
         """Write ``state`` as the snapshot, then start a new segment and delete the old one."""
+        started = time.perf_counter()
         state = dict(state, log_seq=self.seq + 1, written_at=time.time())
         body = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         tmp = os.path.join(self.path, SNAPSHOT + ".tmp")
@@ -230,6 +238,8 @@ class StateDir:
             os.close(old_fd)
             os.unlink(os.path.join(self.path, _segment_name(old)))
         self.snapshots += 1
+        if self.on_snapshot is not None:
+            self.on_snapshot(len(body), time.perf_counter() - started)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(BATCH_INTERVAL):

@@ -554,3 +554,25 @@ def test_a_rolled_back_step_id_is_never_given_again_after_a_restart(tmp_path):
         assert bm.get_block_table("a").num_tokens == 7       # the rolled-back appends are not there
         assert bm.step([C.append_batch_op(["a"], [3])]).step_id == spent + 1
         svc.manager.check_invariants()
+
+
+def test_the_log_is_measured_in_prometheus(tmp_path):
+    """One record per mutating call, timed with its fsync; its bytes; snapshots timed too."""
+    config = ManagerConfig(**POOL, state_dir=str(tmp_path / "state"))
+    with serving(config) as (bm, svc):
+        registry = svc.metrics.registry
+
+        def sample(name: str) -> float:
+            return registry.get_sample_value(name) or 0.0
+
+        bm.allocate("a", token_ids=[1, 2, 3])
+        appends, nbytes = sample("kvpager_wal_append_duration_seconds_count"), sample("kvpager_wal_bytes_total")
+        assert appends >= 1 and nbytes > 0
+        bm.free("a")
+        bm.get_stats()                 # a read: nothing logged
+        assert sample("kvpager_wal_append_duration_seconds_count") == appends + 1
+        assert sample("kvpager_wal_bytes_total") > nbytes
+        snapshots = sample("kvpager_wal_snapshot_duration_seconds_count")
+        with svc.lock, svc.state_lock:
+            svc.durable.snapshot()
+        assert sample("kvpager_wal_snapshot_duration_seconds_count") == snapshots + 1
