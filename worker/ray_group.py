@@ -99,8 +99,13 @@ class SubmittedStep:
         if self._fetches is None:
             ray = self._group._ray
             done, _ = ray.wait(self._launches, num_returns=len(self._launches), timeout=0)
-            if len(done) == len(self._launches):
-                self._fetches = [a.fetch_output.remote(self._ticket) for a in self._group.actors]
+            if len(done) < len(self._launches):
+                return
+            try:
+                ray.get(done)    # done already: this only tells whether a launch was refused
+            except Exception:    # noqa: BLE001 - the call raises it
+                return
+            self._fetches = [a.fetch_output.remote(self._ticket) for a in self._group.actors]
 
     def __call__(self) -> torch.Tensor:
         group = self._group
