@@ -252,6 +252,41 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
             group.stop()
 
 
+def test_a_refused_launch_is_raised_and_never_fetched(ray_cluster):
+    """A rank that refuses a step at launch (here: a plan it has not applied): ``prefetch`` asks
+    for nothing, and waiting for the step raises the launch's own error."""
+    from kvpager.step import PlanNotApplied, StepInput
+    from kvpager.worker.ray_group import RayWorkerGroup
+
+    @ray_cluster.remote(num_cpus=0)
+    class Rank:
+        def __init__(self) -> None:
+            self.fetched = 0
+
+        def launch_model(self, step, ticket):
+            raise PlanNotApplied(f"step {step.step_id}: refused")
+
+        def fetch_output(self, ticket):
+            self.fetched += 1
+
+        def fetches(self) -> int:
+            return self.fetched
+
+    group = RayWorkerGroup.__new__(RayWorkerGroup)
+    group._ray, group._owned, group.step_timeout_s = ray_cluster, False, 30.0
+    group._caller, group._tickets = "test", itertools.count(1)
+    group.actors = [Rank.remote()]
+    step = StepInput(step_id=3, plan_step_id=3, token_ids=[1], positions=[0], slot_mapping=[0], query_lens=[1],
+                     context_lens=[1], block_tables=[0], max_blocks=1)
+    submitted = group.submit(step)
+    ray_cluster.wait(submitted._launches, timeout=30)
+    submitted.prefetch()
+    with pytest.raises(PlanNotApplied, match="step 3: refused"):
+        submitted()
+    assert ray_cluster.get(group.actors[0].fetches.remote()) == 0
+    ray_cluster.kill(group.actors[0])
+
+
 def test_a_stuck_rank_fails_the_model_step_at_its_deadline(ray_cluster):
     """A rank that never finishes its step (stopped, or waiting in a collective): the group's
     call raises WorkerDied at its deadline, naming the rank, instead of blocking forever."""
