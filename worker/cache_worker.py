@@ -331,6 +331,8 @@ class CacheWorker:
         step.check()
         metrics = self.metrics
         with self._lock:
+            if ticket in self._launched:   # before anything runs: a refusal writes no K/V
+                raise ValueError(f"step ticket {ticket!r} was launched twice")
             self._require_plan(step)
             previous = self._fed_tokens(step)
             if metrics is None:

@@ -73,6 +73,10 @@ class LaunchedSteps:
             launched.done.synchronize()
         return launched.output
 
+    def __contains__(self, ticket: Hashable) -> bool:
+        with self._lock:
+            return ticket in self._steps
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._steps)

@@ -112,7 +112,7 @@ class Scheduler:
         self.runner = runner
         self.overlap = overlap
         # Steps in flight, oldest first (overlap only): their tokens are not taken yet.
-        self._inflight: deque[_InFlight] = deque()
+        self._steps_in_flight: deque[_InFlight] = deque()
         self.recover = recover
         self.recover_timeout = recover_timeout
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
@@ -144,7 +144,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._to_free or self._inflight)
+        return bool(self.waiting or self.running or self.swapped or self._to_free or self._steps_in_flight)
 
     def run(self, requests: Iterable[Request] = ()) -> dict[str, RequestOutput]:
         for request in requests:
@@ -166,12 +166,12 @@ class Scheduler:
             return False
 
     def _iterate(self) -> bool:
-        if self._inflight and not self._may_overlap():
+        if self._steps_in_flight and not self._may_overlap():
             self._settle()
-        if len(self._inflight) >= self.PIPELINE_DEPTH:
+        if len(self._steps_in_flight) >= self.PIPELINE_DEPTH:
             # Its tokens are taken after this iteration's launch: ask for them now, so that the
             # workers answer while the Step RPC runs instead of after that launch.
-            prefetch = getattr(self._inflight[0].wait, "prefetch", None)
+            prefetch = getattr(self._steps_in_flight[0].wait, "prefetch", None)
             if prefetch is not None:
                 prefetch()
         self._preempt_if_short()
@@ -184,7 +184,7 @@ class Scheduler:
         freeing = len(self._to_free)     # dropped from the list once the Step has applied them
         for seq in self._to_free:
             add(C.free_op(seq.seq_id), None)
-        in_flight = bool(self._inflight)
+        in_flight = bool(self._steps_in_flight)
         decoding = [seq for group in self.running for seq in group.seqs
                     if not seq.finish_reason and not self._ends_in_flight(seq, group)]
         if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
@@ -226,21 +226,21 @@ class Scheduler:
         # The newest step in flight's greedy tokens can feed this one on the worker (device-side):
         # send it before they come back, so the GPU goes from one step to the next without this
         # loop; then take the tokens of the oldest steps, keeping PIPELINE_DEPTH in flight.
-        feed = self._inflight[-1] if self._may_feed() else None
+        feed = self._steps_in_flight[-1] if self._may_feed() else None
         if feed is None:
             settled = self._settle()
             return self._launch(reply) or settled
         if not self._launch(reply, feed):
             return self._settle()
-        while len(self._inflight) > self.PIPELINE_DEPTH:
-            oldest = self._inflight.popleft()
+        while len(self._steps_in_flight) > self.PIPELINE_DEPTH:
+            oldest = self._steps_in_flight.popleft()
             self._take(oldest.computed, oldest.greedy, oldest.wait())
         return True
 
     def _may_feed(self) -> bool:
         """Whether the next step may go out before the one in flight returns: both greedy (the
         worker keeps the argmax on the device) and a runner that feeds tokens back (one rank)."""
-        pending = self._inflight[-1] if self._inflight else None
+        pending = self._steps_in_flight[-1] if self._steps_in_flight else None
         return (pending is not None and pending.greedy and getattr(self.runner, "feeds_back", False)
                 and all(group.request.params.temperature <= 0 for group in self.running))
 
@@ -257,9 +257,9 @@ class Scheduler:
         """The steps in flight give this sequence its last token (its limit), so it needs no
         slot. O(1) unless it is that close to its limit, then O(steps in flight)."""
         left = group.request.params.max_new_tokens - seq.num_generated
-        if left > len(self._inflight):
+        if left > len(self._steps_in_flight):
             return False
-        return sum(seq.seq_id in p.seq_ids for p in self._inflight) >= left
+        return sum(seq.seq_id in p.seq_ids for p in self._steps_in_flight) >= left
 
     def _launch(self, reply: pb.StepResponse, feed: Optional[_InFlight] = None) -> bool:
         """Start the model on the tokens of the step's batch (its tables as the manager sent them);
@@ -289,7 +289,7 @@ class Scheduler:
         if submit is None:
             self._take(computed, greedy, self.runner(step))
         else:
-            self._inflight.append(_InFlight(submit(step), computed, greedy,
+            self._steps_in_flight.append(_InFlight(submit(step), computed, greedy,
                                             frozenset(s.seq_id for s, _ in computed), reply.step_id))
         return True
 
@@ -343,10 +343,10 @@ class Scheduler:
 
     def _settle(self) -> bool:
         """Wait for every step in flight, oldest first, and take their tokens; whether there was any."""
-        if not self._inflight:
+        if not self._steps_in_flight:
             return False
-        while self._inflight:
-            pending = self._inflight.popleft()
+        while self._steps_in_flight:
+            pending = self._steps_in_flight.popleft()
             self._take(pending.computed, pending.greedy, pending.wait())
         return True
 
@@ -422,7 +422,7 @@ class Scheduler:
         """Free every sequence the manager holds for us and queue each unfinished request again
         from scratch, ahead of the waiting ones (module docstring)."""
         self.stats.recoveries += 1
-        self._inflight.clear()   # their workers are gone; their groups restart below
+        self._steps_in_flight.clear()   # their workers are gone; their groups restart below
         if self.recover is not None:
             self.runner = self.recover()
         deadline = time.monotonic() + self.recover_timeout
@@ -498,7 +498,7 @@ class Scheduler:
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
         """One Step RPC, asking for the padded block tables only (all that ``StepInput`` reads), packed:
         the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
-        self.stats.overlapped_steps += bool(self._inflight)
+        self.stats.overlapped_steps += bool(self._steps_in_flight)
         started = time.perf_counter()
         reply = self._send_step(ops)
         self.stats.step_latencies.append(time.perf_counter() - started)

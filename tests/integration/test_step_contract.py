@@ -150,9 +150,11 @@ def test_launched_steps_are_fetched_by_ticket_in_any_order(worker):
         worker.launch_model(prefill(9, 9, [1, 2], [3]), "c")
     with pytest.raises(StepNotLaunched, match="its launch failed"):
         worker.fetch_output("c")
+    worker.launch_model(first, "d")
+    before = worker.cache.gpu.clone()
     with pytest.raises(ValueError, match="launched twice"):
-        worker.launch_model(first, "d")
-        worker.launch_model(first, "d")
+        worker.launch_model(dataclasses.replace(first, slot_mapping=[8, 9, 10, 11, 12]), "d")
+    assert torch.equal(worker.cache.gpu, before), "a refused launch wrote K/V"
 
 
 def test_steps_launched_and_never_fetched_are_dropped_oldest_first(worker):
