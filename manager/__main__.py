@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import re
 import signal
 import socket
 import sys
@@ -159,11 +160,21 @@ def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
                         "(--metrics-token FILE)", args.metrics_host)
 
 
+def _as_flags(message: str, args: argparse.Namespace) -> str:
+    """The configuration's message with its field names as the flags that set them
+    ("block_size must be ..." -> "--block-size must be ..."): the user typed flags."""
+    names = [f.name for f in fields(ManagerConfig) if hasattr(args, f.name)]
+    if not names:
+        return message
+    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
+                  lambda m: "--" + m.group(1).replace("_", "-"), message)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_mod.from_args(args)
     except ManagerError as err:
-        raise cli.UsageError(str(err)) from err
+        raise cli.UsageError(_as_flags(str(err), args)) from err
     secure = security(args)
     metrics_secure = metrics_security(args, secure)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
