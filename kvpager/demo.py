@@ -54,18 +54,19 @@ def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "r
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line every 10% when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (a line every 10% when stderr is not a terminal);
+    ``what`` names the work when it is not the serving run."""
 
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.total, self.quiet, self.tty = total, quiet, sys.stderr.isatty()
+    def __init__(self, total: int, quiet: bool, what: str = "") -> None:
+        self.total, self.quiet, self.tty, self.what = total, quiet, sys.stderr.isatty(), what
         self._last_decile = -1
 
-    def update(self, done: int, running: int, swapped: int, util: float) -> None:
+    def update(self, done: int, running: int = 0, swapped: int = 0, util: float = 0.0) -> None:
         if self.quiet:
             return
         filled = 30 * done // self.total
-        line = (f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} done  running {running:3d}  "
-                f"swapped {swapped:2d}  KV util {util:4.0%}")
+        detail = self.what or f"done  running {running:3d}  swapped {swapped:2d}  KV util {util:4.0%}"
+        line = f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {detail}"
         if self.tty:
             print("\r" + line, end="", file=sys.stderr, flush=True)
         elif 10 * done // self.total > self._last_decile:
@@ -229,7 +230,9 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     check = args.check if args.check is not None else not args.model
     if check:  # the same weights in float32 on the CPU, over a contiguous cache
         reference = Decoder(dataclasses.replace(model, dtype="float32"))
-        expected = generate_contiguous(reference, requests)
+        checking = Progress(len(requests), args.quiet, "checked against a float32 contiguous-cache reference")
+        expected = generate_contiguous(reference, requests, on_request=checking.update)
+        checking.close()
         matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
     else:
         matches = len(requests)
