@@ -7,13 +7,20 @@ STAMP := $(VENV)/.installed
 # Where torch comes from: pip's default (see README), or e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: demo test venv proto clean
+.PHONY: demo test tools venv proto clean
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpager demo
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest -q tests
+
+# Prometheus, promtool, docker-compose and wget for the metrics and deployment tests, as files:
+# Debian's packages downloaded and unpacked into .cache/tools (nothing installed, no service
+# started). Quick when done before; where fetching is impossible it says why in one line and
+# the tests that need them are skipped. Any python3 runs it (standard library only).
+tools:
+	python3 tests/support/fetch_tools.py
 
 venv: $(STAMP)
 
@@ -29,4 +36,4 @@ proto: $(STAMP)
 	$(PY) -m kvpager.protogen
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache/tools

@@ -9,6 +9,7 @@ import pytest
 from kvpager.client import BlockManagerClient
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
+from tests.support import tools
 
 
 def _has_cuda() -> bool:
@@ -64,3 +65,11 @@ def ray_cluster():
     init_local_ray(num_cpus=4)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def unpacked_tools() -> tools.UnpackedTools:
+    """The programs `make tools` unpacked from Debian's packages (prometheus, promtool,
+    docker-compose, wget): ``unpacked_tools.require(name)`` is a path, or skips the test saying
+    why the program could not be fetched here. Nothing is installed on the machine."""
+    return tools.unpacked_tools()

@@ -2,8 +2,9 @@
 scheduler serves requests; what Prometheus reports is checked against the manager's own stats.
 
 The worker is found the way a deployment finds it: through the manager's /sd/workers (HTTP
-service discovery). Prometheus is Debian's package, installed here when missing (the test is
-skipped, saying why, only where it cannot be installed). Everything listens on 127.0.0.1.
+service discovery). Prometheus is Debian's, unpacked by `make tools` (tests/support/fetch_tools.py;
+the test is skipped, saying why, where it could not be fetched), started for the test with its
+own files and stopped after it. Everything listens on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ scrape_configs:
 
 
 @pytest.fixture
-def stack(tmp_path):
+def stack(unpacked_tools, tmp_path):
     """Manager (pools sized from the worker), one CPU worker, both serving /metrics, and
     Prometheus scraping them. Yields (client, service, worker, prometheus)."""
+    prometheus_bin = unpacked_tools.require("prometheus")
     config = ManagerConfig(block_size=BLOCK, num_gpu_blocks=0, num_cpu_blocks=0, watermark=0.0)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
@@ -61,7 +63,7 @@ def stack(tmp_path):
                                       manager_address=client.target, metrics_port=0, device="cpu"))
     worker.start()
     try:
-        with PrometheusServer(prometheus_config(metrics.address), tmp_path) as prometheus:
+        with PrometheusServer(prometheus_config(metrics.address), tmp_path, binary=prometheus_bin) as prometheus:
             yield client, service, worker, prometheus
     finally:
         worker.stop()

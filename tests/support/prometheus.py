@@ -5,10 +5,11 @@
         prom.query("kvpager_kv_cache_usage_ratio")      # -> the result list of /api/v1/query
         prom.targets()                                  # -> the active scrape targets
 
-The binary is Debian's ``prometheus`` (installed on demand, see :mod:`tests.support.debian`);
-fixtures turn :class:`~tests.support.debian.Unavailable` into a skip. Storage lives under
+The binary is Debian's ``prometheus``, unpacked into the repository's tool cache (never the
+system's, and never installed: see :mod:`tests.support.fetch_tools`); :meth:`PrometheusServer.start`
+skips the calling test where it could not be fetched. Storage and configuration live under
 ``tmp_path``; the server listens on 127.0.0.1 only and is stopped with SIGTERM (then SIGKILL)
-when the block exits. Every wait is bounded.
+when the block exits, so no Prometheus outlives its test. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .debian import ensure_program
+from .tools import unpacked_tools
 
 
 class PromQLError(Exception):
@@ -37,8 +38,8 @@ class PromQLError(Exception):
 
 
 def prometheus_binary() -> str:
-    """Path of the prometheus program, installing Debian's package if needed (raises Unavailable)."""
-    return ensure_program("prometheus")
+    """Path of the unpacked prometheus program (the calling test is skipped where there is none)."""
+    return unpacked_tools().require("prometheus")
 
 
 def _free_port(host: str) -> int:

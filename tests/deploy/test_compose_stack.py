@@ -17,8 +17,9 @@ processes:
   service mounts it (the credentials volumes: secrets-*). The worker advertises its loopback
   address, which the certificates name through KVPAGER_CERT_SANS (as the multinode override
   adds a machine's address);
-- `kvpager`, `ray` and `python` are the ones of this virtual environment, `prometheus`
-  Debian's (installed on demand).
+- `kvpager`, `ray` and `python` are the ones of this virtual environment; `prometheus`,
+  docker-compose and `wget` (Prometheus's health check) are Debian's, unpacked by `make tools`
+  (tests/support/fetch_tools.py) and found first on every service's PATH, never the machine's.
 
 Services start in depends_on order, each waiting for the compose file's own health check of
 the services it depends on (certs: its exit status). Then: the manager is healthy (its gRPC
@@ -57,14 +58,12 @@ import yaml
 from kvpager.client import BlockManagerClient
 from kvpager.manager import errors
 from kvpager.metrics_http import fetch
-from tests.support.debian import Unavailable, ensure_program
 from tests.support.prometheus import PrometheusAPI
 
-pytestmark = pytest.mark.slow
+from .compose import COMPOSE, DEPLOY, ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-COMPOSE = DEPLOY / "docker-compose.yml"
+pytestmark = [pytest.mark.deploy, pytest.mark.slow]
+
 BIN = Path(sys.executable).parent
 
 # One loopback address per service (and for the names it answers to).
@@ -299,14 +298,14 @@ def session_members(sid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tools():
+def tools(unpacked_tools):
+    """The programs the services run: docker-compose's path, and the folder of the unpacked
+    prometheus and wget (put before the machine's PATH)."""
     missing = [p for p in ("kvpager", "ray") if not (BIN / p).exists()]
     assert not missing, f"{missing} missing from {BIN}: install the package (pip install -e .[ray,metrics])"
-    try:
-        ensure_program("wget")  # Prometheus's health check in the compose file uses it
-        return {"docker-compose": ensure_program("docker-compose"), "prometheus": ensure_program("prometheus")}
-    except Unavailable as why:
-        pytest.skip(str(why))
+    for program in ("prometheus", "wget"):  # wget: Prometheus's health check in the compose file
+        unpacked_tools.require(program)
+    return {"docker-compose": unpacked_tools.require("docker-compose"), "bin": str(unpacked_tools.bin_dir)}
 
 
 def test_compose_stack_serves_requests(tools, tmp_path):
@@ -333,7 +332,8 @@ def test_compose_stack_serves_requests(tools, tmp_path):
 
     # Ray's files in a short private folder (its socket paths must stay under 108 bytes).
     ray_tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
-    env = {**clean, "PATH": f"{BIN}{os.pathsep}{clean.get('PATH', '')}", "RAY_TMPDIR": ray_tmp,
+    path = os.pathsep.join([str(BIN), tools["bin"], clean.get("PATH", "")])
+    env = {**clean, "PATH": path, "RAY_TMPDIR": ray_tmp,
            "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     stack = Stack(config, tmp_path, env)
     # Prometheus's mounted configuration, with the compose network's names and paths made local.
