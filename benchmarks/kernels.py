@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -615,6 +616,135 @@ def bench_prefill() -> None:
     torch.cuda.empty_cache()
 
 
+PREFILL_SHAPES = [   # (name, [(new tokens, context)] per sequence)
+    ("1 x 4K prompt", [(4096, 4096)]),
+    ("8 x 2K prompts", [(2048, 2048)] * 8),
+    ("32 x 512 prompts", [(512, 512)] * 32),
+    ("8 x 512 over 1K cached", [(512, 1536)] * 8),
+    ("4 x 1K over 7K cached", [(1024, 8192)] * 4),
+]
+
+
+def _ragged_prefill_shapes():
+    gen = torch.Generator().manual_seed(13)
+    news = [int(x) for x in torch.randint(64, 2048, (8,), generator=gen)]
+    prefixes = [int(x) for x in torch.randint(0, 4096, (8,), generator=gen)]
+    mix = [(n, n + p) for n, p in zip(news, prefixes)]
+    prompts = [(n, n) for n in (int(x) for x in torch.randint(16, 1024, (24,), generator=gen))]
+    return [("ragged: 8 chunks 64-2K over 0-4K", mix), ("ragged: 24 prompts 16-1K", prompts)]
+
+
+def _fastest_sdpa(q4s, ks, vs, masks, scale):
+    """The fastest torch SDPA backend on contiguous K/V: per (backend, GQA native or K/V
+    expanded to the query heads), the time of running every group once; returns (name, seconds)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    best = None
+    results = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        for expand in (False, True):
+            kk = [k.repeat_interleave(HQ // HKV, dim=1) for k in ks] if expand else ks
+            vv = [v.repeat_interleave(HQ // HKV, dim=1) for v in vs] if expand else vs
+
+            def run(kk=kk, vv=vv, backend=backend, expand=expand):
+                with sdpa_kernel([backend]):
+                    for q4, k, v, (mask, causal) in zip(q4s, kk, vv, masks):
+                        F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                       enable_gqa=not expand)
+            name = f"{backend.name.split('_')[0].lower()}{'+expand' if expand else ''}"
+            try:
+                warnings.simplefilter("ignore")     # refusals are reported below, once
+                run()
+                torch.cuda.synchronize()
+                t = timed(run)
+            except Exception as exc:   # backend refuses these inputs
+                results[name] = f"n/a ({type(exc).__name__})"
+                continue
+            results[name] = f"{t * 1e3:.3f}"
+            if best is None or t < best[1]:
+                best = (name, t)
+            del kk, vv
+    return best, results
+
+
+def bench_prefill_kernel() -> None:
+    """Our paged prefill kernel against the fastest torch SDPA backend over the same shapes laid
+    out contiguously, and against gather + SDPA (kernels/prefill.py without the kernel)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kvpager.kernels import prefill
+
+    scale = D ** -0.5
+    print(f"\nprefill kernel (bf16, {HQ}q/{HKV}kv, d{D}, block {B}; K/V in a {LAYERS}-layer block-major cache, "
+          "randperm'd tables; L2 flushed; median of 15):")
+    print(f"{'shape':34} {'ours4 ms':>9} {'ours8 ms':>9} {'TFLOP/s':>8} {'SDPA best':>16} {'gather+SDPA':>11} "
+          f"{'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
+    table = []
+    for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
+        gen = torch.Generator(device="cuda").manual_seed(len(seqs))
+        nblk = [-(-c // B) for _, c in seqs]
+        total = sum(nblk)
+        cache = torch.randn(total, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda", generator=gen)
+        perm = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+        tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
+        at = 0
+        for i, n in enumerate(nblk):
+            tables[i, :n] = perm[at:at + n]
+            at += n
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        q_lens = [q for q, _ in seqs]
+        ctxs = [c for _, c in seqs]
+        starts_l = [0]
+        for q in q_lens:
+            starts_l.append(starts_l[-1] + q)
+        query = torch.randn(starts_l[-1], HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+        lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+        starts = torch.tensor(starts_l, dtype=torch.int32, device="cuda")
+        host = (starts_l, ctxs)
+        flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
+
+        def ours(w):
+            return lambda: cuda.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
+                                                        host_lengths=host, warps=w)
+        times = {}
+        for w in (4, 8):
+            fn = ours(w)
+            warm_up(fn, 0.2)
+            times[w] = timed(fn)
+        prefill.use_kernel = False
+        gs = lambda: prefill.paged_prefill_attention(query, k, v, tables, lens, starts, scale,  # noqa: E731
+                                                     host_lengths=host)
+        warm_up(gs, 0.2)
+        t_gs = timed(gs)
+        ref_out = gs()
+        prefill.use_kernel = None
+        out = ours(4)()
+        err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+        # Contiguous K/V per group of equal shapes ([n, HKV, c, D]), the queries [n, HQ, q, D].
+        groups: dict = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(s, []).append(i)
+        q4s, ks, vs, masks = [], [], [], []
+        for (q, c), ids in groups.items():
+            idx = torch.tensor(ids, device="cuda")
+            ks.append(gather(k, tables[idx, :-(-c // B)]).contiguous()[:, :, :c].contiguous())
+            vs.append(gather(v, tables[idx, :-(-c // B)]).contiguous()[:, :, :c].contiguous())
+            sel = torch.cat([torch.arange(starts_l[i], starts_l[i] + q, device="cuda") for i in ids])
+            q4s.append(query[sel].view(len(ids), q, HQ, D).transpose(1, 2).contiguous())
+            masks.append((None, True) if q == c else (causal_lower_right(q, c), False))
+        best, results = _fastest_sdpa(q4s, ks, vs, masks, scale)
+        t_ours = min(times.values())
+        t_best = best[1] if best else float("nan")
+        table.append((name, times[4], times[8], flops / t_ours / 1e12, best, t_gs, t_best / t_ours, t_gs / t_ours, err,
+                     results))
+        print(f"{name:34} {times[4] * 1e3:9.3f} {times[8] * 1e3:9.3f} {flops / t_ours / 1e12:8.0f} "
+              f"{(best[0] + ' ' + format(best[1] * 1e3, '.3f')) if best else 'n/a':>16} {t_gs * 1e3:11.3f} "
+              f"{t_best / t_ours:9.2f} {t_gs / t_ours:8.2f} {err:8.1e}")
+        print(f"{'':34} SDPA backends (ms, every group once): {results}")
+        del cache, k, v, ks, vs, q4s
+        torch.cuda.empty_cache()
+
+
 def smoke() -> None:
     """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
     write_kv, copy_blocks, swaps in every mode)."""
@@ -649,6 +779,19 @@ def smoke() -> None:
         for mode in cuda.SWAP_MODES:
             cuda.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode=mode)
             cuda.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode=mode)
+    # The prefill kernel: both block shapes, a bf16 and an fp8 cache, chunked and whole prompts, GQA 4.
+    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64)):
+        cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
+        tables = torch.randperm(40, device="cuda", generator=gen)[:36].view(3, 12).to(torch.int32)
+        lens = torch.tensor([1, 70, 190], dtype=torch.int32, device="cuda")
+        starts = torch.tensor([0, 1, 71, 171], dtype=torch.int32, device="cuda")
+        q = torch.randn(171, 8, d, dtype=dtype, device="cuda", generator=gen)
+        cache8 = cache.to(reference.FP8)
+        for warps in (4, 8):
+            cuda.paged_prefill_attention(q, cache[:, 1, 0], cache[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                         warps=warps)
+            cuda.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                         0.5, 0.25, warps=warps)
     torch.cuda.synchronize()
     print("smoke ok")
 
@@ -670,13 +813,14 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill"}
+    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill",
+                                                           "prefill_kernel"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
-             ("prefill", bench_prefill)]
+             ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]
     for name, fn in steps:
         if name in parts:
             try:

@@ -38,12 +38,13 @@ import torch
 from . import decode_plan as work_plan
 
 __all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "DecodeGeometry",
-           "decode_work_geometry", "plan_decode_work", "paged_decode_work", "decode_workspace", "write_kv", "copy_blocks",
+           "decode_work_geometry", "plan_decode_work", "paged_decode_work", "decode_workspace", "supports_prefill",
+           "prefill_work", "paged_prefill_attention", "write_kv", "copy_blocks",
            "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope", "silu_and_mul"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("binding.cpp", "launch.cu", "layer_ops.cu")
-_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h")
+_SOURCES = ("binding.cpp", "launch.cu", "layer_ops.cu", "paged_prefill.cu")
+_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -271,6 +272,103 @@ def decode_workspace(capacity: int, num_q_heads: int, head_dim: int,
     """An empty split-KV workspace for plans of ``capacity`` items."""
     return (torch.empty(capacity, num_q_heads, head_dim, dtype=torch.float32, device=device),
             torch.empty(capacity, num_q_heads, 2, dtype=torch.float32, device=device))
+
+
+# ---- paged prefill (kernels/csrc/paged_prefill.cuh) ----
+
+PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_BLOCK_SIZES = (8, 16, 32, 64)
+# Warps per prefill block (16 query rows each): 4 or 8. The benchmark sets it to compare.
+_prefill_warps: int | None = None
+DEFAULT_PREFILL_WARPS = 4
+
+
+def prefill_warps() -> int:
+    return int(_prefill_warps or DEFAULT_PREFILL_WARPS)
+
+
+def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the prefill kernel is built for these: float16/bfloat16 queries over a cache of the
+    same dtype or float8_e4m3fn, head_dim 64 or 128, block_size 8 to 64 (a power of two)."""
+    return (query.dtype in (torch.float16, torch.bfloat16) and k_cache.dim() == 4
+            and (k_cache.dtype == query.dtype or k_cache.dtype == FP8)
+            and k_cache.shape[3] in PREFILL_HEAD_DIMS and k_cache.shape[2] in PREFILL_BLOCK_SIZES)
+
+
+def prefill_work(starts, context_lens, group: int, warps: int | None = None, seqs=None) -> np.ndarray:
+    """The prefill kernel's work list, int32 ``[num_items, 2]`` of (sequence, row tile), from
+    HOST lengths: ``starts`` the query CSR offsets (num_seqs + 1), ``context_lens`` (num_seqs).
+    A sequence of q new tokens has q * group rows (token x GQA head), cut into tiles of
+    16 * warps rows; items are sorted by the K/V positions they read, most first (the longest
+    start first: a shorter tail). ``seqs``: the sequences to cover (default: every one with
+    new tokens)."""
+    rows_per_tile = 16 * (warps or prefill_warps())
+    starts = np.asarray(starts, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    q = starts[1:] - starts[:-1]
+    ids = np.nonzero(q > 0)[0] if seqs is None else np.asarray(seqs, dtype=np.int64)
+    if len(ids) == 0:
+        return np.zeros((0, 2), dtype=np.int32)
+    rows = q[ids] * group
+    tiles = (rows + rows_per_tile - 1) // rows_per_tile
+    seq = np.repeat(ids, tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile = np.arange(len(seq)) - first
+    last_row = np.minimum(np.repeat(rows, tiles), (tile + 1) * rows_per_tile) - 1
+    cost = ctx[seq] - q[seq] + last_row // group + 1
+    order = np.argsort(-cost, kind="stable")
+    return np.ascontiguousarray(np.stack([seq[order], tile[order]], axis=1).astype(np.int32))
+
+
+_work_cache: dict = {}
+
+
+def _device_work(starts, context_lens, group: int, warps: int, seqs, device: torch.device) -> torch.Tensor:
+    """prefill_work on the device, reused while the lengths stay the same (every layer of a step
+    passes the same lists): one small pinned upload per step, no sync."""
+    key = (tuple(starts), tuple(context_lens), group, warps, None if seqs is None else tuple(seqs), device)
+    hit = _work_cache.get("last")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    work = torch.from_numpy(prefill_work(starts, context_lens, group, warps, seqs))
+    if device.type == "cuda":
+        work = work.pin_memory().to(device, non_blocking=True)
+    _work_cache["last"] = (key, work)
+    return work
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                            host_lengths=None, seqs=None, out: torch.Tensor | None = None,
+                            warps: int | None = None) -> torch.Tensor:
+    """``reference.paged_prefill_attention`` on tensor cores, one launch for the whole ragged
+    batch, K/V read straight from the pages (no gather).
+
+    query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous)
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
+                      float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
+    block_tables, context_lens, query_start_loc: int32, as in the reference
+    host_lengths:     (query_start_loc, context_lens) as host lists, equal to the tensors (no
+                      sync; without it they are read from the device once)
+    seqs:             the sequences to compute (default: all with new tokens); the rows of the
+                      others are left as they are in ``out``
+    """
+    mod = _load()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if host_lengths is None:
+        n = context_lens.shape[0]
+        lengths = torch.cat([query_start_loc.to("cpu", torch.int64), context_lens.to("cpu", torch.int64)]).tolist()
+        host_lengths = (lengths[:n + 1], lengths[n + 1:])
+    w = warps or prefill_warps()
+    group = query.shape[1] // k_cache.shape[1]
+    work = _device_work(host_lengths[0], host_lengths[1], group, w, seqs, query.device)
+    if work.shape[0] == 0:
+        return out
+    mod.paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, float(scale),
+                      float(k_scale), float(v_scale), int(w))
+    return out
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

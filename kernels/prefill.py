@@ -14,10 +14,18 @@ worker's model has them as lists, so a step's layers never sync); per group one 
 head_dim elements per sequence, small against the attention's 4 * q * c * q_heads * head_dim
 FLOPs for prompts of more than a few dozen tokens) and one SDPA launch. docs/performance.md
 has the numbers against SDPA on a contiguous cache.
+
+Our own kernel (``cuda.paged_prefill_attention``, kernels/csrc/paged_prefill.cuh: tensor cores,
+K/V read straight from the pages, one launch for every sequence of the step) replaces the
+gather + SDPA groups where it serves the inputs (float16/bfloat16 queries over a cache of the
+same dtype or fp8 e4m3, head_dim 64/128, block_size 8-64) and where ``_kernel_pays`` says it
+was measured faster (docs/performance.md, "Prefill kernel"). ``KVPAGER_PREFILL_KERNEL=0`` (or
+``use_kernel = False``) keeps gather + SDPA everywhere, ``=1`` forces the kernel wherever it serves.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Callable, Sequence
 
@@ -28,6 +36,35 @@ from torch.nn.attention.bias import causal_lower_right
 from . import reference
 
 DecodeFn = Callable[..., torch.Tensor]
+
+KERNEL_ENV = "KVPAGER_PREFILL_KERNEL"
+# None: the environment decides (KERNEL_ENV: "0" never, "1" wherever it serves, unset: where it pays).
+use_kernel: bool | None = None
+MIN_DISTINCT_SHAPES = 8
+
+
+def _kernel(query: torch.Tensor, k_cache: torch.Tensor):
+    """The CUDA module when our prefill kernel may serve these inputs, else None."""
+    if query.device.type != "cuda":
+        return None
+    mode = {None: None, True: "1", False: "0"}[use_kernel] or os.environ.get(KERNEL_ENV, "")
+    if mode == "0":
+        return None
+    from . import cuda
+    if not cuda.supports_prefill(query, k_cache) or not cuda.available():
+        return None
+    return cuda
+
+
+def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int]) -> bool:
+    """Whether our kernel beat gather + SDPA on shapes like these (measured, docs/performance.md)."""
+    mode = {None: None, True: "1", False: "0"}[use_kernel] or os.environ.get(KERNEL_ENV, "")
+    if mode == "1":
+        return True
+    # H100, bf16 32q/8kv d128 (benchmarks/kernels.py --only prefill_kernel): gather + SDPA wins
+    # on a few uniform shapes (one SDPA call each); the kernel's one launch wins once the batch
+    # has many distinct (new tokens, context) shapes (24 distinct prompts: 9x; 8: even).
+    return len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -67,6 +104,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         seqs, rows = _index(singles, dev), _index([starts[i] for i in singles], dev)
         out[rows] = decode(query[rows], k_cache, v_cache, block_tables[seqs], context_lens[seqs], scale,
                            k_scale=k_scale, v_scale=v_scale)
+
+    multi = [i for i, q in enumerate(q_lens) if q > 1]
+    kernel = _kernel(query, k_cache) if multi else None
+    if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi]):
+        # One launch for every sequence of more than one new token, straight from the pages.
+        kernel.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                                       k_scale, v_scale, host_lengths=(starts, ctx),
+                                       seqs=None if len(multi) == num_seqs else multi, out=out)
+        return out
 
     for (q, c), seqs_list in groups.items():
         if q == 1:

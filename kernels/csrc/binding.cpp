@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "launch.h"
 #include "layer_ops.h"
@@ -497,6 +498,100 @@ void swap_blocks_kernel(Tensor src_cache, Tensor dst_cache, Tensor src, Tensor d
                "swap_blocks (kernel)");
 }
 
+// ---- paged prefill (paged_prefill.cu) ----------------------------------------------------------
+
+// Whether the prefill kernel serves these (query dtype, cache dtype, head_dim, block_size, warps).
+bool prefill_supported(Tensor query, Tensor k_cache, int64_t warps) {
+  if (query.scalar_type() != torch::kFloat16 && query.scalar_type() != torch::kBFloat16) return false;
+  if (k_cache.dim() != 4) return false;
+  const auto cs = k_cache.scalar_type();
+  if (cs != query.scalar_type() && cs != torch::kFloat8_e4m3fn) return false;
+  return kvpager::paged_prefill_supported(to_dtype(query, "query"), to_cache_dtype(k_cache),
+                                          static_cast<int>(k_cache.size(3)), static_cast<int>(k_cache.size(2)),
+                                          static_cast<int>(warps));
+}
+
+// Prefill attention of the work list's rows into out (rows of sequences not in the list are left
+// as they are). work: device int32 [num_items, 2] of (sequence, row tile of 16 * warps rows).
+void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                   Tensor context_lens, Tensor query_start_loc, Tensor work, double scale, double k_scale,
+                   double v_scale, int64_t warps) {
+  const torch::Device device = query.device();
+  const c10::cuda::CUDAGuard guard(device);
+  for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&out, "out"}, {&query, "query"},
+                                {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&block_tables, "block_tables"},
+                                {&context_lens, "context_lens"}, {&query_start_loc, "query_start_loc"},
+                                {&work, "work"}})
+    check_cuda(*t, what, device);
+  const kvpager::DType dtype = to_dtype(query, "query");
+  KV_CHECK(dtype != kvpager::kFloat32, "the prefill kernel takes float16/bfloat16 queries, got float32");
+  check_cache_pair(k_cache, v_cache);
+  const kvpager::DType cache_dtype = to_cache_dtype(k_cache);
+  KV_CHECK(cache_dtype == dtype || cache_dtype == kvpager::kFloat8E4M3, "query dtype ", query.scalar_type(),
+           " does not go with cache dtype ", k_cache.scalar_type());
+  check_kv_scales(k_scale, v_scale);
+  KV_CHECK(cache_dtype == kvpager::kFloat8E4M3 || (k_scale == 1.0 && v_scale == 1.0),
+           "k_scale and v_scale apply to fp8 caches only");
+  check_rows(query, "query");
+  check_rows(out, "out");
+  KV_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must be ",
+           dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
+  KV_CHECK(k_cache.stride(0) == v_cache.stride(0), "k_cache and v_cache must share a block stride");
+  const int64_t num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  KV_CHECK(head_dim == k_cache.size(3), "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
+  KV_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0, num_q_heads,
+           " query heads are not a multiple of ", num_kv_heads, " KV heads (GQA)");
+  KV_CHECK(kvpager::paged_prefill_supported(dtype, cache_dtype, static_cast<int>(head_dim),
+                                            static_cast<int>(block_size), static_cast<int>(warps)),
+           "no prefill kernel for head_dim ", head_dim, ", block_size ", block_size, ", ", warps, " warps");
+  KV_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
+               (block_tables.size(1) <= 1 || block_tables.stride(1) == 1),
+           "block_tables must be int32 [num_seqs, max_blocks], contiguous along max_blocks");
+  const int64_t num_seqs = block_tables.size(0);
+  KV_CHECK(block_tables.size(1) * block_size <= std::numeric_limits<int32_t>::max() / 2, "block_tables is too wide");
+  KV_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.dim() == 1 && context_lens.is_contiguous() &&
+               context_lens.size(0) == num_seqs,
+           "context_lens must be contiguous int32 [", num_seqs, "]");
+  KV_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.dim() == 1 &&
+               query_start_loc.is_contiguous() && query_start_loc.size(0) == num_seqs + 1,
+           "query_start_loc must be contiguous int32 [", num_seqs + 1, "]");
+  KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 2 && work.size(1) == 2 && work.is_contiguous(),
+           "work must be contiguous int32 [num_items, 2]");
+  KV_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  KV_CHECK(work.size(0) * num_kv_heads <= std::numeric_limits<int32_t>::max(), "too many work items");
+  kvpager::PrefillArgs a{};
+  a.out = out.data_ptr();
+  a.query = query.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.context_lens = context_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.work = work.data_ptr<int32_t>();
+  a.q_stride_tok = query.stride(0);
+  a.q_stride_head = query.stride(1);
+  a.o_stride_tok = out.stride(0);
+  a.o_stride_head = out.stride(1);
+  a.kv_stride_block = k_cache.stride(0);
+  a.kv_stride_head = k_cache.stride(1);
+  a.table_stride = block_tables.stride(0);
+  a.num_items = static_cast<int>(work.size(0));
+  a.num_q_heads = static_cast<int>(num_q_heads);
+  a.num_kv_heads = static_cast<int>(num_kv_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  a.block_size = static_cast<int>(block_size);
+  a.log2_block_size = log2_exact(block_size);
+  a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
+  a.v_scale = static_cast<float>(v_scale);
+  a.warps = static_cast<int>(warps);
+  if (a.num_items == 0 || query.size(0) == 0) return;
+  check_launch(kvpager::launch_paged_prefill(dtype, cache_dtype, a, at::cuda::getCurrentCUDAStream()),
+               "paged_prefill launch");
+}
+
 // ---- the decoder's per-layer elementwise ops (layer_ops.cu) ----------------------------------------
 
 // [rows, cols] with a contiguous last dim, on `device`, of `dtype`.
@@ -623,6 +718,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),
         py::arg("loads"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+  m.def("prefill_supported", &prefill_supported, "whether the paged prefill kernel serves these inputs",
+        py::arg("query"), py::arg("k_cache"), py::arg("warps"));
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("query_start_loc"), py::arg("work"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("warps"));
   m.def("write_kv", &write_kv, "scatter K/V into their cache slots (quantizing into an fp8 cache)",
         py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);

@@ -100,6 +100,39 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
 // `stream`.
 cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// Paged prefill (paged_prefill.cuh, launched by paged_prefill.cu): the new tokens of a ragged
+// batch over their paged context, causal, on tensor cores. One launch for the whole batch: a
+// host-built work list of (sequence, row tile) items, each run for every KV head. A sequence's
+// rows are its (token, query head of the GQA group) pairs, token-major; a row tile holds
+// prefill_tile_rows(warps) of them.
+struct PrefillArgs {
+  void* out;                       // [num_tokens, num_q_heads, head_dim], query dtype
+  const void* query;               // [num_tokens, num_q_heads, head_dim], inner dim contiguous
+  const void* k_cache;             // [num_cache_blocks, num_kv_heads, block_size, head_dim] view
+  const void* v_cache;             // same shape and strides as k_cache
+  const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq], inner dim contiguous
+  const int32_t* context_lens;     // [num_seqs]: positions in cache, the new tokens included
+  const int32_t* query_start_loc;  // [num_seqs + 1] CSR offsets of each sequence's queries
+  const int32_t* work;             // DEVICE [num_items, 2]: (sequence, row tile), heaviest first
+  int64_t q_stride_tok, q_stride_head;
+  int64_t o_stride_tok, o_stride_head;
+  int64_t kv_stride_block, kv_stride_head, table_stride;
+  int num_items, num_q_heads, num_kv_heads, head_dim;
+  int block_size, log2_block_size, max_blocks_per_seq, num_cache_blocks;
+  float scale_log2;                // softmax scale * log2(e) * k_scale
+  float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
+  int warps;                       // 4 or 8 warps per block (16 rows each)
+};
+
+// Query rows (token x GQA head pairs) per work item for a launch with `warps` warps.
+constexpr int prefill_tile_rows(int warps) { return 16 * warps; }
+
+// Whether launch_paged_prefill has a kernel for these: dtype fp16/bf16, cache dtype the same or
+// fp8 e4m3, head_dim 64 or 128, block_size a power of two in [8, 64], warps 4 or 8.
+bool paged_prefill_supported(DType dtype, DType cache_dtype, int head_dim, int block_size, int warps);
+
+cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillArgs& args, cudaStream_t stream);
+
 struct WriteKVArgs {
   const void* key;                 // [num_tokens, num_heads, head_dim], inner dim contiguous
   const void* value;               // same shape

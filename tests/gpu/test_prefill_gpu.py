@@ -37,3 +37,112 @@ def test_mixed_prefill_step_matches_float64(dtype, group, block_size, head_dim):
     for i, (ctx, q_len) in enumerate(cases):
         s, e = int(starts[i]), int(starts[i + 1])
         assert rel_err(out[s:e].cpu(), ref[s:e]) < TOL[dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+
+
+# ---- our prefill kernel (kernels/csrc/paged_prefill.cuh), called directly --------------------------
+from kvpager.kernels import cuda, prefill  # noqa: E402
+from tests.unit.test_reference_kernels import fp8_paged  # noqa: E402
+
+
+def _kernel_case(gen, block_size, head_dim, dtype, group, cases, share=True, paged=None):
+    """cases: (context, new tokens). Random shuffled tables (Paged); with share, the second
+    sequence's table starts with the first's full blocks (a shared prefix), its truth likewise."""
+    if paged is None:
+        paged = Paged([c for c, _ in cases], block_size, head_dim, dtype, gen)
+    if share and len(cases) > 1:
+        n = min(cases[0][0], cases[1][0] - cases[1][1]) // block_size   # full blocks, all cached
+        if n > 0:
+            paged.block_tables[1, :n] = paged.block_tables[0, :n]
+            paged.keys[1][:n * block_size] = paged.keys[0][:n * block_size]
+            paged.values[1][:n * block_size] = paged.values[0][:n * block_size]
+    qdtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    queries = [torch.randn(q, NUM_KV_HEADS * group, head_dim, generator=gen).to(qdtype) for _, q in cases]
+    starts = torch.tensor([0] + [q for _, q in cases]).cumsum(0).to(torch.int32)
+    return paged, queries, starts
+
+
+def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0):
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    out = torch.full_like(query, float("nan"))       # poisoned: every row must be written
+    host = (starts.tolist(), paged.context_lens.tolist())
+    cuda.paged_prefill_attention(query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
+                                 paged.context_lens.to(DEV), starts.to(DEV), scale, k_scale, v_scale,
+                                 host_lengths=host, out=out, warps=warps)
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+def _cases(b, rng):
+    """Whole prompts (q == c), chunked prefill over cached prefixes (q < c), single tokens, tile
+    and block edges, and random ragged ones."""
+    fixed = [(5 * b + 3, 2 * b + 1), (5 * b + 3, b + 2), (3 * b + 7, 3 * b + 7), (1, 1), (b, b), (b + 1, 1), (64, 64), (65, 17),
+             (200, 130), (129, 128), (700, 37)]
+    rand = []
+    for _ in range(4):
+        c = int(torch.randint(2, 900, (1,), generator=rng))
+        q = int(torch.randint(1, c + 1, (1,), generator=rng))
+        rand.append((c, q))
+    return fixed + rand
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 128), (32, 128), (16, 64), (64, 128)])
+def test_prefill_kernel_matches_float64(warps, dtype, group, block_size, head_dim):
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill kernel", warps, dtype, group, block_size, head_dim)
+    cases = _cases(block_size, gen)
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, dtype, group, cases)
+    scale = head_dim ** -0.5
+    out = _run_kernel(paged, queries, starts, scale, warps)
+    assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or non-finite rows"
+    ref = reference_attention(queries, paged, scale)
+    for i, (ctx, q_len) in enumerate(cases):
+        s, e = int(starts[i]), int(starts[i + 1])
+        assert rel_err(out[s:e], ref[s:e]) < TOL[dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
+def test_prefill_kernel_fp8_cache_matches_float64(warps, query_dtype, group, block_size, head_dim):
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill kernel fp8", warps, query_dtype, group, block_size, head_dim)
+    cases = _cases(block_size, gen)
+    k_scale, v_scale = 0.05, 0.03
+    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
+                                          paged=paged)
+    queries = [q.to(query_dtype) for q in queries]
+    scale = head_dim ** -0.5
+    out = _run_kernel(paged, queries, starts, scale, warps, k_scale, v_scale)
+    assert torch.isfinite(out).all()
+    ref = reference_attention(queries, paged, scale)
+    for i, (ctx, q_len) in enumerate(cases):
+        s, e = int(starts[i]), int(starts[i + 1])
+        assert rel_err(out[s:e], ref[s:e]) < TOL[query_dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_prefill_dispatch_with_and_without_the_kernel(use_kernel, monkeypatch):
+    """ops → prefill.py with the kernel forced on and off: a mixed step (decodes ride along)."""
+    monkeypatch.setattr(prefill, "use_kernel", use_kernel)
+    gen = seeded("prefill dispatch", use_kernel)
+    b, head_dim, dtype = 16, 128, torch.bfloat16
+    cases = [(40, 40), (3 * b, 1), (300, 100), (17, 1), (90, 2)]
+    paged, queries, starts = _kernel_case(gen, b, head_dim, dtype, 4, cases)
+    kv = paged.kv_cache.to(DEV)
+    scale = head_dim ** -0.5
+    out = ops.paged_prefill_attention(torch.cat(queries).to(DEV), kv[:, LAYER, 0], kv[:, LAYER, 1],
+                                      paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV), scale,
+                                      host_lengths=(starts.tolist(), paged.context_lens.tolist())).cpu()
+    ref = reference_attention(queries, paged, scale)
+    assert rel_err(out, ref) < TOL[dtype]

@@ -1,0 +1,77 @@
+// Launcher of the paged prefill kernel (paged_prefill.cuh): fp16/bf16 queries over fp16/bf16 or
+// fp8 e4m3 caches, head_dim 64/128, 4 or 8 warps per block. No torch here.
+#include <cstdint>
+
+#include "launch.h"
+#include "paged_prefill.cuh"
+
+namespace kvpager {
+namespace {
+
+template <typename T_, typename C_, int D_, int W_>
+struct PrefillCfg {
+  using T = T_;
+  using C = C_;
+  static constexpr int D = D_;
+  static constexpr int W = W_;
+};
+
+template <typename T, typename C, int D, typename F>
+bool dispatch_warps(int warps, F&& f) {
+  switch (warps) {
+    case 4: f(PrefillCfg<T, C, D, 4>{}); return true;
+    case 8: f(PrefillCfg<T, C, D, 8>{}); return true;
+    default: return false;
+  }
+}
+
+template <typename T, typename C, typename F>
+bool dispatch_dim(int head_dim, int warps, F&& f) {
+  switch (head_dim) {
+    case 64: return dispatch_warps<T, C, 64>(warps, f);
+    case 128: return dispatch_warps<T, C, 128>(warps, f);
+    default: return false;
+  }
+}
+
+template <typename F>
+bool dispatch_prefill(DType dtype, DType cache_dtype, int head_dim, int warps, F&& f) {
+  if (dtype == kFloat16) {
+    if (cache_dtype == kFloat16) return dispatch_dim<__half, __half>(head_dim, warps, f);
+    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__half, __nv_fp8_e4m3>(head_dim, warps, f);
+  } else if (dtype == kBFloat16) {
+    if (cache_dtype == kBFloat16) return dispatch_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, warps, f);
+    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, warps, f);
+  }
+  return false;
+}
+
+bool block_size_ok(int b) { return b >= 8 && b <= 64 && (b & (b - 1)) == 0; }
+
+}  // namespace
+
+bool paged_prefill_supported(DType dtype, DType cache_dtype, int head_dim, int block_size, int warps) {
+  return block_size_ok(block_size) && dispatch_prefill(dtype, cache_dtype, head_dim, warps, [](auto) {});
+}
+
+cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillArgs& a, cudaStream_t stream) {
+  if (a.num_items == 0) return cudaSuccess;
+  if (a.num_items < 0 || !block_size_ok(a.block_size) || (1 << a.log2_block_size) != a.block_size ||
+      a.num_kv_heads < 1 || a.num_q_heads % a.num_kv_heads != 0 ||
+      static_cast<int64_t>(a.num_items) * a.num_kv_heads > 0x7fffffffLL)
+    return cudaErrorInvalidValue;
+  cudaError_t err = cudaSuccess;
+  const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W>;
+    constexpr int smem = prefill_smem_bytes<Cfg::D, Cfg::W>();
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return;
+    // grid: one block per (work item, KV head), item-major; block: 32 * W threads.
+    kernel<<<static_cast<unsigned>(a.num_items) * a.num_kv_heads, 32 * Cfg::W, smem, stream>>>(a);
+    err = cudaGetLastError();
+  });
+  return ok ? err : cudaErrorInvalidValue;
+}
+
+}  // namespace kvpager
