@@ -58,9 +58,9 @@ APPLIED_PLANS_KEPT = 4096  # plan step ids remembered for PlanNotApplied checks
 class WorkerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     block_size: int = 16
-    num_gpu_blocks: Optional[int] = None  # explicit cache size; else memory_fraction of free memory
+    num_gpu_blocks: Optional[int] = None  # explicit cache size; else default_device_blocks()
     memory_fraction: float = 0.5
-    num_cpu_blocks: int = 256             # swap space
+    num_cpu_blocks: Optional[int] = 256   # swap space; None: default_swap_blocks()
     rank: int = 0
     tensor_parallel_size: int = 1
     manager_address: Optional[str] = None  # register with this block manager; None: standalone
@@ -80,6 +80,28 @@ def free_device_memory(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# Default sizes (`kvpager worker --help` states them). On the CPU the "device" cache is host RAM,
+# shared by the ranks: a fraction of it would be gigabytes no CPU model step can use.
+CPU_CACHE_BYTES = 256 << 20   # device cache of one CPU rank, at most
+DEFAULT_SWAP_BLOCKS = 4096    # swap space of one rank: the manager's default CPU pool (--num-cpu-blocks)...
+SWAP_BYTES = 4 << 30          # ...at most this much host memory
+
+
+def default_device_blocks(device: torch.device, block_bytes: int, memory_fraction: float, ranks_sharing: int) -> int:
+    """Device cache blocks of a rank when none are asked for: ``memory_fraction`` of the free device
+    memory; on the CPU, that share of available RAM divided among the ``ranks_sharing`` ranks, and
+    at most CPU_CACHE_BYTES."""
+    budget = free_device_memory(device) * memory_fraction
+    if device.type == "cpu":
+        budget = min(budget / ranks_sharing, CPU_CACHE_BYTES)
+    return int(budget) // block_bytes
+
+
+def default_swap_blocks(block_bytes: int) -> int:
+    """CPU swap blocks of a rank when none are asked for: DEFAULT_SWAP_BLOCKS, at most SWAP_BYTES."""
+    return max(1, min(DEFAULT_SWAP_BLOCKS, SWAP_BYTES // block_bytes))
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -160,11 +182,12 @@ class CacheWorker:
                          cfg.model.cache_dtype)
         # Ranks on the CPU share one host's memory (each rank of a GPU group has its own device).
         sharing = cfg.tensor_parallel_size if device.type == "cpu" else 1
-        budget = free_device_memory(device) * cfg.memory_fraction / sharing
-        num_blocks = cfg.num_gpu_blocks or int(budget) // spec.block_bytes
+        num_blocks = cfg.num_gpu_blocks or default_device_blocks(device, spec.block_bytes, cfg.memory_fraction,
+                                                                 sharing)
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
-        self.cache = KVCache(spec, num_blocks, cfg.num_cpu_blocks, device)
+        num_cpu_blocks = default_swap_blocks(spec.block_bytes) if cfg.num_cpu_blocks is None else cfg.num_cpu_blocks
+        self.cache = KVCache(spec, num_blocks, num_cpu_blocks, device)
         self.graphs = self._decode_graphs()
         self._serve()
         if cfg.metrics_port is not None:
@@ -174,7 +197,7 @@ class CacheWorker:
             self._heartbeat = threading.Thread(target=self._beat, name="kvpager-heartbeat", daemon=True)
             self._heartbeat.start()
         log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s, metrics %s", cfg.rank,
-                 device, num_blocks, cfg.num_cpu_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
+                 device, num_blocks, num_cpu_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
         return self.address
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:

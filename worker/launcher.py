@@ -8,7 +8,16 @@ block manager at --manager. Ray is, in order of preference:
   RAY_ADDRESS --block`, as a child process it stops on exit), joining the cluster at
   --ray-address: how a container or a new machine adds its GPUs to a cluster;
 - with --ray-address alone: that cluster, through the Ray node already running on this machine;
-- otherwise: a private Ray instance on loopback, for this machine alone.
+- otherwise: a Ray cluster of its own on loopback (127.0.0.2), started and stopped with the
+  command, which prints its address (`Ray: started a local cluster at HOST:PORT ...`): another
+  `kvpager worker --ray-address HOST:PORT --join --node-ip 127.0.0.3` on this machine can join it.
+
+The default cache sizes agree with `kvpager manager`'s default pools: on the CPU the device cache
+is host RAM and takes at most 256 MiB per rank (on CUDA: --memory-fraction of the free GPU
+memory), and the swap space is 4096 blocks per rank, at most 4 GiB. A --block-size,
+--tensor-parallel-size or cache smaller than the manager's pools that the manager would refuse
+ends the command with one line naming both values and the flags to change (exit 1): before Ray
+starts where the manager shows the worker its stats (an --insecure one does), else at registration.
 
 The actors are named (`kvpager-worker-rank<r>` in --namespace), so a scheduler in another
 process connected to the same cluster can drive the model on them
@@ -36,9 +45,17 @@ from typing import Optional
 from kvpager import cli
 
 log = logging.getLogger("kvpager.worker")
+# The default sizes (worker/cache_worker.py imports torch: these are their values, checked by a test).
+CPU_CACHE_BYTES = 256 << 20
+DEFAULT_SWAP_BLOCKS = 4096
+SWAP_BYTES = 4 << 30
 WATCH_INTERVAL_S = 5.0      # how often the ranks' gRPC health is checked
 WATCH_FAILURES = 3          # consecutive failed checks of one rank before giving up
 RAY_NODE_START_S = 90.0     # how long a joining Ray node may take to start
+
+
+def _mib(size: int) -> str:
+    return f"{size >> 30} GiB" if size % (1 << 30) == 0 else f"{size >> 20} MiB"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +63,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--manager", env="KVPAGER_MANAGER_ADDRESS", type=cli.address, required=True,
       help="the block manager the workers register with")
     f(parser, "--ray-address", env="KVPAGER_RAY_ADDRESS", type=cli.address,
-      default_help="unset: a private Ray instance on loopback", help="the Ray cluster (GCS address) to run on")
+      default_help="unset: a local cluster of its own on loopback, its address printed", help="the Ray cluster (GCS address) to run on")
     f(parser, "--join", env="KVPAGER_RAY_JOIN", type=bool, default=False,
       help="first start a Ray node on this machine that joins --ray-address (stopped on exit)")
     f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
@@ -72,11 +89,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (must equal the manager's)")
     f(parser, "--num-gpu-blocks", env="KVPAGER_WORKER_NUM_GPU_BLOCKS", type=cli.positive_int, metavar="N",
-      default_help="sized from free device memory x --memory-fraction", help="device cache size per rank, in blocks")
+      default_help=f"on CUDA, free GPU memory x --memory-fraction; on the CPU, at most {_mib(CPU_CACHE_BYTES)} per rank",
+      help="device cache size per rank, in blocks (at least the manager's --num-gpu-blocks pool, unless it is 0)")
     f(parser, "--memory-fraction", env="KVPAGER_WORKER_MEMORY_FRACTION", type=cli.fraction, default=0.5, metavar="X",
-      help="fraction of free device memory for the cache when --num-gpu-blocks is unset")
-    f(parser, "--num-cpu-blocks", env="KVPAGER_WORKER_NUM_CPU_BLOCKS", type=cli.integer, default=256, metavar="N",
-      help="CPU swap space per rank, in blocks")
+      help="share of free device memory for the cache when --num-gpu-blocks is unset (on the CPU: of the "
+           f"available RAM, divided among the ranks, and at most {_mib(CPU_CACHE_BYTES)} per rank)")
+    f(parser, "--num-cpu-blocks", env="KVPAGER_WORKER_NUM_CPU_BLOCKS", type=cli.non_negative_int, metavar="N",
+      default_help=f"{DEFAULT_SWAP_BLOCKS}, the manager's default pool; at most {_mib(SWAP_BYTES)} per rank",
+      help="CPU swap space per rank, in blocks (at least the manager's --num-cpu-blocks pool, unless its "
+           "--num-gpu-blocks is 0)")
     f(parser, "--host", env="KVPAGER_WORKER_HOST", default="127.0.0.1", metavar="HOST",
       help="bind address of the workers' gRPC and metrics servers (0.0.0.0 in containers)")
     f(parser, "--advertise-host", env="KVPAGER_WORKER_ADVERTISE_HOST", metavar="HOST",
@@ -138,11 +159,10 @@ def credentials(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if args.join and not args.ray_address:
         raise cli.UsageError("--join needs --ray-address (the cluster to join)")
-    if args.num_cpu_blocks < 0:
-        raise cli.UsageError(f"--num-cpu-blocks must be >= 0, got {args.num_cpu_blocks}")
     creds = credentials(args)
     _stop_on_signals()
     check_manager(args.manager, credentials=creds)
+    check_manager_agrees(args, credentials=creds)
     if creds is None or not (creds.manager_token or creds.tls.client_ca):  # once it can start: failures stay one line
         log.warning("--insecure: the ranks' CacheWorker service accepts plans from anyone who reaches it")
     node: Optional[RayNode] = None
@@ -154,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
         _stop_on_signals()  # ray.init installs its own SIGTERM handler
         group = start_group(args, node_id, gpus, creds)
         _stop_on_signals()
-        for rank, (grpc_address, metrics) in enumerate(zip(group.addresses, group.metrics_addresses)):
-            print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}", flush=True)
+        for rank, (grpc_address, metrics, memory) in enumerate(zip(group.addresses, group.metrics_addresses,
+                                                                   group.memory_stats())):
+            print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}, {cache_summary(memory)}", flush=True)
         cfg = group.configs[0]
         print(f"workers ready: tensor parallel {len(group.actors)} on {'CUDA' if group.use_gpu else 'CPU'}, "
               f"model {args.model or ('small' if group.use_gpu else 'tiny')}, block size {cfg.block_size}, "
@@ -168,6 +189,16 @@ def run(args: argparse.Namespace) -> int:
         _stop(group, node)
     print("workers stopped", flush=True)
     return 0
+
+
+def cache_summary(memory) -> str:
+    """A rank's cache in one phrase, from its WorkerMemoryStats: blocks and bytes of each tier."""
+    return (f"cache {memory.num_gpu_blocks} blocks on {memory.device} ({_size(memory.gpu_cache_bytes)}) + "
+            f"{memory.num_cpu_blocks} swap blocks ({_size(memory.cpu_cache_bytes)})")
+
+
+def _size(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.0f} MiB"
 
 
 class _Stopped(KeyboardInterrupt):
@@ -216,6 +247,87 @@ def check_manager(target: str, timeout: float = 5.0, credentials=None) -> None:
             raise cli.Failure(f"cannot reach the block manager at {target}: {why}") from err
 
 
+def check_manager_agrees(args: argparse.Namespace, credentials=None, timeout: float = 5.0) -> None:
+    """Fail at once, before Ray starts, where the manager would refuse these workers at
+    registration (block size, group size, pools), as far as its stats tell: a manager with tokens
+    keeps them from the worker role, and one whose pools wait for the workers has none yet. There
+    registration decides, and ``start_group`` reports its refusal in the same words."""
+    stats = manager_stats(args.manager, credentials, timeout)
+    if stats is None:
+        return
+    if stats.block_size != args.block_size:
+        raise cli.Failure(block_size_refusal(args.manager, stats.block_size, args.block_size))
+    if stats.workers_expected and stats.workers_expected != args.tensor_parallel_size:
+        raise cli.Failure(group_size_refusal(args.manager, stats.workers_expected, args.tensor_parallel_size))
+    pools = (stats.gpu.total_blocks, stats.cpu.total_blocks)
+    if too_small((args.num_gpu_blocks, args.num_cpu_blocks), pools):
+        raise cli.Failure(capacity_refusal(args.manager, (args.num_gpu_blocks, args.num_cpu_blocks), pools))
+
+
+def manager_stats(target: str, credentials=None, timeout: float = 5.0):
+    """The manager's GetStatsResponse, or None where it does not answer them to this worker."""
+    import grpc
+
+    from kvpager import auth
+    from kvpager.v1 import block_manager_pb2 as pb
+    from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+
+    creds = credentials or auth.WorkerCredentials()
+    with creds.manager_channel(target) as channel:
+        try:
+            return pb_grpc.BlockManagerStub(channel).GetStats(pb.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError as err:  # no permission, no pools yet: registration will tell
+            log.debug("manager stats unavailable before registration: %s", err.code())
+            return None
+
+
+def too_small(capacity: tuple[Optional[int], Optional[int]], pools: tuple[int, int]) -> bool:
+    """Whether a known capacity (GPU, CPU blocks; None: not known yet) is below the manager's pools."""
+    return any(have is not None and have < need for have, need in zip(capacity, pools))
+
+
+def block_size_refusal(manager: str, manager_size: int, worker_size: int) -> str:
+    return (f"block size mismatch: the block manager at {manager} uses --block-size {manager_size}, these workers "
+            f"--block-size {worker_size}: start both with the same --block-size (KVPAGER_BLOCK_SIZE)")
+
+
+def group_size_refusal(manager: str, group_size: int, worker_size: int) -> str:
+    return (f"tensor-parallel size mismatch: the block manager at {manager} serves a group of {group_size} rank(s), "
+            f"these workers --tensor-parallel-size {worker_size}: pass --tensor-parallel-size {group_size}, or "
+            "restart the manager (it keeps the size of the first group that registered)")
+
+
+def capacity_refusal(manager: str, capacity: tuple[Optional[int], Optional[int]], pools: tuple[int, int]) -> str:
+    short = [(tier, have, need) for tier, have, need in zip(("gpu", "cpu"), capacity, pools)
+             if have is not None and have < need]
+    held = ", ".join(f"{have} {tier.upper()} blocks where its pool has {need}" for tier, have, need in short)
+    flags = " and ".join(f"--num-{tier}-blocks {need}" for tier, _, need in short)
+    return (f"cache smaller than the pools of the block manager at {manager}: each rank holds {held}; start the "
+            f"workers with {flags} (or more), or the manager with --num-gpu-blocks 0 (pools sized from the workers)")
+
+
+# What the manager says when it refuses a registration (manager/workers.py, manager/service.py),
+# and the same line check_manager_agrees gives.
+_REFUSALS = (
+    (re.compile(r"block size (\d+) differs from the manager's (\d+)"),
+     lambda m, manager: block_size_refusal(manager, int(m[2]), int(m[1]))),
+    (re.compile(r"tensor_parallel_size (\d+) differs from the group's (\d+)"),
+     lambda m, manager: group_size_refusal(manager, int(m[2]), int(m[1]))),
+    (re.compile(r"capacity (\d+) GPU / (\d+) CPU blocks is below the manager's pools \((\d+) / (\d+)\)"),
+     lambda m, manager: capacity_refusal(manager, (int(m[1]), int(m[2])), (int(m[3]), int(m[4])))),
+)
+
+
+def explain_refusal(cause: str, manager: str) -> str:
+    """One line for a failed start: a registration the manager refused, in the words of
+    ``check_manager_agrees``; anything else as it came."""
+    for pattern, explain in _REFUSALS:
+        match = pattern.search(cause)
+        if match:
+            return explain(match, manager)
+    return f"the workers did not start: {cause}"
+
+
 # ---- Ray --------------------------------------------------------------------------------------------
 class RayNode:
     """A Ray node on this machine joining a cluster: ``ray start --block`` as a child process in its
@@ -238,7 +350,7 @@ class RayNode:
         if device == "cpu":  # room for one CPU actor per rank, whatever Ray detects; no GPUs
             command += ["--num-gpus", "0", "--num-cpus", str(max(tensor_parallel_size, os.cpu_count() or 1))]
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=ray_start_env())
         node = cls(proc)
         try:
             deadline = time.monotonic() + RAY_NODE_START_S
@@ -300,8 +412,10 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
             import torch
 
             gpus = torch.cuda.device_count()
+        _quiet_local_ray()
         init_local_ray(num_cpus=args.tensor_parallel_size, num_gpus=gpus, namespace=args.namespace,
                        node_ip=args.node_ip)
+        print(local_ray_line(ray.get_runtime_context().gcs_address), flush=True)
         return None, gpus
     connect_ray(args.ray_address, args.namespace, args.node_ip)
     node_id = ray.get_runtime_context().get_node_id()
@@ -316,6 +430,34 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
     if args.node_ip and node["NodeManagerAddress"] != args.node_ip:
         raise cli.Failure(f"the local Ray node advertises {node['NodeManagerAddress']}, not --node-ip {args.node_ip}")
     return node_id, int(node["Resources"].get("GPU", 0))
+
+
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def _quiet_local_ray() -> None:
+    """Ray's own lines when it starts a local cluster ("Token authentication is enabled", its
+    token's file, "Started a local Ray instance") give way to ``local_ray_line``."""
+    logging.getLogger("ray._private.worker").setLevel(logging.WARNING)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+def local_ray_line(address: str) -> str:
+    """What this command says about the Ray cluster it started: where, and how to join it."""
+    auth = "" if os.environ.get(RAY_AUTH_MODE, "").lower() == "disabled" else " (its token: ~/.ray/auth_token)"
+    return (f"Ray: started a local cluster at {address}{auth}, stopped with this command; join it from this "
+            f"machine with --ray-address {address} --join --node-ip 127.0.0.3")
+
+
+def ray_start_env() -> dict[str, str]:
+    """The environment of ``ray start``: like Ray's own drivers (but not its ``ray start
+    --address``), present the token where one exists and the mode is not set, so joining a
+    cluster with token authentication (a local one this command started) works."""
+    env = dict(os.environ)
+    token_file = env.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if RAY_AUTH_MODE not in env and (env.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file)):
+        env[RAY_AUTH_MODE] = "token"
+    return env
 
 
 def connect_ray(address: str, namespace: str, node_ip: Optional[str] = None) -> None:
@@ -360,7 +502,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int, cre
     try:
         return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
     except ray.exceptions.RayError as err:
-        raise cli.Failure(f"the workers did not start: {_cause(err)}") from err
+        raise cli.Failure(explain_refusal(_cause(err), args.manager)) from err
 
 
 def model_config(args: argparse.Namespace, use_gpu: bool):

@@ -163,7 +163,7 @@ def test_worker_registers_its_group_and_stops_on_sigterm(start_manager):
                           "--num-gpu-blocks", "64", "--num-cpu-blocks", "16", "--node-ip", RAY_NODE_IP,
                           "--metrics-port", "0")
     try:
-        rank = worker.wait_for(r"^rank 0: grpc (\S+), metrics (\S+)$", 90)
+        rank = worker.wait_for(r"^rank 0: grpc ([^\s,]+), metrics ([^\s,]+), cache 64 blocks on cpu", 90)
         worker.wait_for(r"^workers ready", 30)
         with BlockManagerClient(target) as client:
             stats = client.get_stats()
@@ -177,6 +177,41 @@ def test_worker_registers_its_group_and_stops_on_sigterm(start_manager):
             assert sock.connect_ex((host, int(port))) != 0
     finally:
         worker.stop()
+
+
+def test_the_readme_manager_and_worker_work_together_with_their_defaults(start_manager):
+    """`kvpager manager --insecure` and `kvpager worker --insecure --manager ...` with nothing else:
+    the worker's CPU cache stays modest, fits the manager's default pools, and it says where the
+    Ray cluster it started is."""
+    _, target = start_manager()
+    worker = Proc.kvpager("worker", "--insecure", "--manager", target)
+    try:
+        ray = worker.wait_for(r"^Ray: started a local cluster at ([^\s,]+)", 90).group(1)
+        cache = worker.wait_for(r"^rank 0: .*, cache (\d+) blocks on cpu \((\d+) MiB\) \+ (\d+) swap blocks", 90)
+        worker.wait_for(r"^workers ready: tensor parallel 1 on CPU, model tiny, block size 16", 30)
+        device_blocks, device_mib, swap_blocks = map(int, cache.groups())
+        assert device_mib <= 256 and device_blocks >= 4096 and swap_blocks == 4096
+        host, port = ray.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5):  # the printed address is Ray's GCS
+            pass
+        with BlockManagerClient(target) as client:
+            stats = client.get_stats()
+        assert (stats.workers_registered, stats.gpu.total_blocks, stats.cpu.total_blocks) == (1, 4096, 4096)
+        assert worker.stop() == 0
+        assert worker.out[-1] == "workers stopped" and not any("Traceback" in line for line in worker.err)
+    finally:
+        worker.stop()
+
+
+def test_a_worker_with_another_block_size_is_refused_at_once(start_manager):
+    _, target = start_manager("--block-size", "8")
+    started = time.monotonic()
+    proc = run_kvpager("worker", "--insecure", "--manager", target)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"kvpager worker: block size mismatch: the block manager at {target} uses --block-size 8, these workers "
+        "--block-size 16: start both with the same --block-size (KVPAGER_BLOCK_SIZE)")
+    assert time.monotonic() - started < 30
 
 
 def test_demo_runs_embedded_without_ray():

@@ -129,7 +129,7 @@ def test_environment_configures_the_worker_and_empty_values_count_as_unset(monke
     assert (args.manager, args.ray_address, args.join, args.tensor_parallel_size) == (
         "127.0.0.1:50051", "127.0.0.2:6379", True, 2)
     assert (args.device, args.metrics_port, args.num_gpu_blocks, args.model) == ("cpu", 9500, None, "tiny")
-    assert (args.namespace, args.host, args.block_size, args.num_cpu_blocks) == ("kvpager", "127.0.0.1", 16, 256)
+    assert (args.namespace, args.host, args.block_size, args.num_cpu_blocks) == ("kvpager", "127.0.0.1", 16, None)
 
 
 def test_demo_reads_the_deployment_from_the_environment(monkeypatch):
@@ -159,6 +159,9 @@ def test_demo_reads_the_deployment_from_the_environment(monkeypatch):
      ["KVPAGER_WORKER_DEVICE", "choose from"]),
     (["worker", "--manager", "127.0.0.1:1", "--join"], {}, ["--join needs --ray-address"]),
     (["worker", "--manager", "127.0.0.1:1", "--memory-fraction", "2"], {}, ["must be in (0, 1]"]),
+    (["worker", "--manager", "127.0.0.1:1", "--block-size", "0"], {}, ["kvpager worker: error: argument --block-size"]),
+    (["worker", "--manager", "127.0.0.1:1", "--num-cpu-blocks", "-1"], {},
+     ["kvpager worker: error: argument --num-cpu-blocks: must be >= 0"]),
     (["bench"], {}, ["name a benchmark"]),
     (["bench", "nope"], {}, ["invalid choice: 'nope'"]),
 ])
@@ -232,6 +235,161 @@ def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
         traceback_str = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: no room for a block'
 
     assert _cause(OtherError()) == "RuntimeError: no room for a block"
+
+
+# ---- the worker's defaults and the manager's ----------------------------------------------------------
+def test_worker_default_cache_sizes_are_modest_on_the_cpu_and_unchanged_on_cuda(monkeypatch):
+    import torch
+
+    from kvpager.worker import cache_worker, launcher
+
+    # --help states the sizes cache_worker uses (the launcher keeps copies so --help needs no torch).
+    assert (launcher.CPU_CACHE_BYTES, launcher.DEFAULT_SWAP_BLOCKS, launcher.SWAP_BYTES) == (
+        cache_worker.CPU_CACHE_BYTES, cache_worker.DEFAULT_SWAP_BLOCKS, cache_worker.SWAP_BYTES)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    free = {"cpu": 20 << 30, "cuda": 80 << 30}
+    monkeypatch.setattr(cache_worker, "free_device_memory", lambda device: free[device.type])
+    # The CPU: 256 MiB per rank, not half of 20 GiB of RAM...
+    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=1) == (256 << 20) // 8192
+    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=2) == (256 << 20) // 8192
+    # ...and less where the fraction of the available RAM shared by the ranks is smaller.
+    free["cpu"] = 1 << 30
+    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=4) == (128 << 20) // 8192
+    # CUDA: the fraction of the free GPU memory, as before.
+    assert cache_worker.default_device_blocks(cuda, 1 << 20, 0.5, ranks_sharing=1) == 40 * 1024
+    # Swap: the manager's default CPU pool, at most 4 GiB.
+    assert cache_worker.default_swap_blocks(8192) == 4096
+    assert cache_worker.default_swap_blocks(2 << 20) == 2048
+
+
+def test_worker_defaults_fit_the_managers_default_pools():
+    from kvpager.worker import cache_worker
+    from kvpager.worker.kv_cache import CacheSpec
+    from kvpager.worker.model import preset
+
+    tiny = preset("tiny")  # the CPU's default model, one rank
+    block_bytes = CacheSpec(tiny.num_layers, tiny.num_kv_heads, tiny.head_dim, 16, tiny.cache_dtype).block_bytes
+    defaults = ManagerConfig()
+    assert cache_worker.CPU_CACHE_BYTES // block_bytes >= defaults.num_gpu_blocks
+    assert cache_worker.default_swap_blocks(block_bytes) >= defaults.num_cpu_blocks
+    assert parse("worker", "--manager", "127.0.0.1:1").block_size == defaults.block_size
+
+
+@pytest.fixture
+def default_manager():
+    """A manager with `kvpager manager`'s default configuration, in this process; its address."""
+    server, port, service, _ = create_server(ManagerConfig())
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+    service.close()
+
+
+def register(target: str, **fields) -> str:
+    """RegisterWorker as a worker sends it (defaults: one rank that fits the default pools); its
+    refusal's details, or "" when it registered."""
+    import grpc
+
+    from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+
+    request = {**dict(address="127.0.0.1:1", rank=0, tensor_parallel_size=1, num_gpu_blocks=4096,
+                      num_cpu_blocks=4096, block_size=16), **fields}
+    with grpc.insecure_channel(target) as channel:
+        try:
+            pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(**request), timeout=10)
+        except grpc.RpcError as err:
+            assert err.code().name == "FAILED_PRECONDITION", err
+            return err.details()
+    return ""
+
+
+def test_a_refused_registration_becomes_one_line_naming_both_values_and_the_flags(default_manager):
+    from kvpager.worker.launcher import explain_refusal
+
+    target = default_manager
+    line = explain_refusal(f"FAILED_PRECONDITION: {register(target, block_size=32)}", target)
+    assert line.startswith("block size mismatch:"), line
+    assert "--block-size 16" in line and "--block-size 32" in line and target in line
+    line = explain_refusal(f"FAILED_PRECONDITION: {register(target, num_cpu_blocks=256)}", target)
+    assert line.startswith("cache smaller than the pools"), line
+    assert "256 CPU blocks where its pool has 4096" in line and "--num-cpu-blocks 4096" in line
+    assert "--num-gpu-blocks 0" in line and "GPU blocks where" not in line  # the GPU cache was big enough
+    assert register(target) == ""  # one rank of a group of 1 registered
+    line = explain_refusal(f"FAILED_PRECONDITION: {register(target, tensor_parallel_size=2)}", target)
+    assert line.startswith("tensor-parallel size mismatch:"), line
+    assert "group of 1 rank(s)" in line and "--tensor-parallel-size 2" in line
+    assert "--tensor-parallel-size 1" in line
+    assert explain_refusal("RuntimeError: no room", target) == "the workers did not start: RuntimeError: no room"
+
+
+def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
+    from kvpager.worker import launcher
+
+    target = default_manager
+
+    def agrees(*flags: str) -> str:
+        try:
+            launcher.check_manager_agrees(parse("worker", "--manager", target, *flags))
+        except cli.Failure as err:
+            return str(err)
+        return ""
+
+    assert agrees() == ""  # the defaults agree
+    assert agrees("--block-size", "16", "--num-gpu-blocks", "4096", "--num-cpu-blocks", "4096") == ""
+    assert agrees("--block-size", "8").startswith("block size mismatch:")
+    refusal = agrees("--num-gpu-blocks", "100", "--num-cpu-blocks", "10")
+    assert "100 GPU blocks where its pool has 4096, 10 CPU blocks where its pool has 4096" in refusal
+    assert "--num-gpu-blocks 4096 and --num-cpu-blocks 4096" in refusal
+    assert register(target, tensor_parallel_size=2, rank=1) == ""
+    assert agrees().startswith("tensor-parallel size mismatch:")
+    assert agrees("--tensor-parallel-size", "2") == ""
+
+
+def test_worker_leaves_the_check_to_registration_where_the_manager_shows_no_stats():
+    from kvpager import auth
+    from kvpager.worker import launcher
+
+    waiting, port, service, _ = create_server(ManagerConfig(num_gpu_blocks=0, num_cpu_blocks=0))  # sized by workers
+    tokens = auth.TokenTable.from_json({"tokens": [{"token": "worker-token-0123456789", "role": "worker"}]})
+    guarded, guarded_port, guarded_service, _ = create_server(ManagerConfig(), tokens=tokens)
+    waiting.start()
+    guarded.start()
+    try:
+        args = parse("worker", "--manager", f"127.0.0.1:{port}", "--block-size", "8")
+        launcher.check_manager_agrees(args)  # no pools yet: nothing to compare
+        args = parse("worker", "--manager", f"127.0.0.1:{guarded_port}", "--block-size", "8")
+        creds = auth.WorkerCredentials(auth_token="worker-token-0123456789")
+        assert launcher.manager_stats(args.manager, creds) is None  # the worker role may not read stats
+        launcher.check_manager_agrees(args, credentials=creds)
+    finally:
+        for server, svc in ((waiting, service), (guarded, guarded_service)):
+            server.stop(None)
+            svc.close()
+
+
+def test_worker_with_another_block_size_exits_1_at_once_with_one_line(default_manager):
+    started = time.monotonic()
+    proc = kvpager("worker", "--insecure", "--manager", default_manager, "--block-size", "32", "--device", "cpu")
+    assert_one_line_error(proc, 1, "kvpager worker: block size mismatch:", "--block-size 16", "--block-size 32")
+    assert time.monotonic() - started < 30 and "Ray" not in proc.stdout  # before Ray started
+
+
+def test_the_local_ray_line_says_where_to_join_and_ray_start_presents_the_token(monkeypatch, tmp_path):
+    from kvpager.worker import launcher
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    line = launcher.local_ray_line("127.0.0.2:6379")
+    assert line.startswith("Ray: started a local cluster at 127.0.0.2:6379,") and "\n" not in line
+    assert "--ray-address 127.0.0.2:6379 --join" in line and "token" not in line
+    assert launcher.ray_start_env()["RAY_AUTH_MODE"] == "disabled"  # an explicit mode stays
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert "(its token: ~/.ray/auth_token)" in launcher.local_ray_line("127.0.0.2:6379")
+    token = tmp_path / "token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    assert "RAY_AUTH_MODE" not in launcher.ray_start_env()  # no token: Ray's default
+    token.write_text("secret")
+    assert launcher.ray_start_env()["RAY_AUTH_MODE"] == "token"  # like Ray's own drivers
 
 
 # ---- bench ---------------------------------------------------------------------------------------
