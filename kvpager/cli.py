@@ -23,6 +23,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import logging
 import os
 import subprocess
 import sys
@@ -41,9 +42,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 DEBUG_ENV = "KVPAGER_DEBUG"
 EPILOG = "Every flag also reads the environment variable named in its help; a flag on the command line wins."
 DESCRIPTION = "kvpager: a paged KV-cache block manager served over gRPC, its cache workers on Ray, and tools."
-TOP_EPILOG = f"""examples:
-  kvpager manager --port 50051 --metrics-port 9400
-  kvpager worker --manager 127.0.0.1:50051 --tensor-parallel-size 2
+TOP_EPILOG = f"""examples (one machine, on loopback: --insecure; docs/security.md for credentials):
+  kvpager manager --insecure --port 50051 --metrics-port 9400
+  kvpager worker --insecure --manager 127.0.0.1:50051 --tensor-parallel-size 2
   kvpager stats --manager 127.0.0.1:50051
   kvpager generate --model DIR "The capital of France is"
   kvpager demo
@@ -243,6 +244,20 @@ def non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def quiet_ray_startup() -> None:
+    """Keep Ray's own lines off the terminal when a command starts a local Ray cluster: its
+    "Token authentication is enabled ..." warning and "Started a local Ray instance" (the command
+    says what it started, in its own words). Ray's errors still show."""
+    for name, level in (("ray._private.worker", logging.WARNING),
+                        ("ray._private.authentication.authentication_token_setup", logging.ERROR)):
+        logging.getLogger(name).setLevel(level)
+
+
+def log_to_stderr() -> None:
+    """A long-running command's log lines, as the manager writes them: time, logger, level, message."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def tls_server_flags(parser: argparse.ArgumentParser, who: str, client_role: str) -> None:

@@ -159,6 +159,7 @@ def credentials(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     if args.join and not args.ray_address:
         raise cli.UsageError("--join needs --ray-address (the cluster to join)")
+    cli.log_to_stderr()
     creds = credentials(args)
     _stop_on_signals()
     check_manager(args.manager, credentials=creds)
@@ -412,7 +413,7 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
             import torch
 
             gpus = torch.cuda.device_count()
-        _quiet_local_ray()
+        cli.quiet_ray_startup()  # local_ray_line says it instead
         init_local_ray(num_cpus=args.tensor_parallel_size, num_gpus=gpus, namespace=args.namespace,
                        node_ip=args.node_ip)
         print(local_ray_line(ray.get_runtime_context().gcs_address), flush=True)
@@ -433,13 +434,6 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
 
 
 RAY_AUTH_MODE = "RAY_AUTH_MODE"
-
-
-def _quiet_local_ray() -> None:
-    """Ray's own lines when it starts a local cluster ("Token authentication is enabled", its
-    token's file, "Started a local Ray instance") give way to ``local_ray_line``."""
-    logging.getLogger("ray._private.worker").setLevel(logging.WARNING)
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def local_ray_line(address: str) -> str:

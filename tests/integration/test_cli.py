@@ -199,6 +199,7 @@ def test_the_readme_manager_and_worker_work_together_with_their_defaults(start_m
         assert (stats.workers_registered, stats.gpu.total_blocks, stats.cpu.total_blocks) == (1, 4096, 4096)
         assert worker.stop() == 0
         assert worker.out[-1] == "workers stopped" and not any("Traceback" in line for line in worker.err)
+        assert not any("Started a local Ray instance" in line for line in worker.err)  # Ray's line, said above
     finally:
         worker.stop()
 
