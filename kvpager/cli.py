@@ -281,6 +281,15 @@ def one_line(message: object) -> str:
     return str(message).strip() or "failed"
 
 
+def why_unreachable(details: object) -> str:
+    """gRPC's reason for a failed connection on one line; "connection refused" (its commonest,
+    buried in "failed to connect to all addresses; last error: ...") said plainly."""
+    text = one_line(details)
+    if "Connection refused" in text:
+        return "connection refused (nothing listens there: is `kvpager manager` running, on that port?)"
+    return text
+
+
 def guarded(parser: Parser, run: Callable[[argparse.Namespace], Optional[int]], args: argparse.Namespace) -> int:
     """Run a subcommand, turning every way it can fail into one line and an exit status."""
     try:

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
             if err.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):  # reached, but refused (--auth-token)
                 raise cli.Failure(f"the block manager at {args.manager} refused the call: {err.code}: "
                                   f"{cli.one_line(err)}") from err
-            raise cli.Failure(f"cannot reach the block manager at {args.manager}: {cli.one_line(err)}") from err
+            raise cli.Failure(f"cannot reach the block manager at {args.manager}: {cli.why_unreachable(err)}") from err
         screen, previous, shown = Screen(out, live=count != 1), None, 0
         if screen.tty:
             out.write("\x1b[2J")  # start from a clear screen; later frames overwrite in place

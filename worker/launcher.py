@@ -244,7 +244,7 @@ def check_manager(target: str, timeout: float = 5.0, credentials=None) -> None:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as err:
             code = err.code()
-            why = f"{code.name if code else 'UNKNOWN'}: {cli.one_line(err.details() or '')}"
+            why = f"{code.name if code else 'UNKNOWN'}: {cli.why_unreachable(err.details() or '')}"
             raise cli.Failure(f"cannot reach the block manager at {target}: {why}") from err
 
 

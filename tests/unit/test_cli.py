@@ -177,14 +177,16 @@ def test_demo_rejects_half_a_deployment():
 def test_stats_against_an_unreachable_manager_exits_1():
     port = closed_port()
     proc = kvpager("stats", "--manager", f"127.0.0.1:{port}", "--once")
-    assert_one_line_error(proc, 1, f"kvpager stats: cannot reach the block manager at 127.0.0.1:{port}")
+    assert_one_line_error(proc, 1, f"kvpager stats: cannot reach the block manager at 127.0.0.1:{port}: "
+                                   "connection refused (nothing listens there")
 
 
 def test_worker_against_an_unreachable_manager_exits_1_before_starting_ray():
     port = closed_port()
     started = time.monotonic()
     proc = kvpager("worker", "--insecure", "--manager", f"127.0.0.1:{port}", "--device", "cpu")
-    assert_one_line_error(proc, 1, f"kvpager worker: cannot reach the block manager at 127.0.0.1:{port}")
+    assert_one_line_error(proc, 1, f"kvpager worker: cannot reach the block manager at 127.0.0.1:{port}",
+                          "connection refused (nothing listens there")
     assert time.monotonic() - started < 30
 
 
