@@ -677,8 +677,10 @@ def bench_prefill_kernel() -> None:
     scale = D ** -0.5
     print(f"\nprefill kernel (bf16, {HQ}q/{HKV}kv, d{D}, block {B}; K/V in a {LAYERS}-layer block-major cache, "
           "randperm'd tables; L2 flushed; median of 15):")
-    print(f"{'shape':34} {'ours4 ms':>9} {'ours8 ms':>9} {'TFLOP/s':>8} {'SDPA best':>16} {'gather+SDPA':>11} "
-          f"{'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
+    instances = [(4, False), (8, False), (4, True), (8, True)]   # (warps, wgmma)
+    print(f"wgmma instances built: {cuda.has_wgmma(torch.device('cuda'))}")
+    print(f"{'shape':34} {'mma4':>7} {'mma8':>7} {'wg4':>7} {'wg8':>7} {'TFLOP/s':>8} {'SDPA best ms':>16} "
+          f"{'gather+SDPA':>11} {'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
     table = []
     for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
         gen = torch.Generator(device="cuda").manual_seed(len(seqs))
@@ -703,14 +705,16 @@ def bench_prefill_kernel() -> None:
         host = (starts_l, ctxs)
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
-        def ours(w):
+        def ours(w, wg):
             return lambda: cuda.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
-                                                        host_lengths=host, warps=w)
+                                                        host_lengths=host, warps=w, wgmma=wg)
         times = {}
-        for w in (4, 8):
-            fn = ours(w)
+        outs = {}
+        for inst in instances:
+            fn = ours(*inst)
             warm_up(fn, 0.2)
-            times[w] = timed(fn)
+            times[inst] = timed(fn)
+            outs[inst] = fn()
         prefill.use_kernel = False
         gs = lambda: prefill.paged_prefill_attention(query, k, v, tables, lens, starts, scale,  # noqa: E731
                                                      host_lengths=host)
@@ -718,8 +722,7 @@ def bench_prefill_kernel() -> None:
         t_gs = timed(gs)
         ref_out = gs()
         prefill.use_kernel = None
-        out = ours(4)()
-        err = float((out.float() - ref_out.float()).norm() / ref_out.float().norm())
+        err = max(float((out.float() - ref_out.float()).norm() / ref_out.float().norm()) for out in outs.values())
         # Contiguous K/V per group of equal shapes ([n, HKV, c, D]), the queries [n, HQ, q, D].
         groups: dict = {}
         for i, s in enumerate(seqs):
@@ -735,9 +738,8 @@ def bench_prefill_kernel() -> None:
         best, results = _fastest_sdpa(q4s, ks, vs, masks, scale)
         t_ours = min(times.values())
         t_best = best[1] if best else float("nan")
-        table.append((name, times[4], times[8], flops / t_ours / 1e12, best, t_gs, t_best / t_ours, t_gs / t_ours, err,
-                     results))
-        print(f"{name:34} {times[4] * 1e3:9.3f} {times[8] * 1e3:9.3f} {flops / t_ours / 1e12:8.0f} "
+        table.append((name, times, flops / t_ours / 1e12, best, t_gs, t_best / t_ours, t_gs / t_ours, err, results))
+        print(f"{name:34} " + " ".join(f"{times[i] * 1e3:7.3f}" for i in instances) + f" {flops / t_ours / 1e12:8.0f} "
               f"{(best[0] + ' ' + format(best[1] * 1e3, '.3f')) if best else 'n/a':>16} {t_gs * 1e3:11.3f} "
               f"{t_best / t_ours:9.2f} {t_gs / t_ours:8.2f} {err:8.1e}")
         print(f"{'':34} SDPA backends (ms, every group once): {results}")
@@ -788,10 +790,11 @@ def smoke() -> None:
         q = torch.randn(171, 8, d, dtype=dtype, device="cuda", generator=gen)
         cache8 = cache.to(reference.FP8)
         for warps in (4, 8):
-            cuda.paged_prefill_attention(q, cache[:, 1, 0], cache[:, 1, 1], tables, lens, starts, d ** -0.5,
-                                         warps=warps)
-            cuda.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
-                                         0.5, 0.25, warps=warps)
+            for wg in (False, True):
+                cuda.paged_prefill_attention(q, cache[:, 1, 0], cache[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                             warps=warps, wgmma=wg)
+                cuda.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                             0.5, 0.25, warps=warps, wgmma=wg)
     torch.cuda.synchronize()
     print("smoke ok")
 

@@ -69,7 +69,7 @@ def _build_dir() -> Path:
     explicit = os.environ.get("KVPAGER_EXT_DIR")
     if explicit:
         return Path(explicit)
-    digest = hashlib.sha256(" ".join(_extra_cuda_flags()).encode())
+    digest = hashlib.sha256(" ".join(_extra_cuda_flags() + [os.environ.get("TORCH_CUDA_ARCH_LIST", "")]).encode())
     for name in _SOURCES + _HEADERS:
         digest.update(name.encode())
         digest.update((_CSRC / name).read_bytes())
@@ -91,6 +91,9 @@ def _load() -> ModuleType:
                 raise RuntimeError("CUDA is not available")
             from torch.utils import cpp_extension
 
+            if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.get_device_capability() == (9, 0):
+                # Hopper: build for sm_90a, so that the prefill kernel's wgmma instances exist.
+                os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
             build = _build_dir()
             build.mkdir(parents=True, exist_ok=True)
             _module = cpp_extension.load(
@@ -280,11 +283,31 @@ PREFILL_HEAD_DIMS = (64, 128)
 PREFILL_BLOCK_SIZES = (8, 16, 32, 64)
 # Warps per prefill block (16 query rows each): 4 or 8. The benchmark sets it to compare.
 _prefill_warps: int | None = None
-DEFAULT_PREFILL_WARPS = 4
+DEFAULT_PREFILL_WARPS = 8
+# The wgmma (warpgroup) instances on Hopper, mma.sync elsewhere; the benchmark sets False/True to compare.
+_prefill_wgmma: bool | None = None
 
 
 def prefill_warps() -> int:
     return int(_prefill_warps or DEFAULT_PREFILL_WARPS)
+
+
+def prefill_wgmma(device: torch.device) -> bool:
+    """Whether prefill launches use the wgmma instances on ``device`` (Hopper, built for sm_90a)."""
+    if _prefill_wgmma is not None:
+        return bool(_prefill_wgmma)
+    return torch.cuda.get_device_capability(device) == (9, 0) and has_wgmma(device)
+
+
+_wgmma_built: dict = {}
+
+
+def has_wgmma(device: torch.device) -> bool:
+    """Whether the extension's prefill wgmma instances hold wgmma code for ``device`` (probed once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _wgmma_built:
+        _wgmma_built[index] = bool(_load().prefill_has_wgmma(index))
+    return _wgmma_built[index]
 
 
 def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -341,7 +364,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
                             host_lengths=None, seqs=None, out: torch.Tensor | None = None,
-                            warps: int | None = None) -> torch.Tensor:
+                            warps: int | None = None, wgmma: bool | None = None) -> torch.Tensor:
     """``reference.paged_prefill_attention`` on tensor cores, one launch for the whole ragged
     batch, K/V read straight from the pages (no gather).
 
@@ -353,6 +376,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                       sync; without it they are read from the device once)
     seqs:             the sequences to compute (default: all with new tokens); the rows of the
                       others are left as they are in ``out``
+    warps, wgmma:     the kernel instance (default: ``prefill_warps()``, ``prefill_wgmma(device)``);
+                      wgmma instances not built for sm_90a run the mma.sync version
     """
     mod = _load()
     if out is None:
@@ -366,8 +391,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     work = _device_work(host_lengths[0], host_lengths[1], group, w, seqs, query.device)
     if work.shape[0] == 0:
         return out
+    use_wgmma = prefill_wgmma(query.device) if wgmma is None else bool(wgmma)
     mod.paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, float(scale),
-                      float(k_scale), float(v_scale), int(w))
+                      float(k_scale), float(v_scale), int(w), use_wgmma)
     return out
 
 

@@ -515,7 +515,7 @@ bool prefill_supported(Tensor query, Tensor k_cache, int64_t warps) {
 // as they are). work: device int32 [num_items, 2] of (sequence, row tile of 16 * warps rows).
 void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                    Tensor context_lens, Tensor query_start_loc, Tensor work, double scale, double k_scale,
-                   double v_scale, int64_t warps) {
+                   double v_scale, int64_t warps, bool wgmma) {
   const torch::Device device = query.device();
   const c10::cuda::CUDAGuard guard(device);
   for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&out, "out"}, {&query, "query"},
@@ -587,6 +587,7 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
   a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
   a.v_scale = static_cast<float>(v_scale);
   a.warps = static_cast<int>(warps);
+  a.wgmma = wgmma ? 1 : 0;
   if (a.num_items == 0 || query.size(0) == 0) return;
   check_launch(kvpager::launch_paged_prefill(dtype, cache_dtype, a, at::cuda::getCurrentCUDAStream()),
                "paged_prefill launch");
@@ -723,7 +724,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("work"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"),
-        py::arg("warps"));
+        py::arg("warps"), py::arg("wgmma"));
+  m.def("prefill_has_wgmma", [](int64_t device) {
+          const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          return kvpager::paged_prefill_has_wgmma(static_cast<int>(device));
+        },
+        "whether the prefill kernel's wgmma instances were built for sm_90a (else they run mma.sync)",
+        py::arg("device"));
   m.def("write_kv", &write_kv, "scatter K/V into their cache slots (quantizing into an fp8 cache)",
         py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);

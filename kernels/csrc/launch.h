@@ -122,6 +122,7 @@ struct PrefillArgs {
   float scale_log2;                // softmax scale * log2(e) * k_scale
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int warps;                       // 4 or 8 warps per block (16 rows each)
+  int wgmma;                       // 1: the warpgroup (wgmma) instances, where built for sm_90a
 };
 
 // Query rows (token x GQA head pairs) per work item for a launch with `warps` warps.
@@ -132,6 +133,10 @@ constexpr int prefill_tile_rows(int warps) { return 16 * warps; }
 bool paged_prefill_supported(DType dtype, DType cache_dtype, int head_dim, int block_size, int warps);
 
 cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillArgs& args, cudaStream_t stream);
+
+// Whether the wgmma instances were built for the current device as such (sm_90a device code);
+// elsewhere they run the mma.sync version. Probed once per device (one tiny launch and copy).
+bool paged_prefill_has_wgmma(int device);
 
 struct WriteKVArgs {
   const void* key;                 // [num_tokens, num_heads, head_dim], inner dim contiguous

@@ -1,5 +1,7 @@
 // Launcher of the paged prefill kernel (paged_prefill.cuh): fp16/bf16 queries over fp16/bf16 or
-// fp8 e4m3 caches, head_dim 64/128, 4 or 8 warps per block. No torch here.
+// fp8 e4m3 caches, head_dim 64/128, 4 or 8 warps per block, mma.sync or (sm_90a) wgmma. No
+// torch here.
+#include <atomic>
 #include <cstdint>
 
 #include "launch.h"
@@ -8,40 +10,43 @@
 namespace kvpager {
 namespace {
 
-template <typename T_, typename C_, int D_, int W_>
+template <typename T_, typename C_, int D_, int W_, bool WG_>
 struct PrefillCfg {
   using T = T_;
   using C = C_;
   static constexpr int D = D_;
   static constexpr int W = W_;
+  static constexpr bool WG = WG_;
 };
 
 template <typename T, typename C, int D, typename F>
-bool dispatch_warps(int warps, F&& f) {
-  switch (warps) {
-    case 4: f(PrefillCfg<T, C, D, 4>{}); return true;
-    case 8: f(PrefillCfg<T, C, D, 8>{}); return true;
+bool dispatch_warps(int warps, bool wgmma, F&& f) {
+  switch (warps * 2 + (wgmma ? 1 : 0)) {
+    case 8: f(PrefillCfg<T, C, D, 4, false>{}); return true;
+    case 9: f(PrefillCfg<T, C, D, 4, true>{}); return true;
+    case 16: f(PrefillCfg<T, C, D, 8, false>{}); return true;
+    case 17: f(PrefillCfg<T, C, D, 8, true>{}); return true;
     default: return false;
   }
 }
 
 template <typename T, typename C, typename F>
-bool dispatch_dim(int head_dim, int warps, F&& f) {
+bool dispatch_dim(int head_dim, int warps, bool wgmma, F&& f) {
   switch (head_dim) {
-    case 64: return dispatch_warps<T, C, 64>(warps, f);
-    case 128: return dispatch_warps<T, C, 128>(warps, f);
+    case 64: return dispatch_warps<T, C, 64>(warps, wgmma, f);
+    case 128: return dispatch_warps<T, C, 128>(warps, wgmma, f);
     default: return false;
   }
 }
 
 template <typename F>
-bool dispatch_prefill(DType dtype, DType cache_dtype, int head_dim, int warps, F&& f) {
+bool dispatch_prefill(DType dtype, DType cache_dtype, int head_dim, int warps, bool wgmma, F&& f) {
   if (dtype == kFloat16) {
-    if (cache_dtype == kFloat16) return dispatch_dim<__half, __half>(head_dim, warps, f);
-    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__half, __nv_fp8_e4m3>(head_dim, warps, f);
+    if (cache_dtype == kFloat16) return dispatch_dim<__half, __half>(head_dim, warps, wgmma, f);
+    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__half, __nv_fp8_e4m3>(head_dim, warps, wgmma, f);
   } else if (dtype == kBFloat16) {
-    if (cache_dtype == kBFloat16) return dispatch_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, warps, f);
-    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, warps, f);
+    if (cache_dtype == kBFloat16) return dispatch_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, warps, wgmma, f);
+    if (cache_dtype == kFloat8E4M3) return dispatch_dim<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, warps, wgmma, f);
   }
   return false;
 }
@@ -51,7 +56,7 @@ bool block_size_ok(int b) { return b >= 8 && b <= 64 && (b & (b - 1)) == 0; }
 }  // namespace
 
 bool paged_prefill_supported(DType dtype, DType cache_dtype, int head_dim, int block_size, int warps) {
-  return block_size_ok(block_size) && dispatch_prefill(dtype, cache_dtype, head_dim, warps, [](auto) {});
+  return block_size_ok(block_size) && dispatch_prefill(dtype, cache_dtype, head_dim, warps, false, [](auto) {});
 }
 
 cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillArgs& a, cudaStream_t stream) {
@@ -61,9 +66,9 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
       static_cast<int64_t>(a.num_items) * a.num_kv_heads > 0x7fffffffLL)
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
-  const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, [&](auto cfg) {
+  const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, a.wgmma != 0, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W>;
+    auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W, Cfg::WG>;
     constexpr int smem = prefill_smem_bytes<Cfg::D, Cfg::W>();
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return;
@@ -72,6 +77,24 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
     err = cudaGetLastError();
   });
   return ok ? err : cudaErrorInvalidValue;
+}
+
+bool paged_prefill_has_wgmma(int device) {
+  static std::atomic<int> cached[64];   // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= 64) return false;
+  const int known = cached[device].load();
+  if (known != 0) return known == 2;
+  int* flag = nullptr;
+  int host = 0;
+  bool yes = false;
+  if (cudaMalloc(&flag, sizeof(int)) == cudaSuccess) {
+    paged_prefill_wgmma_probe<<<1, 1>>>(flag);
+    yes = cudaGetLastError() == cudaSuccess && cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess &&
+          host == 1;
+    cudaFree(flag);
+  }
+  cached[device].store(yes ? 2 : 1);
+  return yes;
 }
 
 }  // namespace kvpager

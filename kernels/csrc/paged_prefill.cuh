@@ -109,81 +109,191 @@ struct Mma<__half> {
   }
 };
 
-// Element offset of 16-byte chunk `chunk` of row `row` in a [rows, D] tile of 16-bit elements,
-// XOR-swizzled over groups of 8 chunks: the 8 rows an ldmatrix reads at one logical chunk hit 8
-// different bank groups.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
+// Element offset of 16-byte chunk `chunk` of row `row` in a tile of R rows x D 16-bit elements,
+// laid out as wgmma's 128-byte-swizzled canonical layout (also conflict-free for ldmatrix):
+// D / 64 column panels one after the other, each R rows of 128 bytes, and inside each group of
+// 8 rows (1024 bytes, 1024-aligned) chunk c of row r stored at chunk c ^ (r % 8).
+template <int R>
+__device__ __forceinline__ int tile_off(int row, int chunk) {
+  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
-__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+struct Tag {};
+
+// wgmma (sm_90a): D[64 x N] += A[64 x 16] * B[16 x N], fp32 accumulators in the m16n8 layout
+// per warp (d[i][e]: n-tile i). "ss": A and B from shared memory (K-major); "rs": A from
+// registers (the mma.sync m16n8k16 A layout per warp), B N-major (transposed) from shared memory.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KVPAGER_PREFILL_WGMMA 1
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Shared-memory matrix descriptor, 128-byte swizzle; lbo/sbo in bytes.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+#endif
+
 
 }  // namespace prefill_detail
 
+// Shared memory of one block: the Q tile [BM, D], one K tile and one V tile [kBN, D] (16-bit;
+// an fp8 cache is dequantized into them), plus 1 KB to align the tiles to 1024 bytes.
 template <int D, int WARPS>
 constexpr int prefill_smem_bytes() {
-  return (16 * WARPS + 2 * prefill_detail::kBN) * D * 2;
+  return (16 * WARPS + 2 * prefill_detail::kBN) * D * 2 + 1024;
 }
 
-// grid: num_items * num_kv_heads blocks, block b = (item b / num_kv_heads, KV head b % num_kv_heads)
-// (item-major, so the heaviest items, listed first, start first); block: 32 * WARPS threads;
-// dynamic smem: prefill_smem_bytes<D, WARPS>(). T: query/output type (fp16/bf16); C: cache type
-// (T, or fp8 e4m3).
+namespace prefill_detail {
+
+// What one block computes, and the K/V tile loads from the pages. BM = 16 * WARPS query rows.
 template <typename T, typename C, int D, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
-paged_prefill_kernel(const PrefillArgs a) {
-  using namespace prefill_detail;
-  using M = Mma<T>;
-  constexpr int BM = 16 * WARPS, BN = kBN, NT = WARPS * 32;
-  constexpr int CPR = D / 8;                            // 16-byte chunks of T per row
-  constexpr bool kFp8 = sizeof(C) == 1;
-  constexpr int CCPR = kFp8 ? D / 16 : CPR;             // 16-byte chunks of C per cache row
-  constexpr int RPT = BN * CCPR / NT;                   // cache rows (of a tile) per thread
-  constexpr int ROW_STEP = NT / CCPR;
+struct PrefillBlock {
+  static constexpr int BM = 16 * WARPS, BN = kBN, NT = WARPS * 32;
+  static constexpr int CPR = D / 8;                      // 16-byte chunks of T per row
+  static constexpr bool kFp8 = sizeof(C) == 1;
+  static constexpr int CCPR = kFp8 ? D / 16 : CPR;       // 16-byte chunks of C per cache row
+  static constexpr int RPT = BN * CCPR / NT;             // cache rows (of a tile) per thread
+  static constexpr int ROW_STEP = NT / CCPR;
   static_assert(BN * CCPR % NT == 0 && NT % CCPR == 0, "tile loads must split evenly");
-  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + BM * D;
-  T* sV = sK + BN * D;
+  const PrefillArgs& a;
+  T* sQ;
+  T* sK;
+  T* sV;
+  int kvh, G, q_start, q_len, rows, row0, offset, t_first, kv_end, n_tiles;
+  bool live;
+  const int32_t* table;
+  const C* kbase;
+  const C* vbase;
+  int my_ch, my_row;
+  int64_t off[RPT];   // element offsets of this thread's rows of the current tile; -1: zero-fill
 
-  const int item = blockIdx.x / a.num_kv_heads, kvh = blockIdx.x % a.num_kv_heads;
-  const int seq = a.work[2 * item], tile = a.work[2 * item + 1];
-  const int G = a.num_q_heads / a.num_kv_heads;
-  const int q_start = a.query_start_loc[seq];
-  const int q_len = a.query_start_loc[seq + 1] - q_start;
-  const int ctx = min(a.context_lens[seq], a.max_blocks_per_seq << a.log2_block_size);
-  const int rows = q_len * G;
-  const int row0 = tile * BM;
-  if (q_len <= 0 || row0 >= rows) return;
-  const int offset = ctx - q_len;                       // position of token 0
-  const int t_first = row0 / G, t_last = (min(rows, row0 + BM) - 1) / G;
-  const int kv_end = max(0, min(ctx, offset + t_last + 1));   // positions [0, kv_end) are read
-  const int n_tiles = (kv_end + BN - 1) / BN;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-
-  // ---- Q tile -> shared (cp.async) ----
-  for (int idx = tid; idx < BM * CPR; idx += NT) {
-    const int r = idx / CPR, ch = idx % CPR;
-    const int gr = row0 + r;
-    const bool valid = gr < rows;
-    const int token = valid ? gr / G : 0, h = kvh * G + (valid ? gr % G : 0);
-    const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(q_start + token) * a.q_stride_tok +
-                   static_cast<int64_t>(h) * a.q_stride_head + ch * 8;
-    cp_async16(smem_addr(sQ + swz<D>(r, ch)), src, valid);
+  __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw) : a(args) {
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+    sQ = reinterpret_cast<T*>(base);
+    sK = sQ + BM * D;
+    sV = sK + BN * D;
+    const int item = blockIdx.x / a.num_kv_heads;
+    kvh = blockIdx.x % a.num_kv_heads;
+    const int seq = a.work[2 * item], tile = a.work[2 * item + 1];
+    G = a.num_q_heads / a.num_kv_heads;
+    q_start = a.query_start_loc[seq];
+    q_len = a.query_start_loc[seq + 1] - q_start;
+    const int ctx = min(a.context_lens[seq], a.max_blocks_per_seq << a.log2_block_size);
+    rows = q_len * G;
+    row0 = tile * BM;
+    live = q_len > 0 && row0 < rows;
+    offset = ctx - q_len;                                  // position of token 0
+    t_first = row0 / G;
+    const int t_last = (min(rows, row0 + BM) - 1) / G;
+    kv_end = live ? max(0, min(ctx, offset + t_last + 1)) : 0;   // positions [0, kv_end) are read
+    n_tiles = (kv_end + BN - 1) / BN;
+    table = a.block_tables + static_cast<int64_t>(seq) * a.table_stride;
+    kbase = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+    vbase = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+    my_ch = threadIdx.x % CCPR;
+    my_row = threadIdx.x / CCPR;
   }
 
-  // ---- K/V tile loads from the pages ----
-  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.table_stride;
-  const C* kbase = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const C* vbase = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const int my_ch = tid % CCPR, my_row = tid / CCPR;
-  int64_t off[RPT];       // element offsets of this thread's rows in the current tile; -1: zero-fill
-  auto locate = [&](int kv0) {
+  // Q tile -> shared (cp.async); padding rows are zero-filled.
+  __device__ __forceinline__ void load_q() {
+    for (int idx = threadIdx.x; idx < BM * CPR; idx += NT) {
+      const int r = idx / CPR, ch = idx % CPR;
+      const int gr = row0 + r;
+      const bool valid = gr < rows;
+      const int token = valid ? gr / G : 0, h = kvh * G + (valid ? gr % G : 0);
+      const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(q_start + token) * a.q_stride_tok +
+                     static_cast<int64_t>(h) * a.q_stride_head + ch * 8;
+      cp_async16(smem_addr(sQ + tile_off<BM>(r, ch)), src, valid);
+    }
+  }
+
+  // This thread's rows of the tile starting at position kv0: their offsets in the cache.
+  __device__ __forceinline__ void locate(int kv0) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int pos = kv0 + my_row + i * ROW_STEP;
@@ -195,16 +305,19 @@ paged_prefill_kernel(const PrefillArgs a) {
       }
       off[i] = o;
     }
-  };
-  auto load_tile = [&](T* dst, const C* base) {
+  }
+
+  // The located rows of K (or V) into dst: cp.async for 16-bit caches; fp8 is loaded,
+  // converted (exactly) and stored.
+  __device__ __forceinline__ void load_tile(T* dst, const C* base) {
+    using M = Mma<T>;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = my_row + i * ROW_STEP;
       if constexpr (!kFp8) {
         const bool valid = off[i] >= 0;
-        cp_async16(smem_addr(dst + swz<D>(r, my_ch)), base + (valid ? off[i] : 0) + my_ch * 8, valid);
+        cp_async16(smem_addr(dst + tile_off<BN>(r, my_ch)), base + (valid ? off[i] : 0) + my_ch * 8, valid);
       } else {
-        // 16 fp8 values -> two 16-byte chunks of T (chunks 2 * my_ch and 2 * my_ch + 1).
         uint4 u = make_uint4(0, 0, 0, 0);
         if (off[i] >= 0) u = __ldg(reinterpret_cast<const uint4*>(base + off[i] + my_ch * 16));
         uint4 lo, hi;
@@ -212,62 +325,25 @@ paged_prefill_kernel(const PrefillArgs a) {
         lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
         hi.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); hi.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
         hi.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); hi.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
-        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * my_ch)) = lo;
-        *reinterpret_cast<uint4*>(dst + swz<D>(r, 2 * my_ch + 1)) = hi;
+        *reinterpret_cast<uint4*>(dst + tile_off<BN>(r, 2 * my_ch)) = lo;
+        *reinterpret_cast<uint4*>(dst + tile_off<BN>(r, 2 * my_ch + 1)) = hi;
       }
     }
-  };
-
-  if (n_tiles > 0) {
-    locate(0);
-    load_tile(sK, kbase);
   }
-  cp_async_commit();
+};
 
-  // Row limits of this thread's two rows (g and g + 8 of the warp's 16): the last visible
-  // position. Padding rows take the last token's limit (they are never written).
-  const int r_a = row0 + warp * 16 + g, r_b = r_a + 8;
-  const int lim_a = offset + min(r_a / G, q_len - 1), lim_b = offset + min(r_b / G, q_len - 1);
-  const int first_pos = offset + t_first;   // the block's smallest limit: tiles ending at or before it need no mask
-
-  uint32_t qf[D / 16][4];
-  float o[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+// Online softmax of one warp's 16 rows over one S tile (kBN columns, m16n8 accumulator layout:
+// this thread holds rows g ("a") and g + 8 ("b")); rescales o; returns P as A fragments.
+template <typename T, int D>
+struct RowSoftmax {
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
-  const float sl2 = a.scale_log2;
+  int lim_a, lim_b;   // last visible position of rows a and b
 
-  for (int j = 0; j < n_tiles; ++j) {
-    const int kv0 = j * BN;
-    cp_async_wait_all();
-    __syncthreads();   // K_j (and Q) landed for everyone; everyone is done with V_{j-1}
-    if (j == 0) {
+  __device__ __forceinline__ void step(float (&s)[kBN / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[kBN / 16][4],
+                                       int kv0, bool need_mask, float sl2, int t4) {
+    using M = Mma<T>;
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qf[kk], smem_addr(sQ + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4))));
-    }
-    load_tile(sV, vbase);   // same positions as K_j (off[] still holds them)
-    cp_async_commit();
-
-    // S = Q K_j^T
-    float s[BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, smem_addr(sK + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1))));
-        M::run(s[2 * np], qf[kk], b[0], b[1]);
-        M::run(s[2 * np + 1], qf[kk], b[2], b[3]);
-      }
-    }
-
-    // Scale into the log2 domain; causal mask on the diagonal tiles only.
-    const bool need_mask = kv0 + BN - 1 > first_pos;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < kBN / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[i][e] * sl2;
@@ -278,11 +354,9 @@ paged_prefill_kernel(const PrefillArgs a) {
         s[i][e] = x;
       }
     }
-
-    // Online softmax (fp32, log2 domain); rows are spread over the 4 lanes of a quad.
     float mx_a = m_a, mx_b = m_b;
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < kBN / 8; ++i) {
       mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
       mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
     }
@@ -290,13 +364,14 @@ paged_prefill_kernel(const PrefillArgs a) {
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    // A row with nothing visible yet keeps m = -inf; 0 stands in so that no inf - inf appears.
     const float use_a = mx_a == -INFINITY ? 0.f : mx_a, use_b = mx_b == -INFINITY ? 0.f : mx_b;
     const float alpha_a = fast_exp2(m_a - use_a), alpha_b = fast_exp2(m_b - use_b);
     m_a = mx_a;
     m_b = mx_b;
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < kBN / 8; ++i) {
       s[i][0] = fast_exp2(s[i][0] - use_a);
       s[i][1] = fast_exp2(s[i][1] - use_a);
       s[i][2] = fast_exp2(s[i][2] - use_b);
@@ -314,56 +389,228 @@ paged_prefill_kernel(const PrefillArgs a) {
       o[i][3] *= alpha_b;
     }
     // P as A fragments (the m16n8 accumulator layout of two n-tiles is the m16k16 A layout).
-    uint32_t pa[BN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < kBN / 16; ++kk) {
       pa[kk][0] = M::pack(s[2 * kk][0], s[2 * kk][1]);
       pa[kk][1] = M::pack(s[2 * kk][2], s[2 * kk][3]);
       pa[kk][2] = M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[kk][3] = M::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
+  }
+};
+
+// Normalizes and writes this thread's two rows (warp rows g and g + 8) of o.
+template <typename T, int D, typename B>
+__device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D>& sm, float (&o)[D / 8][4], int r_a,
+                                           int t4) {
+  using M = Mma<T>;
+  float l_a = sm.l_a, l_b = sm.l_b;
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? blk.a.v_scale / l_a : 0.f, inv_b = l_b > 0.f ? blk.a.v_scale / l_b : 0.f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int gr = r_a + 8 * half;
+    if (gr >= blk.rows) continue;
+    const float inv = half == 0 ? inv_a : inv_b;
+    const int token = gr / blk.G, h = blk.kvh * blk.G + gr % blk.G;
+    T* op = static_cast<T*>(blk.a.out) + static_cast<int64_t>(blk.q_start + token) * blk.a.o_stride_tok +
+            static_cast<int64_t>(h) * blk.a.o_stride_head + 2 * t4;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      *reinterpret_cast<uint32_t*>(op + i * 8) = M::pack(o[i][2 * half] * inv, o[i][2 * half + 1] * inv);
+  }
+}
+
+// mma.sync version (any sm_80+): each warp multiplies its 16 rows by the whole K/V tile, B
+// fragments by ldmatrix; Q fragments stay in registers.
+template <typename T, typename C, int D, int WARPS>
+__device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned char* smem_raw) {
+  using M = Mma<T>;
+  using Blk = PrefillBlock<T, C, D, WARPS>;
+  constexpr int BM = Blk::BM, BN = Blk::BN;
+  Blk blk(args, smem_raw);
+  if (!blk.live) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  blk.load_q();
+  if (blk.n_tiles > 0) {
+    blk.locate(0);
+    blk.load_tile(blk.sK, blk.kbase);
+  }
+  cp_async_commit();
+
+  RowSoftmax<T, D> sm;
+  const int r_a = blk.row0 + warp * 16 + g;
+  sm.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);        // padding rows: the last token's limit
+  sm.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
+  const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
+
+  uint32_t qf[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int kv0 = j * BN;
+    cp_async_wait_all();
+    __syncthreads();   // K_j (and Q) landed for everyone; everyone is done with V_{j-1}
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qf[kk], smem_addr(blk.sQ + tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4))));
+    }
+    blk.load_tile(blk.sV, blk.vbase);   // same positions as K_j (off[] still holds them)
+    cp_async_commit();
+
+    float s[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, smem_addr(blk.sK + tile_off<BN>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                       kk * 2 + ((lane >> 3) & 1))));
+        M::run(s[2 * np], qf[kk], b[0], b[1]);
+        M::run(s[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    uint32_t pa[BN / 16][4];
+    sm.step(s, o, pa, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
 
     cp_async_wait_all();
     __syncthreads();   // V_j landed for everyone; everyone is done with K_j
-    if (j + 1 < n_tiles) {
-      locate(kv0 + BN);
-      load_tile(sK, kbase);
+    if (j + 1 < blk.n_tiles) {
+      blk.locate(kv0 + BN);
+      blk.load_tile(blk.sK, blk.kbase);
     }
     cp_async_commit();
 
-    // O += P V_j
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, smem_addr(sV + swz<D>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                                   dp * 2 + (lane >> 4))));
+        ldmatrix_x4_trans(b, smem_addr(blk.sV + tile_off<BN>(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
+                                                             dp * 2 + (lane >> 4))));
         M::run(o[2 * dp], pa[kk], b[0], b[1]);
         M::run(o[2 * dp + 1], pa[kk], b[2], b[3]);
       }
     }
   }
   cp_async_wait_all();   // nothing may stay in flight into shared memory at exit
+  write_rows<T, D>(blk, sm, o, r_a, t4);
+}
 
-  // ---- normalize and write ----
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? a.v_scale / l_a : 0.f, inv_b = l_b > 0.f ? a.v_scale / l_b : 0.f;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int gr = half == 0 ? r_a : r_b;
-    if (gr >= rows) continue;
-    const float inv = half == 0 ? inv_a : inv_b;
-    const int token = gr / G, h = kvh * G + gr % G;
-    T* op = static_cast<T*>(a.out) + static_cast<int64_t>(q_start + token) * a.o_stride_tok +
-            static_cast<int64_t>(h) * a.o_stride_head + 2 * t4;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(op + i * 8) = M::pack(o[i][2 * half] * inv, o[i][2 * half + 1] * inv);
+#if KVPAGER_PREFILL_WGMMA
+// wgmma version (sm_90a): each warpgroup (4 warps, 64 rows) runs S = Q K^T with Q and K from
+// shared memory, and O += P V with P from registers and V from shared memory (N-major).
+template <typename T, typename C, int D, int WARPS>
+__device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned char* smem_raw) {
+  using Blk = PrefillBlock<T, C, D, WARPS>;
+  constexpr int BM = Blk::BM, BN = Blk::BN;
+  static_assert(WARPS % 4 == 0, "whole warpgroups");
+  Blk blk(args, smem_raw);
+  if (!blk.live) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  blk.load_q();
+  if (blk.n_tiles > 0) {
+    blk.locate(0);
+    blk.load_tile(blk.sK, blk.kbase);
   }
+  cp_async_commit();
+
+  RowSoftmax<T, D> sm;
+  const int r_a = blk.row0 + warp * 16 + g;
+  sm.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
+  sm.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
+  const int first_pos = blk.offset + blk.t_first;
+
+  const uint32_t q_addr = smem_addr(blk.sQ + wg * 64 * 64);   // this warpgroup's 64 rows of each panel
+  const uint32_t k_addr = smem_addr(blk.sK), v_addr = smem_addr(blk.sV);
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+
+  for (int j = 0; j < blk.n_tiles; ++j) {
+    const int kv0 = j * BN;
+    cp_async_wait_all();
+    fence_proxy_async();   // shared-memory writes, then reads by the tensor cores (async proxy)
+    __syncthreads();       // K_j (and Q) landed for everyone; everyone is done with V_{j-1}
+    blk.load_tile(blk.sV, blk.vbase);
+    cp_async_commit();
+
+    float s[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // k16 step kk: panel kk / 4, 32 bytes per step inside a 128-byte row.
+      const uint32_t dq = (kk >> 2) * (BM * 128) + (kk & 3) * 32, dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+      wgmma_ss(Tag<T>{}, s, gmma_desc(q_addr + dq, 16, 1024), gmma_desc(k_addr + dk, 16, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+
+    uint32_t pa[BN / 16][4];
+    sm.step(s, o, pa, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
+
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();   // V_j landed for everyone; everyone is done with K_j
+    if (j + 1 < blk.n_tiles) {
+      blk.locate(kv0 + BN);
+      blk.load_tile(blk.sK, blk.kbase);
+    }
+    cp_async_commit();
+
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)   // 16 positions = 2 groups of 8 rows = 2048 bytes per step
+      wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+    wgmma_commit();
+    wgmma_wait_all();
+  }
+  cp_async_wait_all();
+  write_rows<T, D>(blk, sm, o, r_a, t4);
+}
+#endif
+
+}  // namespace prefill_detail
+
+// grid: num_items * num_kv_heads blocks, block b = (item b / num_kv_heads, KV head b % num_kv_heads)
+// (item-major, so the heaviest items, listed first, start first); block: 32 * WARPS threads;
+// dynamic smem: prefill_smem_bytes<D, WARPS>(). T: query/output type (fp16/bf16); C: cache type
+// (T, or fp8 e4m3). WGMMA: the warpgroup version where built for sm_90a (else the mma.sync one).
+template <typename T, typename C, int D, int WARPS, bool WGMMA>
+__global__ void __launch_bounds__(WARPS * 32, WARPS == 4 ? 2 : 1)
+paged_prefill_kernel(const PrefillArgs a) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+#if KVPAGER_PREFILL_WGMMA
+  if constexpr (WGMMA) {
+    prefill_detail::prefill_wgmma<T, C, D, WARPS>(a, smem_raw);
+    return;
+  }
+#endif
+  prefill_detail::prefill_mma<T, C, D, WARPS>(a, smem_raw);
+}
+
+// Whether the WGMMA instances hold the warpgroup version (device code built for sm_90a): the
+// kernel writes 1 to *flag there, else 0. One thread.
+__global__ void paged_prefill_wgmma_probe(int* flag) {
+#if KVPAGER_PREFILL_WGMMA
+  *flag = 1;
+#else
+  *flag = 0;
+#endif
 }
 
 }  // namespace kvpager

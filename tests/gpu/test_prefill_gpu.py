@@ -61,14 +61,14 @@ def _kernel_case(gen, block_size, head_dim, dtype, group, cases, share=True, pag
     return paged, queries, starts
 
 
-def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0):
+def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0, wgmma=False):
     kv = paged.kv_cache.to(DEV)
     query = torch.cat(queries).to(DEV)
     out = torch.full_like(query, float("nan"))       # poisoned: every row must be written
     host = (starts.tolist(), paged.context_lens.tolist())
     cuda.paged_prefill_attention(query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
                                  paged.context_lens.to(DEV), starts.to(DEV), scale, k_scale, v_scale,
-                                 host_lengths=host, out=out, warps=warps)
+                                 host_lengths=host, out=out, warps=warps, wgmma=wgmma)
     torch.cuda.synchronize()
     return out.cpu()
 
@@ -86,19 +86,25 @@ def _cases(b, rng):
     return fixed + rand
 
 
+def _instances():
+    """(warps, wgmma) kernel instances: mma.sync with 4 and 8 warps, and the wgmma ones (which run
+    mma.sync where the build has no sm_90a code)."""
+    return [(4, False), (8, False), (4, True), (8, True)]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("warps,wgmma", _instances())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 128), (32, 128), (16, 64), (64, 128)])
-def test_prefill_kernel_matches_float64(warps, dtype, group, block_size, head_dim):
+def test_prefill_kernel_matches_float64(warps, wgmma, dtype, group, block_size, head_dim):
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
-    gen = seeded("prefill kernel", warps, dtype, group, block_size, head_dim)
+    gen = seeded("prefill kernel", warps, wgmma, dtype, group, block_size, head_dim)
     cases = _cases(block_size, gen)
     paged, queries, starts = _kernel_case(gen, block_size, head_dim, dtype, group, cases)
     scale = head_dim ** -0.5
-    out = _run_kernel(paged, queries, starts, scale, warps)
+    out = _run_kernel(paged, queries, starts, scale, warps, wgmma=wgmma)
     assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or non-finite rows"
     ref = reference_attention(queries, paged, scale)
     for i, (ctx, q_len) in enumerate(cases):
@@ -107,14 +113,14 @@ def test_prefill_kernel_matches_float64(warps, dtype, group, block_size, head_di
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("warps,wgmma", _instances())
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
-def test_prefill_kernel_fp8_cache_matches_float64(warps, query_dtype, group, block_size, head_dim):
+def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, group, block_size, head_dim):
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
-    gen = seeded("prefill kernel fp8", warps, query_dtype, group, block_size, head_dim)
+    gen = seeded("prefill kernel fp8", warps, wgmma, query_dtype, group, block_size, head_dim)
     cases = _cases(block_size, gen)
     k_scale, v_scale = 0.05, 0.03
     paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
@@ -122,7 +128,7 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, query_dtype, group, blo
                                           paged=paged)
     queries = [q.to(query_dtype) for q in queries]
     scale = head_dim ** -0.5
-    out = _run_kernel(paged, queries, starts, scale, warps, k_scale, v_scale)
+    out = _run_kernel(paged, queries, starts, scale, warps, k_scale, v_scale, wgmma=wgmma)
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
     for i, (ctx, q_len) in enumerate(cases):
@@ -134,6 +140,8 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, query_dtype, group, blo
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_prefill_dispatch_with_and_without_the_kernel(use_kernel, monkeypatch):
     """ops → prefill.py with the kernel forced on and off: a mixed step (decodes ride along)."""
+    if use_kernel and torch.cuda.get_device_capability() == (9, 0) and cuda.available():
+        assert cuda.has_wgmma(torch.device(DEV)), "a Hopper build must hold the wgmma instances"
     monkeypatch.setattr(prefill, "use_kernel", use_kernel)
     gen = seeded("prefill dispatch", use_kernel)
     b, head_dim, dtype = 16, 128, torch.bfloat16
