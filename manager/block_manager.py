@@ -30,6 +30,7 @@ from .config import ManagerConfig
 from .errors import (
     Aborted,
     AlreadyExists,
+    Busy,
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
@@ -62,6 +63,7 @@ from .plan import (
 )
 from .prefix_hash import chain_hash, root_hash
 from .tenancy import client_len
+from .tentative import TentativeStep, TentativeSteps, counter_delta
 from .sequence import CPU, GPU, Sequence, SequenceTable
 
 MAX_SEQ_ID_LEN = 256  # the default of ManagerConfig.max_id_len
@@ -156,8 +158,14 @@ class BlockManager:
         self._step: Optional[_StepState] = None
         self._all_or_nothing = False
         # Called with each step's plan before the step commits (the service sends it to the
-        # workers); raising rolls the step back. None when no worker is attached.
+        # workers); raising rolls the step back. None when no worker is attached. A step whose
+        # plan moves blocks is tentative while it waits (manager/tentative.py): other steps may
+        # run meanwhile (the service lets them), except on the sequences it names.
         self.dispatch: Optional[Callable[[ExecutionPlan], None]] = None
+        self.tentative = TentativeSteps()
+        # Called with a step's result when it becomes tentative, before ``dispatch`` (the
+        # write-ahead log records it there: later steps may be logged before it finishes).
+        self.on_tentative: Optional[Callable[[StepResult], None]] = None
         # Called as admit(what, blocks) by an operation about to take ``blocks`` more GPU blocks
         # (new ones, or cached ones it revives), before it changes anything, like its check of the
         # pool's room: the service's per-tenant quota check, set for one step. Raising a
@@ -203,7 +211,7 @@ class BlockManager:
 
     def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True,
              before_commit: Optional[Callable[[StepResult], None]] = None,
-             layout: TableLayout = TableLayout.BOTH) -> StepResult:
+             layout: TableLayout = TableLayout.BOTH, hold_open: bool = False) -> StepResult:
         """Apply ops in order, each atomically; merge their plans and block tables.
 
         ``layout`` picks the block-table forms of the answer's batch (``batch`` False: no batch
@@ -217,7 +225,18 @@ class BlockManager:
         step's result before the plan is dispatched; if it raises, the step is rolled back the same
         way. An ``InvariantViolation`` (a bug) inside any operation also rolls the whole step back
         and propagates: it is never reported as one operation's refusal.
+
+        A step whose plan moves blocks becomes tentative before ``dispatch`` is called (see
+        manager/tentative.py), so other steps may run while it waits; it commits or rolls back
+        when ``dispatch`` returns or raises. ``hold_open`` (log replay) makes such a step
+        tentative without dispatching it: ``finish_tentative`` ends it. A step naming a sequence
+        that a tentative step keeps busy raises ``Busy`` before anything is applied.
         """
+        if self.tentative:
+            busy = self.tentative.busy_with(ops)
+            if busy is not None:
+                raise Busy(f"a sequence of this call is in step {busy.step_id}, whose plan waits on the workers; "
+                           "nothing was applied", busy)
         self.steps += 1
         copies = layout.copies if batch else TableLayout.BOTH.copies
         state = _StepState(ExecutionPlan(self.steps), table_copies=copies)
@@ -229,6 +248,7 @@ class BlockManager:
         self.cpu.hold_releases()
         outcomes: list[OperationOutcome] = []
         failed_at: Optional[int] = None
+        tentative: Optional[TentativeStep] = None
         journal.begin()
         try:
             for i, op in enumerate(ops):
@@ -253,12 +273,15 @@ class BlockManager:
                 state = _StepState(ExecutionPlan(state.plan.step_id), table_copies=copies)
             tables = self._batch(state.touched, layout) if batch else BatchTables()
             result = StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
-                                self.gpu.num_available + self.gpu.num_held, self.cpu.num_available + self.cpu.num_held)
+                                self.gpu.num_available + self.gpu.num_held_by_step,
+                                self.cpu.num_available + self.cpu.num_held_by_step)
             if before_commit is not None:
                 before_commit(result)
-            if failed_at is None and self.dispatch is not None:
-                self.dispatch(state.plan)
-            journal.commit()
+            if failed_at is None and state.plan.moves_blocks and (hold_open or self.dispatch is not None):
+                tentative = self.tentative.open(state.plan.step_id, ops, outcomes, journal.detach(),
+                                                counter_delta(self.counters, saved), (self.gpu, self.cpu))
+            else:
+                journal.commit()
         except BaseException as exc:
             journal.rollback()
             self.counters = saved
@@ -268,8 +291,35 @@ class BlockManager:
             self._step = None
             self.gpu.end_hold()
             self.cpu.end_hold()
-        self.op_counts.record(ops, outcomes, True)
+        if tentative is None:
+            self.op_counts.record(ops, outcomes, True)
+            return result
+        return self._wait_for_workers(tentative, result, hold_open)
+
+    def _wait_for_workers(self, tentative: TentativeStep, result: StepResult, hold_open: bool) -> StepResult:
+        """Dispatch a tentative step's plan (the service lets other steps run meanwhile), then
+        commit it, or roll it back and raise what ``dispatch`` raised."""
+        if self.on_tentative is not None:
+            self.on_tentative(result)
+        if hold_open:
+            return result
+        # The per-call hooks belong to this call; other calls set their own while it waits.
+        self.admit = self.on_tentative = None
+        try:
+            self.dispatch(result.plan)
+        except BaseException as exc:
+            self.finish_tentative(tentative.step_id, False, exc if isinstance(exc, ManagerError) else None)
+            raise
+        self.finish_tentative(tentative.step_id, True)
         return result
+
+    def finish_tentative(self, step_id: int, ok: bool, error: Optional[ManagerError] = None) -> None:
+        """Commit (``ok``) or roll back tentative step ``step_id``. O(its journal entries)."""
+        tentative = self.tentative.steps.get(step_id)
+        if tentative is None:
+            raise InvariantViolation(f"step {step_id} is not tentative")
+        self.tentative.finish(tentative, ok, self.counters)
+        self.op_counts.record(tentative.ops, tentative.outcomes, ok, error)
 
     def block_table(self, seq_id: str) -> Sequence:
         return self._get(seq_id)
@@ -279,11 +329,12 @@ class BlockManager:
         slots = gpu.num_used * self.block_size
         return ManagerStats(
             block_size=self.block_size,
-            gpu=TierStats(gpu.num_blocks, gpu.num_used, gpu.num_free, gpu.num_cached),
-            cpu=TierStats(cpu.num_blocks, cpu.num_used, cpu.num_free, cpu.num_cached),
+            # Blocks HELD by steps waiting on the workers count as used until those steps finish.
+            gpu=TierStats(gpu.num_blocks, gpu.num_used + gpu.num_held, gpu.num_free, gpu.num_cached),
+            cpu=TierStats(cpu.num_blocks, cpu.num_used + cpu.num_held, cpu.num_free, cpu.num_cached),
             running_sequences=self.seqs.num_running,
             swapped_sequences=self.seqs.num_swapped,
-            gpu_utilization=gpu.num_used / gpu.num_blocks,
+            gpu_utilization=(gpu.num_used + gpu.num_held) / gpu.num_blocks,
             internal_fragmentation=(slots - gpu.filled_slots) / slots if slots else 0.0,
             prefix_caching=self.config.enable_prefix_caching,
             prefix_query_tokens=c.prefix_query_tokens,
@@ -761,8 +812,8 @@ class BlockManager:
         """The workers' caches are gone: every sequence becomes lost (its blocks are released, its
         id answers DATA_LOSS until freed) and the prefix cache forgets every block. Outside a
         step only. Returns how many sequences were lost. O(blocks)."""
-        if self._step is not None:
-            raise InvariantViolation("lose_all inside a step")
+        if self._step is not None or self.tentative:
+            raise InvariantViolation("lose_all inside a step or while a step waits on the workers")
         seqs = list(self.seqs.values())
         for seq in seqs:
             pool = self.gpu if seq.tier == GPU else self.cpu
@@ -846,8 +897,8 @@ class BlockManager:
                 if pool.blocks[b].num_filled != filled:
                     raise InvariantViolation(
                         f"{tier} block {b} records {pool.blocks[b].num_filled} filled slots; its sequences fill {filled}")
-            if self._step is None and pool.num_held:
-                raise InvariantViolation(f"{tier} pool holds {pool.num_held} blocks outside a step")
+            if self._step is None and pool.num_held_by_step:
+                raise InvariantViolation(f"{tier} pool holds {pool.num_held_by_step} blocks outside a step")
 
 
 # ---- batch tables ---------------------------------------------------------------------------------

@@ -8,7 +8,18 @@ Every block is in exactly one state:
   prompt with the same prefix can reuse it; in the LRU list, evicted from its head only
   when no FREE block is left.
 - HELD: released during a Step; it rejoins FREE or CACHED when the step ends, so a block
-  never plays two roles in one step's plan (see ``hold_releases``).
+  never plays two roles in one step's plan (see ``hold_releases``). A step whose plan is on its
+  way to the workers (a tentative step, ``manager/tentative.py``) keeps its HELD blocks until
+  the workers answer (``take_held``/``resume_held``).
+
+While tentative steps are pending, other steps run beside them. Two more marks keep them apart:
+a *pin* is an extra reference a tentative step keeps on a shared block it dropped (so the block
+cannot be freed and reused before the step is known to stand), and a *hidden* block is one the
+tentative step took for itself (allocated, revived from the cache, registered, held): ``lookup``
+does not find it, so no other step can share it. The undo functions below restore exactly when
+nothing ran in between, and stay valid when other steps did (an undone cache hit rejoins the LRU
+at its old place if that still exists, else at its head; an undone eviction whose hash another
+block took since becomes FREE; an undone reference that was the last releases the block).
 
 Complexity: allocate, acquire, incref, decref, lookup and register are O(1). The LRU is an
 intrusive doubly linked list over the block records (as in vLLM v1's free queue) so that a
@@ -18,7 +29,7 @@ in the shared ``Journal`` so that an all-or-nothing step can roll back exactly.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,6 +67,9 @@ class BlockPool:
         self._num_cached = 0
         self._hash_to_block: dict[bytes, int] = {}
         self._held: Optional[dict[int, None]] = None  # insertion-ordered set while a step runs
+        self._tentative_held: set[int] = set()  # HELD blocks of tentative steps
+        self._pins: Counter[int] = Counter()     # block -> references kept by tentative steps
+        self._hidden: Counter[int] = Counter()   # blocks tentative steps own: lookup skips them
         self.num_used = 0
         self.filled_slots = 0  # sum of num_filled over USED blocks
         self.evictions = 0
@@ -71,6 +85,12 @@ class BlockPool:
 
     @property
     def num_held(self) -> int:
+        """HELD blocks: the current step's and the tentative steps'."""
+        return (len(self._held) if self._held else 0) + len(self._tentative_held)
+
+    @property
+    def num_held_by_step(self) -> int:
+        """HELD blocks of the step being applied now."""
         return len(self._held) if self._held else 0
 
     @property
@@ -113,15 +133,19 @@ class BlockPool:
         if block.ref_count > 0:
             self._journal.record(self._undo_decref, block)
             return False
+        self._leave_used(block)
+        self._journal.record(self._undo_release, block)
+        return True
+
+    def _leave_used(self, block: Block) -> None:
+        """A block's last reference is gone: HELD while a step runs, else FREE or CACHED."""
         self.num_used -= 1
         self.filled_slots -= block.num_filled
         if self._held is not None:
             block.state = HELD
-            self._held[block_id] = None
+            self._held[block.block_id] = None
         else:
             self._park(block)
-        self._journal.record(self._undo_release, block)
-        return True
 
     def acquire(self, block_id: int) -> None:
         """Take a reference to a block found by ``lookup`` (USED, CACHED or HELD)."""
@@ -161,7 +185,11 @@ class BlockPool:
 
     # ---- prefix cache -------------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> Optional[int]:
-        return self._hash_to_block.get(block_hash)
+        """The block holding this prefix, unless a tentative step owns it (hidden)."""
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is not None and self._hidden and block_id in self._hidden:
+            return None
+        return block_id
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Make a full block findable by its prefix hash (first block with a hash wins)."""
@@ -200,6 +228,46 @@ class BlockPool:
         for block_id in held:
             self._park(self.blocks[block_id])
 
+    # ---- tentative steps (manager/tentative.py) -------------------------------------------------
+    def take_held(self) -> dict[int, None]:
+        """The current step goes tentative: its HELD blocks stay HELD, now as its own, and the
+        pool is ready for the next step. O(held)."""
+        held, self._held = self._held or {}, None
+        self._tentative_held.update(held)
+        return held
+
+    def resume_held(self, held: dict[int, None]) -> None:
+        """A tentative step finishes: its HELD blocks are the pool's current ones again, to be
+        undone or parked by ``end_hold``. O(held)."""
+        if self._held is not None:
+            raise InvariantViolation(f"{self.name} pool: a tentative step finishes while another step runs")
+        self._tentative_held.difference_update(held)
+        self._held = held
+
+    def pin(self, block_id: int) -> None:
+        self.blocks[block_id].ref_count += 1
+        self._pins[block_id] += 1
+
+    def unpin(self, block_id: int) -> None:
+        """Drop a pin; the block leaves USED if that was its last reference."""
+        pins = self._pins
+        pins[block_id] -= 1
+        if not pins[block_id]:
+            del pins[block_id]
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._leave_used(block)
+
+    def hide(self, block_id: int) -> None:
+        self._hidden[block_id] += 1
+
+    def unhide(self, block_id: int) -> None:
+        hidden = self._hidden
+        hidden[block_id] -= 1
+        if not hidden[block_id]:
+            del hidden[block_id]
+
     # ---- internals ----------------------------------------------------------------------
     def _park(self, block: Block) -> None:
         if self.caching and block.block_hash is not None:
@@ -237,15 +305,21 @@ class BlockPool:
         self._free.appendleft(block.block_id)
 
     def _undo_allocate_evict(self, block: Block, old_hash: bytes, old_filled: int) -> None:
-        block.state, block.ref_count, block.num_filled = CACHED, 0, old_filled
         self.num_used -= 1
         self.evictions -= 1
+        if old_hash in self._hash_to_block:  # another block took that prefix since: this one is free
+            block.state, block.ref_count, block.num_filled = FREE, 0, 0
+            self._free.appendleft(block.block_id)
+            return
+        block.state, block.ref_count, block.num_filled = CACHED, 0, old_filled
         block.block_hash = old_hash
         self._hash_to_block[old_hash] = block.block_id
         self._lru_insert_between(block, self._head, self._head.next)
 
     def _undo_incref(self, block: Block) -> None:
         block.ref_count -= 1
+        if block.ref_count == 0:  # the other references went while the step was tentative
+            self._leave_used(block)
 
     def _undo_decref(self, block: Block) -> None:
         block.ref_count += 1
@@ -266,7 +340,10 @@ class BlockPool:
     def _undo_acquire_cached(self, block: Block, prev: Block, nxt: Block) -> None:
         self._undo_acquire(block)
         block.state = CACHED
-        self._lru_insert_between(block, prev, nxt)
+        if prev.next is nxt:  # its old place in the LRU still exists
+            self._lru_insert_between(block, prev, nxt)
+        else:
+            self._lru_insert_between(block, self._head, self._head.next)
 
     def _undo_acquire_held(self, block: Block) -> None:
         self._undo_acquire(block)
@@ -311,7 +388,7 @@ class BlockPool:
             fail("a block is twice in the free list")
         if len(lru) != self._num_cached:
             fail(f"LRU holds {len(lru)} blocks, counter says {self._num_cached}")
-        held = set(self._held or ())
+        held = set(self._held or ()) | self._tentative_held
         places: dict[int, str] = {}
         for bid in free:
             places[bid] = FREE
@@ -326,9 +403,9 @@ class BlockPool:
         used = filled = 0
         for block in self.blocks:
             bid = block.block_id
-            refs = references.get(bid, 0)
+            refs = references.get(bid, 0) + self._pins.get(bid, 0)
             if block.ref_count != refs:
-                fail(f"block {bid} ref_count {block.ref_count} but {refs} block-table references")
+                fail(f"block {bid} ref_count {block.ref_count} but {refs} block-table references and pins")
             if refs > 0:
                 if bid in places:
                     fail(f"block {bid} is referenced but {places[bid]}")
@@ -353,6 +430,9 @@ class BlockPool:
         for h, bid in self._hash_to_block.items():
             if self.blocks[bid].block_hash != h:
                 fail(f"hash map names block {bid}, which holds another hash")
+        for bid in self._hidden:
+            if self.blocks[bid].state not in (USED, HELD):
+                fail(f"block {bid} is hidden for a tentative step but {self.blocks[bid].state}")
         if used != self.num_used:
             fail(f"{used} blocks referenced, counter says {self.num_used}")
         if filled != self.filled_slots:

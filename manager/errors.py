@@ -61,6 +61,16 @@ class Unavailable(ManagerError):
     code = "UNAVAILABLE"
 
 
+class Busy(Unavailable):
+    """A sequence the call names belongs to a step whose plan the workers have not answered yet
+    (a tentative step, ``manager/tentative.py``); nothing was applied. The service waits for that
+    step and runs the call again; ``step`` is the step to wait for."""
+
+    def __init__(self, message: str, step: object = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class DeadlineExceeded(ManagerError):
     code = "DEADLINE_EXCEEDED"
 

@@ -94,6 +94,11 @@ class ExecutionPlan:
     blocks_to_swap_in: BlockMapping = field(default_factory=BlockMapping)
     blocks_to_copy: BlockMapping = field(default_factory=BlockMapping)
 
+    @property
+    def moves_blocks(self) -> bool:
+        """Whether the workers have anything to do (else the plan needs no worker)."""
+        return bool(self.blocks_to_swap_out.src or self.blocks_to_swap_in.src or self.blocks_to_copy.src)
+
 
 class TableLayout(enum.Enum):
     """Which block-table forms a step's ``BatchTables`` holds (``StepRequest.table_layout``).

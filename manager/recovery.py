@@ -12,6 +12,13 @@ entry it stored (request id, fingerprint, answer: so a retry after a restart get
 answer) and manager events (the pools created from the workers' capacity, the prefix cache
 forgotten because a worker was replaced). ``Durability.commit`` writes it while the service
 holds its state lock, before the answer leaves. A call that changed nothing writes nothing.
+
+A step whose plan goes to the workers is tentative while they run it (``manager/tentative.py``)
+and other calls are logged meanwhile, so it takes two records: ("open", ...) written when it
+becomes tentative, before the lock is released, and ("finish", step id, committed) in its call's
+record. Replay reopens it at the same place and finishes it where the log says; one never
+finished (the manager died while the workers ran its plan) was never answered: it is rolled back
+at the end of recovery.
 """
 
 from __future__ import annotations
@@ -150,6 +157,8 @@ class Durability:
 
         def step(ops, all_or_nothing=False, batch=True, before_commit=None, layout=None, **kw):
             ops = list(ops)
+            if m.tentative and m.tentative.busy_with(ops) is not None:
+                return original(ops, all_or_nothing, batch, before_commit, **kw)  # raises Busy: nothing to log
             before = m.steps
             args = {} if layout is None else {"layout": layout}
             # The service's admission hook (tenant quotas) decides outside the manager's state:
@@ -168,19 +177,37 @@ class Durability:
                     decisions.append(None)
 
                 m.admit = admit
+            opened: list[int] = []
+
+            def on_tentative(result) -> None:
+                # Written now, before the lock is released: calls logged while the workers run its
+                # plan were applied after it.
+                opened.append(result.step_id)
+                pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
+                                _codes(result), decisions))
+                self.commit()
+
+            m.on_tentative = on_tentative
             try:
                 result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
-            except BaseException:
-                # Rolled back (a worker unreachable, an answer too large, a bug), yet its step id
-                # is spent: its plan may have reached some workers. Logged, so that a restarted
-                # manager never gives that id to another step.
-                pending.append(("event", "steps_used", m.steps))
+            except BaseException as exc:
+                if opened:  # the workers failed its plan: rolled back
+                    pending.append(("finish", opened[0], False, getattr(exc, "code", None)))
+                else:
+                    # Rolled back (an answer too large, a bug, a refused dispatch), yet its step id
+                    # is spent: its plan may have reached some workers. Logged, so that a restarted
+                    # manager never gives that id to another step.
+                    pending.append(("event", "steps_used", m.steps))
                 raise
             finally:
+                m.on_tentative = None
                 if live_admit is not None:
                     m.admit = live_admit
-            pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
-                            _codes(result), decisions))
+            if opened:
+                pending.append(("finish", opened[0], True, None))
+            else:
+                pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
+                                _codes(result), decisions))
             return result
 
         m.step = step
@@ -210,7 +237,7 @@ class Durability:
             os._exit(EXIT_LOG_FAILED)
         self._pending.clear()
         self._request.clear()
-        if self.dir.due():
+        if self.dir.due() and not (m is not None and m.tentative):  # a snapshot holds no step half done
             self.snapshot()
 
     def snapshot(self) -> None:
@@ -244,6 +271,12 @@ class Durability:
             for rid, p, answer, t in record["requests"]:
                 self._restore_request(rid, p, answer, time.time() - t)
             replayed += 1
+        unfinished = sorted(m.tentative.steps) if m is not None else []
+        for step_id in unfinished:  # its plan was out when the manager stopped: never answered
+            m.finish_tentative(step_id, False)
+        if unfinished:
+            log.info("rolled back %d steps whose plans were with the workers when the manager stopped: %s",
+                     len(unfinished), unfinished)
         if m is not None:
             m.check_invariants()
             m = self._adopt(m)
@@ -290,7 +323,7 @@ class Durability:
             return m
         if m is None:
             raise CorruptState(f"log record {index}: {kind} before any pool exists")
-        if kind == "step":
+        if kind in ("step", "open"):
             _, before, ops, all_or_nothing, batch, layout, codes, decisions = change
             m.steps = before
             args = {} if layout is None else {"layout": layout}
@@ -303,12 +336,22 @@ class Durability:
 
             m.admit = admit if decisions is not None else None
             try:
-                result = BlockManager.step(m, ops, all_or_nothing, batch, **args)
+                result = BlockManager.step(m, ops, all_or_nothing, batch, **args, hold_open=kind == "open")
+            except ManagerError as err:
+                raise CorruptState(f"log record {index}: replaying step {before + 1} raised {err!r}") from err
             finally:
                 m.admit = None
+            if (kind == "open") != (result.step_id in m.tentative.steps):
+                raise CorruptState(f"log record {index}: step {result.step_id} was logged "
+                                   f"{'tentative' if kind == 'open' else 'committed'} but does not replay so")
             if result.step_id != before + 1 or _codes(result) != codes:
                 raise CorruptState(f"log record {index}: replaying step {before + 1} gave step {result.step_id} with "
                                    f"outcomes {_codes(result)}, the log says {codes}: refusing to start")
+        elif kind == "finish":
+            if change[1] not in m.tentative.steps:
+                raise CorruptState(f"log record {index}: finish of step {change[1]}, which is not open")
+            _, step_id, ok, code = change
+            m.finish_tentative(step_id, ok, None if code is None else _ERRORS.get(code, ManagerError)(""))
         elif kind == "event" and change[1] == "steps_used":
             m.steps = max(m.steps, change[2])
         elif kind == "event" and change[1] == "forget_gpu_contents":

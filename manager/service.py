@@ -1,10 +1,10 @@
 """The gRPC face of the block manager: a thin servicer, worker registration, health, reflection.
 
-Every RPC decodes its request, takes the locks, calls the manager, encodes the answer and
-releases them. ``lock`` orders the calls that change state; ``state_lock`` guards the state. A
-step's plan goes to the workers (``WorkerRegistry.execute``) before the step commits, under
-``lock`` (so steps reach the workers in order) but with ``state_lock`` released, so reads
-(GetStats, GetBlockTable, /metrics), Ping and heartbeats never wait on a worker. Manager errors
+Every RPC decodes its request, takes the state lock, calls the manager, encodes the answer and
+releases it. A step's plan goes to the workers (``WorkerRegistry.execute``) before the step
+commits, with the lock released: the step is tentative meanwhile (``manager/tentative.py``), so
+every other call (reads, Ping, heartbeats, steps that need no worker or other sequences) goes on;
+only a call naming one of its sequences waits for it. Manager errors
 become gRPC statuses in exactly one place (``_reply``). Ids are mapped to the caller's tenant
 (``manager/tenancy.py``) when a request is decoded and back when its answer is encoded. Health
 is SERVING unless workers registered and a rank is missing (the BlockManager service also
@@ -36,8 +36,8 @@ from .config import ManagerConfig
 from .epochs import WorkerCaches
 from .health import HealthService
 from .errors import (
-    DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange, Unavailable,
-    quote,
+    Busy, DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange,
+    Unavailable, quote,
 )
 from .metrics import ManagerMetrics, RpcMetricsInterceptor
 from .plan import ExecutionPlan
@@ -47,7 +47,7 @@ from .workers import WorkerRegistry
 log = logging.getLogger("kvpager.manager")
 _NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
-_READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing: state_lock only
+_READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing
 
 
 class Malformed:
@@ -94,19 +94,21 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self.config = config
         # None while the pools wait to be sized from the workers' capacity (num_gpu_blocks == 0).
         self.manager = manager if manager is not None or config.sized_by_workers else BlockManager(config)
-        # Two locks (docs/design.md): ``lock`` orders the calls that change state and is held
-        # through a whole step, its wait on the workers included; ``state_lock`` guards the state
-        # itself and is never held while waiting on a worker, so reads (GetStats, GetBlockTable,
-        # /metrics) never wait behind a dispatch. A mutation holds both (``lock`` first).
-        self.lock = threading.Lock()
-        self.state_lock = threading.Lock()
+        # One lock guards the state (docs/design.md, "The service"); it is never held while
+        # waiting on a worker: a step whose plan is out is tentative and the lock is released.
+        # ``lock`` is the same lock (reentrant, so ``with service.lock, service.state_lock`` is
+        # fine): holding it, a caller sees no call half-applied (tentative steps may be pending).
+        self.state_lock = threading.RLock()
+        self.lock = self.state_lock
+        self._finished = threading.Condition(self.state_lock)  # notified when a call that waited on workers ends
         self._state_owner: Optional[int] = None  # thread holding state_lock through a mutation
-        self._dispatch_since: Optional[float] = None  # monotonic start of the plan being dispatched
-        self._waiting = 0  # mutations waiting for ``lock``
+        self._dispatches: dict[int, float] = {}  # thread -> monotonic start of the plan it dispatches
+        self._waiting = 0  # calls waiting on workers: dispatching a plan, or for a busy sequence's step
         self._waiting_lock = threading.Lock()
-        # While a dispatch has waited longer than stall_after seconds, mutations beyond
-        # max_waiting waiting behind it answer UNAVAILABLE at once (nothing applied), so they do
-        # not take every server thread from Ping, GetStats, health and heartbeats.
+        # While a dispatch has waited longer than stall_after seconds, calls beyond max_waiting
+        # that would wait on workers too answer UNAVAILABLE at once (nothing applied), so they do
+        # not take every server thread from Ping, GetStats, health, heartbeats and the steps
+        # that need no worker.
         self.max_waiting = 8
         self.stall_after = 0.02
         self.quotas: dict[str, int] = {}  # tenant -> block quota (create_server: the tokens file's quota_blocks)
@@ -140,18 +142,21 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                 raise InvalidArgument(f"request_id {quote(request_id)} is {len(request_id)} characters; the limit "
                                       f"is {self.config.max_id_len} (max_id_len)")
             request_key = self._scope().key(request_id)  # a request id is its tenant's
+            print_ = fingerprint(method, request.SerializeToString(deterministic=True)) if request_id else None
             with self._locks(method):
-                if not request_id:
-                    answer = self._answer(method, work)
-                else:
-                    print_ = fingerprint(method, request.SerializeToString(deterministic=True))
-                    answer = self.requests.get(request_key, print_)
+                while True:
+                    answer = self.requests.get(request_key, print_) if request_id else None
                     if answer is None:
                         answer = self._answer(method, work)
                         # Kept for retries, unless nothing was applied and trying again may help
                         # (UNAVAILABLE) or the answer is a bug's (INTERNAL: rolled back too).
-                        if not isinstance(answer.error, _NOT_KEPT):
+                        if request_id and not isinstance(answer.error, _NOT_KEPT):
                             self.requests.put(request_key, print_, answer)
+                    if not isinstance(answer.error, Busy):
+                        break
+                    self._wait_for_step(method, answer.error)  # then run it again (a retry: its first answer)
+                if method not in _READS:
+                    self._finished.notify_all()
                 if self.durable is not None:
                     self.durable.commit()  # in the write-ahead log before the answer leaves (--state-dir)
         except ManagerError as err:
@@ -164,47 +169,49 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     @contextlib.contextmanager
     def _locks(self, method: str):
-        """Reads take ``state_lock``; mutations ``lock`` (refused UNAVAILABLE while too many wait
-        behind a stalled dispatch) then ``state_lock``."""
-        if method in _READS:
-            with self.state_lock:
+        """The state lock; a mutation also notes that its thread owns it (``_dispatch`` releases
+        it while the workers run a plan)."""
+        with self.state_lock:
+            if method in _READS:
                 yield
-            return
-        self._acquire_order(method)
-        try:
-            with self.state_lock:
-                self._state_owner = threading.get_ident()
-                try:
-                    yield
-                finally:
-                    self._state_owner = None
-        finally:
-            self.lock.release()
+                return
+            self._state_owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._state_owner = None
 
-    def _acquire_order(self, method: str) -> None:
-        if self.lock.acquire(blocking=False):
-            return
+    @contextlib.contextmanager
+    def _waiting_on_workers(self, method: str):
+        """Count a call that waits on the workers; refuse it (UNAVAILABLE, nothing applied) when a
+        dispatch has waited more than stall_after seconds and max_waiting calls already wait."""
         with self._waiting_lock:
-            self._refuse_if_stalled(method, self._waiting + 1)
+            since = min(self._dispatches.values(), default=None)
+            if since is not None and self._waiting >= self.max_waiting:
+                waited = time.monotonic() - since
+                if waited > self.stall_after:
+                    raise Unavailable(
+                        f"{method}: a step has waited {waited:.2f}s on the workers and {self._waiting} calls wait on "
+                        "them; nothing was applied: retry later")
             self._waiting += 1
         try:
-            while not self.lock.acquire(timeout=0.05):
-                self._refuse_if_stalled(method, self._waiting)
+            yield
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
 
-    def _refuse_if_stalled(self, method: str, waiting: int) -> None:
-        """UNAVAILABLE when a dispatch has waited more than stall_after seconds and more than
-        max_waiting mutations (``waiting``, this one included) would wait behind it."""
-        since = self._dispatch_since
-        if since is None or waiting <= self.max_waiting:
-            return
-        waited = time.monotonic() - since
-        if waited > self.stall_after:
-            raise Unavailable(
-                f"{method}: a step has waited {waited:.2f}s on the workers and {waiting - 1} calls wait behind it; "
-                "nothing was applied: retry later")
+    def _wait_for_step(self, method: str, busy: Busy) -> None:
+        """Wait (the state lock released) until the tentative step that keeps a sequence of this
+        call busy has finished; UNAVAILABLE if that takes longer than a plan may."""
+        step = busy.step
+        limit = self.config.worker_plan_timeout + 1.0
+        started = time.monotonic()
+        with self._waiting_on_workers(method):
+            while not step.finished:
+                left = started + limit - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"{method}: {busy} after waiting {limit:.1f}s for it: retry later")
+                self._finished.wait(left)
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
@@ -384,6 +391,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))
 
     def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
+        self._until_no_tentative_step("RegisterWorker")
         replacing = request.rank in self.registry.ranks_seen
         record = self.registry.register(request)
         if self.manager is not None:
@@ -422,25 +430,42 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             num_gpu_blocks=self.manager.gpu.num_blocks if self.manager else 0,
             num_cpu_blocks=self.manager.cpu.num_blocks if self.manager else 0)
 
+    def _until_no_tentative_step(self, method: str) -> None:
+        """Wait until no step waits on the workers (a registration may forget the caches' contents
+        or lose every sequence, which no pending step could be undone across)."""
+        manager = self.manager
+        if manager is None or not manager.tentative:
+            return
+        limit = self.config.worker_plan_timeout + 1.0
+        if not self._finished.wait_for(lambda: not manager.tentative, timeout=limit):
+            raise Unavailable(f"{method}: {len(manager.tentative)} steps still wait on the workers after "
+                              f"{limit:.1f}s; try again")
+
     def _dispatch(self, plan: ExecutionPlan) -> None:
-        """Send a step's plan to the workers, before the step commits (``BlockManager.step``).
-        ``lock`` stays held, so steps reach the workers in order; ``state_lock`` is released
-        while waiting, so reads go on (they may see this step's changes before it commits)."""
-        if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
+        """Send a step's plan to the workers, before the step commits (``BlockManager.step``, where
+        the step is tentative by now). The state lock is released while waiting, so every other
+        call goes on (reads may see this step's changes before it commits or rolls back)."""
+        if not plan.moves_blocks:
             return  # nothing to move: no worker needed
         started = time.perf_counter()
         message = wire.plan_pb(plan)
-        release = self._state_owner == threading.get_ident()
-        self._dispatch_since = time.monotonic()
-        if release:
-            self.state_lock.release()
-        try:
-            sent = self.registry.execute(message)
-        finally:
+        me = threading.get_ident()
+        release = self._state_owner == me
+        with self._waiting_on_workers(f"step {plan.step_id}"):
+            with self._waiting_lock:
+                self._dispatches[me] = time.monotonic()
             if release:
-                self.state_lock.acquire()
-            self._dispatch_since = None
-            self._update_health()
+                self._state_owner = None
+                self.state_lock.release()
+            try:
+                sent = self.registry.execute(message)
+            finally:
+                if release:
+                    self.state_lock.acquire()
+                    self._state_owner = me
+                with self._waiting_lock:
+                    del self._dispatches[me]
+                self._update_health()
         if sent:
             bytes_per_block = sum(w.block_bytes for w in self.registry.workers())
             self.metrics.observe_dispatch(plan, time.perf_counter() - started, bytes_per_block)

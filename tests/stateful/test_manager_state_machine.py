@@ -9,6 +9,12 @@ the slot mapping), and checks that every live sequence, read through its block t
 exactly the model's tokens. Cached prompt tokens are never written: a prefix hit, a swap-in
 that reuses a cached block, or a copy-on-write that copies the wrong block would serve
 another prompt's K/V and fail that check.
+
+Some steps are made tentative (their plan "on its way to the workers", ``manager/tentative.py``)
+and finished later, committed or rolled back, in any order, with other steps run in between; the
+simulated workers run a tentative plan either at once or only when it commits, and the step's
+K/V writes happen when it commits (the scheduler computes after the answer). A call naming one
+of its sequences meanwhile must be refused ``Busy`` with nothing changed.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from typing import Optional
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import pytest
+
 from kvpager.manager import (
     Aborted, AlreadyExists, BlockManager, FailedPrecondition, InvalidArgument, ManagerConfig, ManagerError,
     NotFound, OutOfRange, ResourceExhausted,
 )
+from kvpager.manager.errors import Busy
 from kvpager.manager.block_manager import packed_padded
 from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 from kvpager.manager.plan import AllocateResult, AppendBatchResult, AppendResult, ForkResult, FreeResult, SwapResult
@@ -91,6 +100,18 @@ class ModelSeq:
 
 
 @dataclass
+class Pending:
+    """A tentative step the test opened: what to do when it finishes."""
+
+    step_id: int
+    ids: frozenset[str]
+    before: dict[str, Optional["ModelSeq"]]   # the model's sequences it names, before it
+    plan: tuple                                # (swap_out, swap_in, copy) pairs
+    writes: list[tuple[list[int], list]]       # its K/V writes (slots, values), done when it commits
+    plan_ran: bool                             # the simulated workers ran the plan when it opened
+
+
+@dataclass
 class StepContext:
     """What the test knows about the step running now (None outside a step)."""
 
@@ -139,6 +160,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # Simulated block contents; "junk" is what a block held before anything was written.
         self.gpu = {b: [("junk", "gpu", b, j) for j in range(block_size)] for b in range(num_gpu_blocks)}
         self.cpu = {b: [("junk", "cpu", b, j) for j in range(block_size)] for b in range(num_cpu_blocks)}
+        self.pending: dict[int, Pending] = {}
 
     # ---- drawing operations ------------------------------------------------------------------------
     def _name(self, data, live: set[str], fresh: bool = False, recent: Optional[list[str]] = None) -> str:
@@ -404,7 +426,19 @@ class ManagerMachine(RuleBasedStateMachine):
             self.gpu[slot // self.B][slot % self.B] = value
 
     # ---- rules -------------------------------------------------------------------------------------------
+    def _refused_busy(self, run, ops) -> bool:
+        """A call naming a sequence of a tentative step: ``Busy``, nothing changed."""
+        if self.m.tentative.busy_with(ops) is None:
+            return False
+        before = fingerprint(self.m)
+        with pytest.raises(Busy):
+            run()
+        assert fingerprint(self.m) == before, f"{ops}: refused Busy but changed the state"
+        return True
+
     def _single(self, op) -> None:
+        if self._refused_busy(lambda: self.m.run(op), [op]):
+            return
         expected = self._expected(op, self.model, None)
         before = fingerprint(self.m)
         try:
@@ -472,14 +506,45 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data):
+        self._step(data, tentative=False)
+
+    @rule(data=st.data())
+    def tentative_step(self, data):
+        """A step whose plan goes to the workers: it stays tentative until ``finish_tentative``."""
+        self._step(data, tentative=True)
+
+    @precondition(lambda self: self.m is not None and self.pending)
+    @rule(data=st.data())
+    def finish_tentative(self, data):
+        step_id = data.draw(st.sampled_from(sorted(self.pending)), label="tentative step")
+        ok = data.draw(st.booleans(), label="workers ran it")
+        p = self.pending.pop(step_id)
+        if ok:
+            if not p.plan_ran:
+                self._run_plan(*p.plan)
+            self.m.finish_tentative(step_id, True)
+            for slots, values in p.writes:
+                self._write(slots, values)
+        else:
+            self.m.finish_tentative(step_id, False)
+            for seq_id, seq in p.before.items():
+                if seq is None:
+                    self.model.pop(seq_id, None)
+                else:
+                    self.model[seq_id] = seq
+
+    def _step(self, data, tentative: bool):
         live = set(self.model)
         recent: list[str] = []
         ops = []
         for _ in range(data.draw(st.integers(1, 5), label="num patterns")):
             ops.extend(self._draw_ops(data, live, recent))
         all_or_nothing = data.draw(st.integers(0, 4), label="all or nothing") == 2
+        if self._refused_busy(lambda: self.m.step(ops, all_or_nothing=all_or_nothing, hold_open=tentative), ops):
+            return
         before = fingerprint(self.m)
-        r = self.m.step(ops, all_or_nothing=all_or_nothing)
+        models_before = dict(self.model)
+        r = self.m.step(ops, all_or_nothing=all_or_nothing, hold_open=tentative)
         assert len(r.outcomes) == len(ops)
         assert all((o.result is None) != (o.error is None) for o in r.outcomes)
 
@@ -534,7 +599,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
         # The worker: the merged plan in its fixed order, then the step's K/V writes.
         plan, batch, B = r.plan, r.batch, self.B
-        self._run_plan(plan.blocks_to_swap_out.pairs(), plan.blocks_to_swap_in.pairs(), plan.blocks_to_copy.pairs())
+        pairs = (plan.blocks_to_swap_out.pairs(), plan.blocks_to_swap_in.pairs(), plan.blocks_to_copy.pairs())
+        opened = r.step_id in self.m.tentative.steps
+        assert opened == (tentative and any(pairs)), (tentative, pairs)
+        writes: list[tuple[list[int], list]] = []
+        plan_ran = not opened or data.draw(st.booleans(), label="plan runs at once")
+        if plan_ran:
+            self._run_plan(*pairs)
         assert len(set(plan.blocks_to_copy.dst)) == len(plan.blocks_to_copy.dst)
         assert not set(plan.blocks_to_copy.dst) & set(plan.blocks_to_copy.src), "chained copies"
         assert len(batch.seq_ids) == len(set(batch.seq_ids))
@@ -552,8 +623,15 @@ class ManagerMachine(RuleBasedStateMachine):
             row = batch.block_tables[i * batch.max_blocks:(i + 1) * batch.max_blocks]
             assert row == table + [0] * (batch.max_blocks - len(table))
             assert batch.kv_last_page_len[i] == ctx_len - (len(table) - 1) * B
-            self._write(batch.slot_mapping[offset:offset + q], seq.values[ctx_len - q:])
+            writes.append((batch.slot_mapping[offset:offset + q], seq.values[ctx_len - q:]))
             offset += q
+        if opened:
+            ids = self.m.tentative.steps[r.step_id].ids
+            self.pending[r.step_id] = Pending(r.step_id, ids, {s: models_before.get(s) for s in ids}, pairs, writes,
+                                              plan_ran)
+        else:
+            for slots, values in writes:
+                self._write(slots, values)
         assert set(batch.seq_ids) == set(ctx.query), (batch.seq_ids, ctx.query)
         # The packed padded table (TABLE_LAYOUT_PADDED_PACKED), from rows the manager keeps across
         # steps, rollbacks and swaps: it must always equal the list form.
@@ -580,16 +658,20 @@ class ManagerMachine(RuleBasedStateMachine):
         for tier in (s.gpu, s.cpu):
             assert tier.used_blocks + tier.free_blocks + tier.cached_blocks == tier.total_blocks
         # The operation counts the metrics export count only what committed: every live sequence
-        # was allocated or forked, and not freed.
+        # was allocated or forked, and not freed (tentative steps count when they finish).
         applied = m.op_counts.applied
-        assert applied["allocate"] + applied["fork"] - applied["free"] == len(self.model), dict(applied)
+        if not self.pending:
+            assert applied["allocate"] + applied["fork"] - applied["free"] == len(self.model), dict(applied)
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
         if self.m is None:
             return
         B = self.B
+        busy = {s for p in self.pending.values() for s in p.ids}  # their K/V is written when they commit
         for seq_id, seq in self.model.items():
+            if seq_id in busy:
+                continue
             table = self.m.block_table(seq_id).block_ids
             data = self.gpu if seq.tier == "gpu" else self.cpu
             got = [data[table[i // B]][i % B] for i in range(len(seq.values))]

@@ -1,0 +1,151 @@
+"""Steps whose plan is on its way to the workers: applied, not yet committed, while others run.
+
+A step that moves blocks (copy-on-write copies, swaps) must not commit before the workers have
+executed its plan, and must roll back if they fail it. Waiting for them under the manager's lock
+would stall every other call behind one stuck rank, so such a step is made *tentative*: its
+changes stay applied, its undo entries leave the shared journal and stay with it, and other steps
+run beside it until the workers answer. Then it commits (its held blocks rejoin the pools) or
+aborts (its entries are undone, newest first). docs/design.md, "Steps waiting on the workers",
+gives the argument; in short, what keeps the undo valid after other steps ran:
+
+- the sequences it names are *busy*: a later step naming one waits for it (``busy_with``), so no
+  other step changes them, frees them or reuses their ids;
+- the blocks it took for itself (allocated, revived from the prefix cache, registered under a
+  prefix hash, released to HELD) are *hidden*: no other step can find them by prefix, share or
+  reuse them;
+- a shared block it dropped a reference to is *pinned*: the reference is kept until the step
+  finishes, so the block cannot be freed and reused under a rollback that gives it back;
+- what is left (ref counts it added to shared blocks, the free queue, the LRU, counters) is
+  arithmetic or order that the undo functions restore validly in any interleaving.
+
+Tentative plans touch disjoint blocks (hidden, pinned or held ones), so they may reach the
+workers in any order. Replay (``manager/recovery.py``) reopens and finishes tentative steps
+where the log says they opened and finished, so a recovered manager gets the same block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence as Seq
+
+from .block_pool import USED, BlockPool
+from .journal import undo
+from .operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, SwapInOp, SwapOutOp
+
+# Undo entries of the pools that need no mark: shared-reference arithmetic and per-block data
+# of blocks the step owns anyway.
+_UNMARKED = (BlockPool._undo_incref, BlockPool._undo_fill, BlockPool._undo_carry_hash)
+
+
+@dataclass(eq=False)
+class TentativeStep:
+    step_id: int
+    ops: list[Operation]
+    outcomes: list                      # OperationOutcome per op, as answered
+    ids: frozenset[str]                 # every sequence id its operations name
+    entries: list[tuple[Callable[..., Any], tuple[Any, ...]]]   # its undo journal
+    counter_delta: dict[str, int]       # what it added to the manager's Counters
+    held: list[tuple[BlockPool, dict[int, None]]] = field(default_factory=list)
+    pins: list[tuple[BlockPool, int]] = field(default_factory=list)
+    hidden: list[tuple[BlockPool, int]] = field(default_factory=list)
+    finished: bool = False
+    committed: bool = False
+
+
+def op_ids(op: Operation) -> Seq[str]:
+    """The sequence ids an operation names. O(ids)."""
+    if isinstance(op, (AllocateOp, AppendOp, FreeOp)):
+        return (op.seq_id,)
+    if isinstance(op, ForkOp):
+        return (op.parent_seq_id, op.child_seq_id)
+    if isinstance(op, (AppendBatchOp, SwapOutOp, SwapInOp)):
+        return op.seq_ids
+    return ()
+
+
+class TentativeSteps:
+    """The pending tentative steps and the sequence ids they keep busy."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, TentativeStep] = {}
+        self._busy: dict[str, TentativeStep] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def busy_with(self, ops: Seq[Operation]) -> Optional[TentativeStep]:
+        """The tentative step that keeps one of these operations' sequences busy, if any.
+        O(ids named), and O(1) while no step is tentative (the decode path)."""
+        busy = self._busy
+        if not busy:
+            return None
+        for op in ops:
+            for seq_id in op_ids(op):
+                step = busy.get(seq_id)
+                if step is not None:
+                    return step
+        return None
+
+    def open(self, step_id: int, ops: Seq[Operation], outcomes: list, entries: list, counter_delta: dict[str, int],
+             pools: Seq[BlockPool]) -> TentativeStep:
+        """Make the step being applied tentative: mark its sequences busy, take its held blocks,
+        pin the shared blocks it dropped and hide the blocks it took. O(journal entries)."""
+        ids = frozenset(seq_id for op in ops for seq_id in op_ids(op))
+        step = TentativeStep(step_id, list(ops), outcomes, ids, entries, counter_delta)
+        for pool in pools:
+            step.held.append((pool, pool.take_held()))
+        dropped: dict[tuple[BlockPool, int], None] = {}  # shared blocks it dropped a reference to
+        for fn, args in entries:
+            pool = getattr(fn, "__self__", None)
+            if not isinstance(pool, BlockPool):
+                continue
+            kind, block_id = fn.__func__, args[0].block_id
+            if kind is BlockPool._undo_decref:
+                dropped[(pool, block_id)] = None
+            elif kind not in _UNMARKED:
+                pool.hide(block_id)
+                step.hidden.append((pool, block_id))
+        for pool, block_id in dropped:  # one pin each keeps it from reaching 0; a HELD one is safe already
+            if pool.blocks[block_id].state == USED:
+                pool.pin(block_id)
+                step.pins.append((pool, block_id))
+        self.steps[step_id] = step
+        for seq_id in ids:
+            self._busy[seq_id] = step
+        return step
+
+    def finish(self, step: TentativeStep, ok: bool, counters) -> None:
+        """Commit (``ok``) or undo a tentative step, then release its marks and held blocks."""
+        if step.finished or self.steps.get(step.step_id) is not step:
+            raise RuntimeError(f"step {step.step_id} is not a pending tentative step")
+        for pool, held in step.held:
+            pool.resume_held(held)
+        if not ok:
+            undo(step.entries)   # pins still in place: a dropped reference comes back on top of its pin
+            for name, delta in step.counter_delta.items():
+                setattr(counters, name, getattr(counters, name) - delta)
+        for pool, block_id in step.pins:
+            pool.unpin(block_id)
+        for pool, block_id in step.hidden:
+            pool.unhide(block_id)
+        for pool, _ in step.held:
+            pool.end_hold()
+        del self.steps[step.step_id]
+        for seq_id in step.ids:
+            if self._busy.get(seq_id) is step:
+                del self._busy[seq_id]
+        step.entries = []
+        step.finished, step.committed = True, ok
+
+
+def counter_delta(after, before) -> dict[str, int]:
+    """Field by field ``after - before`` of two Counters, the nonzero ones."""
+    out = {}
+    for f in fields(after):
+        d = getattr(after, f.name) - getattr(before, f.name)
+        if d:
+            out[f.name] = d
+    return out
