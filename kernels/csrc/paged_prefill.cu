@@ -69,7 +69,7 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
   const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, a.wgmma != 0, [&](auto cfg) {
     using Cfg = decltype(cfg);
     auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W, Cfg::WG>;
-    constexpr int smem = prefill_smem_bytes<Cfg::D, Cfg::W>();
+    constexpr int smem = Cfg::WG ? prefill_wgmma_smem_bytes<Cfg::D, Cfg::W>() : prefill_smem_bytes<Cfg::D, Cfg::W>();
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return;
     // grid: one block per (work item, KV head), item-major; block: 32 * W threads.

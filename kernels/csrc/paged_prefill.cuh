@@ -226,6 +226,14 @@ constexpr int prefill_smem_bytes() {
   return (16 * WARPS + 2 * prefill_detail::kBN) * D * 2 + 1024;
 }
 
+// The wgmma version keeps kStages K/V tiles (loads run a tile ahead, and P_{j-1} V_{j-1} runs
+// while S_j is computed).
+constexpr int kWgmmaStages = 3;
+template <int D, int WARPS>
+constexpr int prefill_wgmma_smem_bytes() {
+  return (16 * WARPS + 2 * kWgmmaStages * prefill_detail::kBN) * D * 2 + 1024;
+}
+
 namespace prefill_detail {
 
 // What one block computes, and the K/V tile loads from the pages. BM = 16 * WARPS query rows.
@@ -338,6 +346,71 @@ template <typename T, int D>
 struct RowSoftmax {
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
   int lim_a, lim_b;   // last visible position of rows a and b
+
+  // The first half of step(): s becomes P (fp32); m and l move on; returns the factors o must
+  // be rescaled by (alpha_a, alpha_b), for the caller to apply when o may be touched.
+  __device__ __forceinline__ float2 scores(float (&s)[kBN / 8][4], int kv0, bool need_mask, float sl2, int t4) {
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[i][e] * sl2;
+        if (need_mask) {
+          const int pos = kv0 + i * 8 + 2 * t4 + (e & 1);
+          if (pos > (e < 2 ? lim_a : lim_b)) x = -INFINITY;
+        }
+        s[i][e] = x;
+      }
+    }
+    float mx_a = m_a, mx_b = m_b;
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i) {
+      mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float use_a = mx_a == -INFINITY ? 0.f : mx_a, use_b = mx_b == -INFINITY ? 0.f : mx_b;
+    const float alpha_a = fast_exp2(m_a - use_a), alpha_b = fast_exp2(m_b - use_b);
+    m_a = mx_a;
+    m_b = mx_b;
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i) {
+      s[i][0] = fast_exp2(s[i][0] - use_a);
+      s[i][1] = fast_exp2(s[i][1] - use_a);
+      s[i][2] = fast_exp2(s[i][2] - use_b);
+      s[i][3] = fast_exp2(s[i][3] - use_b);
+      sum_a += s[i][0] + s[i][1];
+      sum_b += s[i][2] + s[i][3];
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+    return make_float2(alpha_a, alpha_b);
+  }
+
+  static __device__ __forceinline__ void rescale(float (&o)[D / 8][4], float2 alpha) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= alpha.x;
+      o[i][1] *= alpha.x;
+      o[i][2] *= alpha.y;
+      o[i][3] *= alpha.y;
+    }
+  }
+
+  static __device__ __forceinline__ void pack(const float (&s)[kBN / 8][4], uint32_t (&pa)[kBN / 16][4]) {
+    using M = Mma<T>;
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      pa[kk][0] = M::pack(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = M::pack(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = M::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+  }
 
   __device__ __forceinline__ void step(float (&s)[kBN / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[kBN / 16][4],
                                        int kv0, bool need_mask, float sl2, int t4) {
@@ -508,22 +581,49 @@ __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned ch
 }
 
 #if KVPAGER_PREFILL_WGMMA
+// Keeps the compiler from moving register reads or writes across an asynchronous wgmma's issue
+// or wait (the registers belong to the tensor cores in between).
+template <int N, int E>
+__device__ __forceinline__ void fence_regs(float (&x)[N][E]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < E; ++e) asm volatile("" : "+f"(x[i][e])::"memory");
+}
+template <int N, int E>
+__device__ __forceinline__ void fence_regs(uint32_t (&x)[N][E]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < E; ++e) asm volatile("" : "+r"(x[i][e])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
 // wgmma version (sm_90a): each warpgroup (4 warps, 64 rows) runs S = Q K^T with Q and K from
 // shared memory, and O += P V with P from registers and V from shared memory (N-major).
+// kWgmmaStages K/V tiles: tile j + 1 loads while tile j is computed, and P_{j-1} V_{j-1} runs on
+// the tensor cores while the softmax of S_j runs (FA3's intra-warpgroup overlap).
 template <typename T, typename C, int D, int WARPS>
 __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned char* smem_raw) {
   using Blk = PrefillBlock<T, C, D, WARPS>;
-  constexpr int BM = Blk::BM, BN = Blk::BN;
+  constexpr int BM = Blk::BM, BN = Blk::BN, S = kWgmmaStages;
   static_assert(WARPS % 4 == 0, "whole warpgroups");
   Blk blk(args, smem_raw);
   if (!blk.live) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;
+  // Stage i: K at sK + i * 2 * BN * D, V right after it.
+  auto k_tile = [&](int i) { return blk.sK + i * 2 * BN * D; };
+  auto v_tile = [&](int i) { return blk.sK + i * 2 * BN * D + BN * D; };
 
   blk.load_q();
   if (blk.n_tiles > 0) {
     blk.locate(0);
-    blk.load_tile(blk.sK, blk.kbase);
+    blk.load_tile(k_tile(0), blk.kbase);
+    blk.load_tile(v_tile(0), blk.vbase);
   }
   cp_async_commit();
 
@@ -534,22 +634,30 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
   const int first_pos = blk.offset + blk.t_first;
 
   const uint32_t q_addr = smem_addr(blk.sQ + wg * 64 * 64);   // this warpgroup's 64 rows of each panel
-  const uint32_t k_addr = smem_addr(blk.sK), v_addr = smem_addr(blk.sV);
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  uint32_t pa[BN / 16][4];   // P_{j-1}
 
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int kv0 = j * BN;
     cp_async_wait_all();
     fence_proxy_async();   // shared-memory writes, then reads by the tensor cores (async proxy)
-    __syncthreads();       // K_j (and Q) landed for everyone; everyone is done with V_{j-1}
-    blk.load_tile(blk.sV, blk.vbase);
+    __syncthreads();       // tile j landed for everyone; everyone is done with iteration j - 1
+    if (j + 1 < blk.n_tiles) {   // stage (j + 1) % S: last read in iteration j - 1 (V_{j-2}, K_{j-2})
+      blk.locate(kv0 + BN);
+      blk.load_tile(k_tile((j + 1) % S), blk.kbase);
+      blk.load_tile(v_tile((j + 1) % S), blk.vbase);
+    }
     cp_async_commit();
 
     float s[BN / 8][4];
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    const uint32_t k_addr = smem_addr(k_tile(j % S));
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pa);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -558,26 +666,35 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
       wgmma_ss(Tag<T>{}, s, gmma_desc(q_addr + dq, 16, 1024), gmma_desc(k_addr + dk, 16, 1024));
     }
     wgmma_commit();
-    wgmma_wait_all();
-
-    uint32_t pa[BN / 16][4];
-    sm.step(s, o, pa, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
-
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();   // V_j landed for everyone; everyone is done with K_j
-    if (j + 1 < blk.n_tiles) {
-      blk.locate(kv0 + BN);
-      blk.load_tile(blk.sK, blk.kbase);
+    if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
+      const uint32_t v_addr = smem_addr(v_tile((j - 1) % S));
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)   // 16 positions = 2 groups of 8 rows = 2048 bytes per step
+        wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+      wgmma_commit();
+      wgmma_wait<1>();   // S_j done
+    } else {
+      wgmma_wait<0>();
     }
-    cp_async_commit();
-
+    fence_regs(s);
+    const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
+    wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
+    fence_regs(o);
+    fence_regs(pa);
+    RowSoftmax<T, D>::rescale(o, alpha);
+    RowSoftmax<T, D>::pack(s, pa);
+  }
+  if (blk.n_tiles > 0) {
+    const uint32_t v_addr = smem_addr(v_tile((blk.n_tiles - 1) % S));
+    fence_regs(o);
+    fence_regs(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)   // 16 positions = 2 groups of 8 rows = 2048 bytes per step
+    for (int kk = 0; kk < BN / 16; ++kk)
       wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
     wgmma_commit();
-    wgmma_wait_all();
+    wgmma_wait<0>();
+    fence_regs(o);
   }
   cp_async_wait_all();
   write_rows<T, D>(blk, sm, o, r_a, t4);
