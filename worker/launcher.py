@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if args.join and not args.ray_address:
         raise cli.UsageError("--join needs --ray-address (the cluster to join)")
     cli.log_to_stderr()
+    if args.ray_address:
+        present_ray_token()
     creds = credentials(args)
     _stop_on_signals()
     check_manager(args.manager, credentials=creds)
@@ -351,7 +353,7 @@ class RayNode:
         if device == "cpu":  # room for one CPU actor per rank, whatever Ray detects; no GPUs
             command += ["--num-gpus", "0", "--num-cpus", str(max(tensor_parallel_size, os.cpu_count() or 1))]
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env=ray_start_env())
+                                start_new_session=True)
         node = cls(proc)
         try:
             deadline = time.monotonic() + RAY_NODE_START_S
@@ -405,6 +407,7 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
     """Join Ray as a driver; (the node to place the ranks on or None for any, GPUs there)."""
     import ray
 
+    cli.quiet_ray_startup()  # this command says in its own words what it started or joined
     if not args.ray_address:
         from kvpager.worker.ray_group import init_local_ray
 
@@ -413,7 +416,6 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
             import torch
 
             gpus = torch.cuda.device_count()
-        cli.quiet_ray_startup()  # local_ray_line says it instead
         init_local_ray(num_cpus=args.tensor_parallel_size, num_gpus=gpus, namespace=args.namespace,
                        node_ip=args.node_ip)
         print(local_ray_line(ray.get_runtime_context().gcs_address), flush=True)
@@ -430,6 +432,8 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
         time.sleep(0.2)
     if args.node_ip and node["NodeManagerAddress"] != args.node_ip:
         raise cli.Failure(f"the local Ray node advertises {node['NodeManagerAddress']}, not --node-ip {args.node_ip}")
+    print(f"Ray: on the cluster at {args.ray_address}, through this machine's node {node['NodeManagerAddress']}"
+          f"{' (started here, stopped with this command)' if args.join else ''}", flush=True)
     return node_id, int(node["Resources"].get("GPU", 0))
 
 
@@ -443,15 +447,14 @@ def local_ray_line(address: str) -> str:
             f"machine with --ray-address {address} --join --node-ip 127.0.0.3")
 
 
-def ray_start_env() -> dict[str, str]:
-    """The environment of ``ray start``: like Ray's own drivers (but not its ``ray start
-    --address``), present the token where one exists and the mode is not set, so joining a
-    cluster with token authentication (a local one this command started) works."""
-    env = dict(os.environ)
+def present_ray_token(env: dict = os.environ) -> None:
+    """Joining a Ray cluster: where this machine holds a Ray token and RAY_AUTH_MODE is unset, set
+    it to token, as Ray itself does when it starts a local cluster, so that a cluster with token
+    authentication (one another `kvpager worker` started here) lets `ray start --address` and this
+    driver in. Before Ray is imported: it reads the mode once."""
     token_file = env.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
     if RAY_AUTH_MODE not in env and (env.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file)):
         env[RAY_AUTH_MODE] = "token"
-    return env
 
 
 def connect_ray(address: str, namespace: str, node_ip: Optional[str] = None) -> None:

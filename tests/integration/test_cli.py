@@ -204,6 +204,26 @@ def test_the_readme_manager_and_worker_work_together_with_their_defaults(start_m
         worker.stop()
 
 
+def test_a_second_worker_joins_the_ray_cluster_the_first_one_printed(start_manager):
+    _, first_manager = start_manager()
+    _, second_manager = start_manager()
+    first = Proc.kvpager("worker", "--insecure", "--manager", first_manager)
+    second = None
+    try:
+        ray = first.wait_for(r"^Ray: started a local cluster at ([^\s,]+)", 90).group(1)
+        first.wait_for(r"^workers ready", 90)
+        second = Proc.kvpager("worker", "--insecure", "--manager", second_manager, "--ray-address", ray, "--join",
+                              "--node-ip", "127.0.0.3", "--namespace", "second")
+        second.wait_for(rf"^Ray: on the cluster at {re.escape(ray)}, through this machine's node 127\.0\.0\.3", 90)
+        second.wait_for(r"^workers ready: .* registered with " + re.escape(second_manager), 90)
+        assert second.stop() == 0 and first.proc.poll() is None  # leaving stops only the joined node
+        assert first.stop() == 0
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+
+
 def test_a_worker_with_another_block_size_is_refused_at_once(start_manager):
     _, target = start_manager("--block-size", "8")
     started = time.monotonic()
