@@ -2,8 +2,8 @@
 
     python3 tests/support/fetch_tools.py      # what `make tools` (and so `make test`) runs
 
-Nothing is installed: Debian's packages are downloaded with ``apt-get download`` into
-``.cache/tools/debs`` and unpacked with ``dpkg-deb -x`` into ``.cache/tools/root``, so no
+Nothing is installed: Debian's packages are downloaded with ``apt-get download`` (into a
+temporary folder, deleted after) and unpacked with ``dpkg-deb -x`` into ``.cache/tools/root``, so no
 maintainer script runs (Debian's prometheus package would otherwise start a system service) and
 nothing under /usr or /etc changes. ``.cache/tools/bin`` then holds one entry per program:
 links to the unpacked binaries, and for docker-compose (a Python program) a wrapper that runs
@@ -205,12 +205,10 @@ def build() -> dict:
     if problem:
         manifest["unavailable"] = {t.name: problem for t in TOOLS}
         return _save(manifest)
-    debs = CACHE / "debs"
-    shutil.rmtree(debs, ignore_errors=True)
-    debs.mkdir()
     staging = Path(tempfile.mkdtemp(prefix="new-", dir=CACHE))  # becomes root/ and bin/ when complete
-    (staging / "root").mkdir()
-    (staging / "bin").mkdir()
+    debs = staging / "debs"
+    for folder in (debs, staging / "root", staging / "bin"):
+        folder.mkdir()
     fetcher = Fetcher(debs)
     fetched = []
     for tool in TOOLS:
@@ -228,7 +226,7 @@ def build() -> dict:
     for name in ("root", "bin"):
         shutil.rmtree(CACHE / name, ignore_errors=True)
         (staging / name).rename(CACHE / name)
-    staging.rmdir()
+    shutil.rmtree(staging)  # the downloaded .debs
     for tool in fetched:
         why = check(tool, CACHE / "bin")
         if why is None:
@@ -243,12 +241,6 @@ def _save(manifest: dict) -> dict:
     temp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     temp.replace(MANIFEST)
     return manifest
-
-
-def ensure() -> dict:
-    """The manifest, building the cache first unless it is current."""
-    manifest = read_manifest()
-    return manifest if is_current(manifest) else build()
 
 
 def summary(manifest: dict) -> str:
