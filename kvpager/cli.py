@@ -247,9 +247,10 @@ def non_negative_float(text: str) -> float:
 
 
 def quiet_ray_startup() -> None:
-    """Keep Ray's own lines off the terminal when a command starts a local Ray cluster: its
-    "Token authentication is enabled ..." warning and "Started a local Ray instance" (the command
-    says what it started, in its own words). Ray's errors still show."""
+    """Keep Ray's own lines off the terminal when a command starts or joins a Ray cluster: its
+    "Token authentication is enabled ..." warning, "Started a local Ray instance", "Connected to
+    Ray cluster" (each command says what it runs on, in its own words). Ray's errors still show.
+    Every subcommand (``main``, ``run_main``); nothing is imported."""
     for name, level in (("ray._private.worker", logging.WARNING),
                         ("ray._private.authentication.authentication_token_setup", logging.ERROR)):
         logging.getLogger(name).setLevel(level)
@@ -312,6 +313,7 @@ def run_main(prog: str, module: Any, argv: Optional[Sequence[str]]) -> int:
     """The ``main`` of a subcommand module run on its own (``python -m kvpager.demo``)."""
     parser = Parser(prog=prog, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.configure(parser)
+    quiet_ray_startup()
     return _exit_code(lambda: guarded(parser, module.run, parser.parse_args(argv)))
 
 
@@ -423,6 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args, extras = parser.parse_known_args(argv)
         if extras:  # say whose flags they are not
             parsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+        quiet_ray_startup()
         return guarded(parsers[args.command], args._run, args)
 
     return _exit_code(body)

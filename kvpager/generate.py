@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
             c.finish_reason = finish_reason
         printer.update()
 
-    cli.quiet_ray_startup()
     try:
         system_context = embedded(model, block_size=block_size, tensor_parallel_size=args.tensor_parallel_size,
                                   use_ray=not args.no_ray, num_gpu_blocks=gpu_blocks, num_cpu_blocks=64,

@@ -407,7 +407,6 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
     """Join Ray as a driver; (the node to place the ranks on or None for any, GPUs there)."""
     import ray
 
-    cli.quiet_ray_startup()  # this command says in its own words what it started or joined
     if not args.ray_address:
         from kvpager.worker.ray_group import init_local_ray
 
