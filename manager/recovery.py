@@ -185,7 +185,7 @@ class Durability:
                 opened.append(result.step_id)
                 pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
                                 _codes(result), decisions))
-                self.commit()
+                self.commit(sync=False)
 
             m.on_tentative = on_tentative
             try:
@@ -218,10 +218,12 @@ class Durability:
         self._wrap()
         self._pending.append(("event", *what))
 
-    def commit(self) -> None:
+    def commit(self, sync: bool = True) -> None:
         """Write what the current call changed as one record (nothing when it changed nothing).
-        Called under the state lock before the answer is sent. A failed write ends the process:
-        the change is applied in memory but could not be made durable, so it must not be answered."""
+        Called under the state lock before the answer is sent (``sync`` False: a tentative step's
+        open record, which is answered only after a later, synced record). A failed write ends the
+        process: the change is applied in memory but could not be made durable, so it must not be
+        answered."""
         self._wrap()
         if not self._pending and not self._request:
             return
@@ -230,7 +232,7 @@ class Durability:
             return
         record = {"changes": list(self._pending), "requests": list(self._request)}
         try:
-            self.dir.append(record)
+            self.dir.append(record, sync)
         except BaseException:
             log.critical("cannot write the state log in %s; stopping (nothing unlogged is answered; a restart "
                          "recovers the logged state)", self.dir.path, exc_info=True)

@@ -108,8 +108,11 @@ class TentativeSteps:
             elif kind not in _UNMARKED:
                 pool.hide(block_id)
                 step.hidden.append((pool, block_id))
-        for pool, block_id in dropped:  # one pin each keeps it from reaching 0; a HELD one is safe already
-            if pool.blocks[block_id].state == USED:
+        hidden = set(step.hidden)
+        for pool, block_id in dropped:
+            # One pin keeps it from reaching 0. Not needed (and wrong: its undo sets the count) for a
+            # block the step took back for itself: hidden, every reference to it is the step's.
+            if pool.blocks[block_id].state == USED and (pool, block_id) not in hidden:
                 pool.pin(block_id)
                 step.pins.append((pool, block_id))
         self.steps[step_id] = step

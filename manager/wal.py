@@ -193,15 +193,16 @@ class StateDir:
             self._flusher = threading.Thread(target=self._flush_loop, name="kvpager-wal-flush", daemon=True)
             self._flusher.start()
 
-    def append(self, record: Any) -> None:
-        """Append one record (one write; fsync as --fsync says). Raises OSError when the write fails."""
+    def append(self, record: Any, sync: bool = True) -> None:
+        """Append one record (one write; fsync as --fsync says, unless ``sync`` is False: a record
+        that any later one's fsync covers). Raises OSError when the write fails."""
         data = frame(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
         started = time.perf_counter()
         with self._io_lock:
             written = os.write(self._fd, data)
             if written != len(data):
                 raise OSError(f"short write to the log: {written} of {len(data)} bytes")
-            if self.fsync == "always":
+            if self.fsync == "always" and sync:
                 os.fdatasync(self._fd)
             else:
                 self._dirty = True

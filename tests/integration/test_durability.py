@@ -547,11 +547,12 @@ def test_a_rolled_back_step_id_is_never_given_again_after_a_restart(tmp_path):
         svc.manager.dispatch = unreachable
         for _ in range(3):
             with pytest.raises(Unavailable):
-                bm.step([C.append_batch_op(["a"], [2])])
+                bm.step([C.swap_out_op(["a"])])        # a plan for the workers
         spent = svc.manager.steps      # each attempt (the client retries UNAVAILABLE) spent one
         assert spent >= first + 3
     with serving(config) as (bm, svc):
-        assert bm.get_block_table("a").num_tokens == 7       # the rolled-back appends are not there
+        table = bm.get_block_table("a")
+        assert table.num_tokens == 7 and table.tier == pb.TIER_GPU   # the rolled-back swap-outs are not there
         assert bm.step([C.append_batch_op(["a"], [3])]).step_id == spent + 1
         svc.manager.check_invariants()
 

@@ -167,20 +167,24 @@ def test_retry_after_deadline_exceeded_gets_the_first_answer_and_applies_once(se
         if len(dispatched) == 1:
             time.sleep(0.6)
 
+    client.allocate("a", num_tokens=5)
+    client.fork("a", "b")
+    client.allocate("c", num_tokens=3)
     try:
         with service.lock:
             service.manager.dispatch = slow_worker
-        r = impatient.allocate("a", num_tokens=5)
-        assert list(r.block_ids) == [0, 1] and len(dispatched) == 1
+        r = impatient.append("b", num_tokens=1)   # copy-on-write of the shared last block: a plan
+        assert len(r.copies.src) == 1 and len(dispatched) == 1
         dispatched.clear()
-        r = impatient.step([C.append_op("a", num_tokens=4), C.fork_op("a", "b")])
-        assert [res.code for res in r.results] == [0, 0] and len(dispatched) == 1
+        r = impatient.step([C.append_op("a", num_tokens=4), C.swap_out_op(["c"]), C.fork_op("a", "d")])
+        assert [res.code for res in r.results] == [0, 0, 0] and len(dispatched) == 1
     finally:
         impatient.close()
         with service.lock:
             service.manager.dispatch = None
-    assert client.get_block_table("a").num_tokens == 9 and client.get_block_table("b").num_tokens == 9
-    assert client.get_stats().running_sequences == 2
+    assert client.get_block_table("a").num_tokens == 9 and client.get_block_table("b").num_tokens == 6
+    stats = client.get_stats()
+    assert stats.running_sequences == 3 and stats.swapped_sequences == 1 and stats.cow_copies == 1
 
 
 def test_answers_are_forgotten_after_the_ttl():

@@ -21,11 +21,11 @@ needs no plan), checked:
   (``worker_plan_timeout``) and is rolled back: the child's and the parent's tables are as they
   were, no copy is counted, the invariants hold (no leaked or double-owned block). The stopped
   rank is dropped; the next step that needs a plan fails UNAVAILABLE at once, naming it.
-- Steps that need no plan: while the plan-needing step waits on the stopped rank they queue
-  behind it (``lock`` is held through the whole dispatch: see docs/design.md "The service"), or,
-  beyond ``max_waiting`` waiters, are refused UNAVAILABLE at once; none fails otherwise. Once
-  the step has failed and the rank is dropped, they succeed again although health says
-  NOT_SERVING (they move nothing, so they need no worker).
+- Steps that need no plan (appends to other sequences): while the plan-needing step waits on the
+  stopped rank they go on beside it (it is tentative, the state lock is free: docs/design.md
+  "Steps waiting on the workers"), every one succeeds, p99 under ``LATENCY_LIMIT``. Once the step
+  has failed and the rank is dropped, they succeed too although health says NOT_SERVING (they
+  move nothing, so they need no worker).
 
 Then SIGCONT (always, in a ``finally``): the rank's heartbeat finds itself forgotten and registers
 again with the same cache id (no epoch change, nothing lost), health is SERVING, and steps with
@@ -283,14 +283,11 @@ def test_a_stopped_worker_process_stalls_only_the_step_that_needs_it(ray_cluster
                 assert len(samples) >= 10, (name, len(samples))
                 assert quantile(samples, 0.99) < LATENCY_LIMIT, (name, quantile(samples, 0.99))
         assert not dropped and forgotten == 0, (dropped, forgotten)   # rank 0 was never dropped
-        # No-plan mutations either waited behind the stuck dispatch or were refused at once; after it
-        # failed, with rank 1 dropped, they went through.
-        assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
-        assert stalled and after and all(m[2] == "OK" for m in after), (stalled, after)
-        assert all(m[1] < PLAN_TIMEOUT + 1.5 for m in stalled)
-        # The current design: they queue behind the stuck dispatch (``lock`` is held through it), for
-        # up to the plan deadline, though they need no worker.
-        assert max(m[1] for m in stalled if m[2] == "OK") > PLAN_TIMEOUT / 2, stalled
+        # No-plan mutations went on beside the stuck dispatch, all of them, without waiting for it;
+        # after it failed, with rank 1 dropped, they went on too.
+        assert set(codes) == {"OK"}, codes
+        assert stalled and after, (stalled, after)
+        assert quantile([m[1] for m in stalled], 0.99) < LATENCY_LIMIT, sorted(m[1] for m in stalled)[-5:]
 
         # 4. Resumed: rank 1 registers again with the same cache (no epoch change), health SERVING.
         wait_for(lambda: client.health() == "SERVING", 10, "rank 1 registered again after SIGCONT")

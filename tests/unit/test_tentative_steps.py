@@ -203,3 +203,19 @@ def test_a_prefix_hit_rolled_back_after_the_other_sharer_was_freed_releases_the_
     m.finish_tentative(step, False)            # c's reference was the last: the block is CACHED
     m.check_invariants()
     assert m.gpu.blocks[shared].state == CACHED and m.gpu.blocks[shared].ref_count == 0
+
+
+def test_a_block_it_dropped_and_took_back_for_a_swap_in_rolls_back_exactly():
+    m = manager()
+    m.allocate("p", [1, 2, 3, 4, 5])
+    m.fork("p", "p2")
+    m.allocate("s", [1, 2, 3, 4, 9])           # shares p's two full blocks
+    m.swap_out(["s"])                          # its CPU copies carry their prefix hashes
+    shared = table(m, "p")
+    # Both forks freed (the first drops a reference, the second releases), then s swapped in:
+    # it takes the released blocks back by their hashes, within the same step.
+    step = tentative(m, FreeOp("p"), FreeOp("p2"), SwapInOp(["s"]))
+    assert table(m, "s")[:2] == shared[:2]
+    m.finish_tentative(step, False)
+    m.check_invariants()
+    assert table(m, "p") == table(m, "p2") == shared and m.block_table("s").tier == "cpu"
