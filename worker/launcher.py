@@ -166,8 +166,6 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_signals()
     check_manager(args.manager, credentials=creds)
     check_manager_agrees(args, credentials=creds)
-    if creds is None or not (creds.manager_token or creds.tls.client_ca):  # once it can start: failures stay one line
-        log.warning("--insecure: the ranks' CacheWorker service accepts plans from anyone who reaches it")
     node: Optional[RayNode] = None
     group = None
     try:
@@ -177,13 +175,7 @@ def run(args: argparse.Namespace) -> int:
         _stop_on_signals()  # ray.init installs its own SIGTERM handler
         group = start_group(args, node_id, gpus, creds)
         _stop_on_signals()
-        for rank, (grpc_address, metrics, memory) in enumerate(zip(group.addresses, group.metrics_addresses,
-                                                                   group.memory_stats())):
-            print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}, {cache_summary(memory)}", flush=True)
-        cfg = group.configs[0]
-        print(f"workers ready: tensor parallel {len(group.actors)} on {'CUDA' if group.use_gpu else 'CPU'}, "
-              f"model {args.model or ('small' if group.use_gpu else 'tiny')}, block size {cfg.block_size}, "
-              f"registered with {args.manager}", flush=True)
+        announce(group, args, creds)
         try:
             watch(group.addresses, creds)  # returns only by raising
         except KeyboardInterrupt:  # SIGTERM or SIGINT: the normal way to stop
@@ -192,6 +184,19 @@ def run(args: argparse.Namespace) -> int:
         _stop(group, node)
     print("workers stopped", flush=True)
     return 0
+
+
+def announce(group, args: argparse.Namespace, creds) -> None:
+    """The group serves: one line per rank, the warning of an open plan service, `workers ready`.
+    (The warning waits for this: a start that fails ends with one line.)"""
+    for rank, (grpc_address, metrics, memory) in enumerate(zip(group.addresses, group.metrics_addresses,
+                                                               group.memory_stats())):
+        print(f"rank {rank}: grpc {grpc_address}, metrics {metrics or 'off'}, {cache_summary(memory)}", flush=True)
+    if creds is None or not (creds.manager_token or creds.tls.client_ca):
+        log.warning("--insecure: the ranks' CacheWorker service accepts plans from anyone who reaches it")
+    print(f"workers ready: tensor parallel {len(group.actors)} on {'CUDA' if group.use_gpu else 'CPU'}, "
+          f"model {args.model or ('small' if group.use_gpu else 'tiny')}, block size {group.configs[0].block_size}, "
+          f"registered with {args.manager}", flush=True)
 
 
 def cache_summary(memory) -> str:
@@ -415,6 +420,7 @@ def connect(args: argparse.Namespace) -> tuple[Optional[str], int]:
             import torch
 
             gpus = torch.cuda.device_count()
+        check_gpus(args, gpus)  # before Ray starts
         init_local_ray(num_cpus=args.tensor_parallel_size, num_gpus=gpus, namespace=args.namespace,
                        node_ip=args.node_ip)
         print(local_ray_line(ray.get_runtime_context().gcs_address), flush=True)
@@ -479,8 +485,7 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int, cre
     from kvpager.worker.ray_group import RayWorkerGroup, actor_name
 
     tp = args.tensor_parallel_size
-    if args.device == "cuda" and gpus < tp:
-        raise cli.Failure(f"--device cuda needs {tp} GPU(s) on this Ray node, it has {gpus}")
+    check_gpus(args, gpus)
     use_gpu = args.device == "cuda" or (args.device == "auto" and gpus >= tp)
     try:
         ray.get_actor(actor_name(0))
@@ -499,6 +504,12 @@ def start_group(args: argparse.Namespace, node_id: Optional[str], gpus: int, cre
         return RayWorkerGroup(config, tensor_parallel_size=tp, use_gpu=use_gpu, named=True, node_id=node_id)
     except ray.exceptions.RayError as err:
         raise cli.Failure(explain_refusal(_cause(err), args.manager)) from err
+
+
+def check_gpus(args: argparse.Namespace, gpus: int) -> None:
+    """--device cuda needs a GPU per rank on the node the ranks run on."""
+    if args.device == "cuda" and gpus < args.tensor_parallel_size:
+        raise cli.Failure(f"--device cuda needs {args.tensor_parallel_size} GPU(s) on this Ray node, it has {gpus}")
 
 
 def model_config(args: argparse.Namespace, use_gpu: bool):

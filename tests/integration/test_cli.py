@@ -235,6 +235,18 @@ def test_a_worker_with_another_block_size_is_refused_at_once(start_manager):
     assert time.monotonic() - started < 30
 
 
+def test_a_registration_the_manager_refuses_ends_the_worker_with_one_line(start_manager):
+    """A manager waiting for its workers shows no stats to compare with before Ray starts:
+    its refusal at registration is the one line, in the same words."""
+    _, target = start_manager("--block-size", "8", "--num-gpu-blocks", "0")
+    proc = run_kvpager("worker", "--insecure", "--manager", target, "--node-ip", RAY_NODE_IP, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"kvpager worker: block size mismatch: the block manager at {target} uses --block-size 8, these workers "
+        "--block-size 16: start both with the same --block-size (KVPAGER_BLOCK_SIZE)"], proc.stderr
+    assert proc.stdout.startswith("Ray: started a local cluster at")  # refused after Ray started, at registration
+
+
 def test_demo_runs_embedded_without_ray():
     proc = run_kvpager("demo", "--requests", "6", "--no-ray", "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
