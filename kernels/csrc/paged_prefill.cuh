@@ -626,6 +626,7 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     blk.load_tile(v_tile(0), blk.vbase);
   }
   cp_async_commit();
+  if (blk.n_tiles > 1) blk.locate(BN);
 
   RowSoftmax<T, D> sm;
   const int r_a = blk.row0 + warp * 16 + g;
@@ -644,12 +645,6 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     cp_async_wait_all();
     fence_proxy_async();   // shared-memory writes, then reads by the tensor cores (async proxy)
     __syncthreads();       // tile j landed for everyone; everyone is done with iteration j - 1
-    if (j + 1 < blk.n_tiles) {   // stage (j + 1) % S: last read in iteration j - 1 (V_{j-2}, K_{j-2})
-      blk.locate(kv0 + BN);
-      blk.load_tile(k_tile((j + 1) % S), blk.kbase);
-      blk.load_tile(v_tile((j + 1) % S), blk.vbase);
-    }
-    cp_async_commit();
 
     float s[BN / 8][4];
 #pragma unroll
@@ -672,17 +667,27 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
       for (int kk = 0; kk < BN / 16; ++kk)   // 16 positions = 2 groups of 8 rows = 2048 bytes per step
         wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
       wgmma_commit();
-      wgmma_wait<1>();   // S_j done
-    } else {
-      wgmma_wait<0>();
     }
+    if (j > 0)
+      wgmma_wait<1>();   // S_j done
+    else
+      wgmma_wait<0>();
     fence_regs(s);
+    // Tile j + 1 into stage (j + 1) % S (last read in iteration j - 1: K_{j-2}, V_{j-2}) while
+    // P_{j-1} V_{j-1} runs; off[] was located for it at the end of iteration j - 1, so the
+    // block-table reads stay off the tensor cores' path.
+    if (j + 1 < blk.n_tiles) {
+      blk.load_tile(k_tile((j + 1) % S), blk.kbase);
+      blk.load_tile(v_tile((j + 1) % S), blk.vbase);
+    }
+    cp_async_commit();
     const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
     wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
     fence_regs(o);
     fence_regs(pa);
     RowSoftmax<T, D>::rescale(o, alpha);
     RowSoftmax<T, D>::pack(s, pa);
+    if (j + 2 < blk.n_tiles) blk.locate(kv0 + 2 * BN);   // table reads resolve during the next barrier
   }
   if (blk.n_tiles > 0) {
     const uint32_t v_addr = smem_addr(v_tile((blk.n_tiles - 1) % S));
