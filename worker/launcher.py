@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_signals()
     check_manager(args.manager, credentials=creds)
     check_manager_agrees(args, credentials=creds)
+    check_model(args)
     node: Optional[RayNode] = None
     group = None
     try:
@@ -512,21 +513,50 @@ def check_gpus(args: argparse.Namespace, gpus: int) -> None:
         raise cli.Failure(f"--device cuda needs {args.tensor_parallel_size} GPU(s) on this Ray node, it has {gpus}")
 
 
+def check_model(args: argparse.Namespace) -> None:
+    """Read the model before Ray starts, with this machine's GPUs deciding CUDA or CPU (start_group
+    reads it again with those of the Ray node): a model these flags cannot serve fails at once."""
+    import torch
+
+    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()
+    model_config(args, use_gpu=args.device == "cuda" or (args.device == "auto" and gpus >= args.tensor_parallel_size))
+
+
 def model_config(args: argparse.Namespace, use_gpu: bool):
     """The model the ranks serve: --model as a preset name or a checkpoint directory (whose
-    config.json is read here, so an unsupported model fails before any actor starts)."""
+    config.json is read here), checked against --tensor-parallel-size, so a model that cannot be
+    served fails before any actor starts."""
     from kvpager.worker.hf_config import UnsupportedModel
     from kvpager.worker.model import PRESETS, ModelConfig, preset
 
     name = args.model or ("small" if use_gpu else "tiny")
-    if name in PRESETS:
-        return preset(name, args.kv_cache_dtype, args.kv_scale)
-    dtype = cli.resolve_dtype(args.dtype, use_gpu)
     try:
-        return ModelConfig.from_pretrained(name, dtype=dtype, max_model_len=args.max_model_len,
-                                           kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+        if name in PRESETS:
+            model = preset(name, args.kv_cache_dtype, args.kv_scale)
+        else:
+            model = ModelConfig.from_pretrained(name, dtype=cli.resolve_dtype(args.dtype, use_gpu),
+                                                max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                                                kv_scale=args.kv_scale)
+        model.check_tensor_parallel(args.tensor_parallel_size)
     except (UnsupportedModel, ValueError, OSError) as err:
-        raise cli.Failure(f"cannot serve --model {name}: {cli.one_line(err)}") from err
+        raise cli.Failure(f"cannot serve --model {name}: {as_flags(cli.one_line(err))}") from err
+    return model
+
+
+# Model settings that this command's flags set, as the model's checks name them.
+_MODEL_FLAGS = {"max_model_len": "--max-model-len", "tensor_parallel_size": "--tensor-parallel-size",
+                "kv_cache_dtype": "--kv-cache-dtype", "kv_scale": "--kv-scale"}
+_SERVES = " (kvpager serves model types"  # UnsupportedModel's tail: what kvpager serves
+
+
+def as_flags(message: str) -> str:
+    """A model check's message in the words of the flags ("tensor_parallel_size 3 does not divide
+    ..." -> "--tensor-parallel-size 3 does not divide ..."); where a flag is to blame, without
+    UnsupportedModel's list of the models kvpager serves, which is about the checkpoint."""
+    renamed = re.sub(r"\b(" + "|".join(_MODEL_FLAGS) + r")\b", lambda m: _MODEL_FLAGS[m[1]], message)
+    if renamed == message:
+        return message
+    return renamed.removeprefix("unsupported model: ").split(_SERVES)[0]
 
 
 _RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')

@@ -502,3 +502,29 @@ def test_worker_model_is_a_preset_or_a_checkpoint_read_before_any_actor_starts(t
     (path / "config.json").write_text(config)
     with pytest.raises(cli.Failure, match="cannot serve --model .*phi3.*llama, mistral, qwen2, qwen3"):
         launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
+
+
+def test_worker_model_errors_a_flag_caused_name_the_flag_not_the_field(tmp_path):
+    pytest.importorskip("transformers")
+    from kvpager.checkpoints import build_random_checkpoint
+    from kvpager.worker import launcher
+
+    def refusal(*flags: str) -> str:
+        with pytest.raises(cli.Failure) as failure:
+            launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", *flags), use_gpu=False)
+        return str(failure.value)
+
+    assert refusal("--tensor-parallel-size", "3") == (
+        "cannot serve --model tiny: --tensor-parallel-size 3 does not divide the 8 attention heads and 4 key/value "
+        "heads and 256 intermediate size evenly")
+    path = build_random_checkpoint(tmp_path / "llama", tokenizer=False, max_position_embeddings=64)
+    line = refusal("--model", str(path), "--max-model-len", "100")
+    assert line.startswith(f"cannot serve --model {path}: --max-model-len 100 ") and "max_model_len" not in line
+    assert "kvpager serves model types" not in line  # the flag is to blame, not the checkpoint
+
+
+def test_worker_with_a_model_it_cannot_split_exits_1_before_ray_starts(default_manager):
+    proc = kvpager("worker", "--insecure", "--manager", default_manager, "--tensor-parallel-size", "3",
+                   "--device", "cpu")
+    assert_one_line_error(proc, 1, "kvpager worker: cannot serve --model tiny: --tensor-parallel-size 3 does not divide")
+    assert "Ray" not in proc.stdout
