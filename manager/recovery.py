@@ -286,6 +286,7 @@ class Durability:
             self._wrapped = None
             if service.config.sized_by_workers or service.caches.ranks:
                 m.dispatch = self._until_workers_return
+                service.awaiting_workers = True
         self._request.clear()
         self._pending.clear()
         self._wrap()

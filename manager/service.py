@@ -123,6 +123,9 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self.metrics = ManagerMetrics(self)
         self._metrics_server = None
         self.caches = WorkerCaches()  # the workers' cache ids and the epoch (manager/epochs.py)
+        # Recovered state whose K/V lives on workers that have not registered again yet: steps that
+        # move blocks are refused until they have, and health says so for the BlockManager service.
+        self.awaiting_workers = False
         self.durable = None  # the write-ahead log and snapshots of --state-dir (manager/recovery.py)
         if config.state_dir:
             from .recovery import open_state
@@ -421,6 +424,8 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                 if self.durable is not None:
                     self.durable.event("forget_gpu_contents")
                 log.warning("rank %d replaced: prefix cache cleared", record.rank)
+        if self.registry.complete():
+            self.awaiting_workers = False
         log.info("registered %s (rank %d of %d) at %s", record.worker_id, record.rank,
                  self.registry.tensor_parallel_size, record.address)
         self._start_monitor()
@@ -499,12 +504,14 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         if self.health is None:
             return
         # "": the process can serve (NOT_SERVING once a rank is known dead or missing);
-        # the BlockManager service: it can serve steps, so also NOT_SERVING while no pool exists.
+        # the BlockManager service: it can serve steps, so also NOT_SERVING while no pool exists
+        # and, after a restart, until the workers holding the recovered state registered again.
         # (Not "" for the pool: compose starts the workers, which size the pool, once "" is SERVING.)
         ok = not self.registry.expected or self.registry.complete()
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", serving if ok else not_serving)
-        self.health.set(SERVICE_NAME, serving if ok and self.manager is not None else not_serving)
+        ready = ok and self.manager is not None and not self.awaiting_workers
+        self.health.set(SERVICE_NAME, serving if ready else not_serving)
 
     def close(self) -> None:
         """Stop watching workers and close their channels (the server is stopped by its owner)."""

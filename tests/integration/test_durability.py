@@ -33,6 +33,7 @@ from kvpager.v1 import block_manager_pb2 as pb
 POOL = dict(block_size=4, num_gpu_blocks=96, num_cpu_blocks=48)
 FLAGS = ["--block-size", "4", "--num-gpu-blocks", "96", "--num-cpu-blocks", "48"]
 KILLS = 22
+SERVICE = "kvpager.v1.BlockManager"
 
 
 def start_manager(state_dir: str, log_path: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -472,10 +473,14 @@ def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
     with serving(config) as (bm, svc):
         assert (svc.manager.gpu.num_blocks, svc.manager.cpu.num_blocks) == (64, 32)
         assert bm.get_block_table("a") == table
+        # The process serves; steps that move blocks wait for the workers holding the state.
+        assert bm.health() == "SERVING" and bm.health(SERVICE) == "NOT_SERVING"
         with pytest.raises(grpc.RpcError) as err:
             register(bm.stub, 48, 32)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert bm.health(SERVICE) == "NOT_SERVING"
         assert register(bm.stub, 64, 32).num_gpu_blocks == 64
+        assert bm.health(SERVICE) == "SERVING"
         bm.append("a", token_ids=[1])
         svc.manager.check_invariants()
 
