@@ -33,7 +33,7 @@ from kvpager.manager import (
     NotFound, OutOfRange, ResourceExhausted,
 )
 from kvpager.manager.errors import Busy
-from kvpager.manager.block_manager import packed_padded
+from kvpager.manager.batch_tables import packed_padded
 from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 from kvpager.manager.plan import AllocateResult, AppendBatchResult, AppendResult, ForkResult, FreeResult, SwapResult
 from kvpager.step import unpack_int32

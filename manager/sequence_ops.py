@@ -1,0 +1,312 @@
+"""The operations on sequences: allocate (with prefix-cache hits), append (copy-on-write of a
+shared last block; the in-place decode fast path), append_batch, fork and free, with the
+prefix-hash chain they extend. Each validates everything before changing anything and records
+its changes in the journal. Costs: see ``manager/block_manager.py``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence as Seq
+
+from .block_pool import CACHED
+from .errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolation,
+    ManagerError,
+    OutOfRange,
+    ResourceExhausted,
+    quote,
+)
+from .operations import (
+    AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, RejectedOp,
+)
+from .plan import (
+    AllocateResult,
+    AppendBatchResult,
+    AppendResult,
+    BlockMapping,
+    ForkResult,
+    FreeResult,
+)
+from .prefix_hash import chain_hash, root_hash
+from .tenancy import client_len
+from .sequence import GPU, Sequence
+from .state import ManagerState
+
+
+class SequenceOperations(ManagerState):
+    @staticmethod
+    def _reject(op: RejectedOp):
+        raise InvalidArgument(op.reason)
+
+    def _allocate(self, op: AllocateOp) -> AllocateResult:
+        self._check_new_id(op.seq_id)
+        if client_len(op.namespace) > self.config.max_id_len:
+            raise InvalidArgument(
+                f"allocate {quote(op.seq_id)}: cache_namespace is {client_len(op.namespace)} characters; the limit is "
+                f"{self.config.max_id_len} (max_id_len)")
+        tokens = op.token_ids or None
+        n = self._count(tokens, op.num_tokens, "prompt")
+        B, gpu = self.block_size, self.gpu
+        num_blocks = -(-n // B)
+        # The answer holds the prompt's slots twice (result and batch) and its table once in the
+        # result and once per table layout of the batch.
+        self._charge(2 * n + (1 + self._table_copies()) * num_blocks, f"allocate {quote(op.seq_id)}")
+        usable = gpu.num_blocks - self.watermark_blocks
+        if num_blocks > usable:
+            raise OutOfRange(
+                f"allocate {quote(op.seq_id)}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
+                f"never give more than {usable} ({gpu.num_blocks} minus a reserve of {self.watermark_blocks})")
+
+        caching = self.config.enable_prefix_caching and tokens is not None
+        hashes: list[bytes] = []
+        hits: list[int] = []
+        last_hash = root_hash(op.namespace) if caching else None
+        if caching:
+            for i in range(n // B):
+                last_hash = chain_hash(last_hash, tokens[i * B:(i + 1) * B])
+                hashes.append(last_hash)
+            for h in hashes:
+                bid = gpu.lookup(h)
+                if bid is None:
+                    break
+                hits.append(bid)
+            if len(hits) == num_blocks:
+                hits.pop()  # the whole prompt is cached: recompute its last block to get logits
+
+        new = num_blocks - len(hits)
+        available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
+        if new > available - self.watermark_blocks:
+            raise ResourceExhausted(
+                f"allocate {quote(op.seq_id)}: needs {new} free GPU blocks, {available} are free or evictable "
+                f"and {self.watermark_blocks} are kept in reserve")
+        if self.admit is not None:
+            self.admit(f"allocate {quote(op.seq_id)}", new + gpu.num_available - available)
+
+        for b in hits:
+            gpu.acquire(b)
+        block_ids = hits + [gpu.allocate() for _ in range(new)]
+        for i in range(len(hits), len(hashes)):
+            gpu.register(block_ids[i], hashes[i])
+        for i in range(len(hits), num_blocks):
+            gpu.fill(block_ids[i], min(B, n - i * B))
+        pending = list(tokens[len(hashes) * B:]) if caching else None
+        seq = Sequence(op.seq_id, block_ids, n, GPU, op.namespace, last_hash, pending)
+        self.seqs.add(seq)
+
+        cached = len(hits) * B
+        slots = self._slots(block_ids, 0, n)
+        if caching:
+            c = self.counters
+            c.prefix_query_tokens += n
+            c.prefix_hit_tokens += cached
+            c.prefix_query_blocks += len(hashes)
+            c.prefix_hit_blocks += len(hits)
+        if self._step is not None:
+            self._step.written.update(block_ids[len(hits):])
+            self._step.computed.update(block_ids[len(hits):])
+            self._step.touched[op.seq_id] = slots[cached:]
+        return AllocateResult(op.seq_id, list(block_ids), slots, cached)
+
+    def _append(self, op: AppendOp) -> AppendResult:
+        seq = self._get_running(op.seq_id, "append to")
+        tokens = op.token_ids or None
+        k = self._count(tokens, op.num_tokens, "append")
+        self._charge(2 * k, f"append to {quote(op.seq_id)}")
+        slots, new_ids, copies = self._grow(seq, tokens, k)
+        return AppendResult(op.seq_id, slots, new_ids, copies or BlockMapping(), seq.num_tokens)
+
+    def _append_batch(self, op: AppendBatchOp) -> AppendBatchResult:
+        """One token to each sequence, each append atomic on its own (all of them, if the step is
+        all-or-nothing). The decode hot path: no per-append request or result objects."""
+        tokens = op.token_ids
+        if tokens is not None and len(tokens) != len(op.seq_ids):
+            raise InvalidArgument(
+                f"append batch: {len(tokens)} token ids for {len(op.seq_ids)} sequences; give one per sequence")
+        if tokens is not None and tokens and min(tokens) < 0:
+            raise InvalidArgument("append batch: token ids must be >= 0")
+        result = AppendBatchResult()
+        journal, grow, in_place, lookup = self._journal, self._grow, self._grow_in_place, self.seqs.get
+        B, blocks, limit = self.block_size, self.gpu.blocks, self.config.max_seq_len
+        for i, seq_id in enumerate(op.seq_ids):
+            token = None if tokens is None else tokens[i]
+            seq = lookup(seq_id)
+            if seq is not None and seq.tier == GPU:  # _grow's fast path, tested inline: the hot loop
+                n = seq.num_tokens
+                offset = n % B
+                if offset and n < limit and blocks[seq.block_ids[-1]].ref_count == 1:
+                    in_place(seq, token, n, offset)
+                    continue
+            mark = journal.mark()
+            try:
+                if seq is None or seq.tier != GPU:
+                    seq = self._get_running(seq_id, "append to")  # raises the precise error
+                grow(seq, None if token is None else (token,), 1)
+            except InvariantViolation:
+                raise
+            except ManagerError as err:
+                if self._all_or_nothing:
+                    raise
+                journal.rollback_to(mark)
+                result.failures.append((i, err))
+        return result
+
+    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int):
+        """Add k tokens to a running sequence: check room, then copy a shared partial last block
+        (copy-on-write) and take new blocks. Returns the new tokens' slots, the blocks added and
+        the copy (None when there is none). O(k + new blocks)."""
+        n, B, gpu = seq.num_tokens, self.block_size, self.gpu
+        seq_id = seq.seq_id
+        offset = n % B
+        if k == 1 and offset and gpu.blocks[seq.block_ids[-1]].ref_count == 1 and n < self.config.max_seq_len:
+            slot = self._grow_in_place(seq, None if tokens is None else tokens[0], n, offset)
+            return [slot], [], None
+        if n + k > self.config.max_seq_len:
+            raise InvalidArgument(
+                f"append to {quote(seq_id)}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
+        table = seq.block_ids
+        total = -(-(n + k) // B)
+        if total > gpu.num_blocks:
+            raise OutOfRange(f"append to {quote(seq_id)}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+        step = self._step
+        cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
+        if cow and step is not None and table[-1] in step.computed:
+            raise FailedPrecondition(
+                f"append to {quote(seq_id)}: its last block is shared and gets K/V in this step; copy-on-write "
+                f"would copy it before it is written; append in a later step")
+        need = total - len(table) + cow
+        if need > gpu.num_available:
+            raise ResourceExhausted(
+                f"append to {quote(seq_id)}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+        if self.admit is not None and need:
+            self.admit(f"append to {quote(seq_id)}", need)
+
+        self.seqs.save(seq)
+        copies = BlockMapping() if cow else None
+        new_ids: list[int] = []
+        if cow:
+            shared = table[-1]
+            private = gpu.allocate()
+            gpu.fill(private, n % B)
+            copies.add(shared, private)
+            table[-1] = private
+            gpu.decref(shared)
+            new_ids.append(private)
+            self.counters.cow_copies += 1
+        while len(table) < total:
+            bid = gpu.allocate()
+            table.append(bid)
+            new_ids.append(bid)
+        first = n // B
+        for i in range(first, total):
+            gpu.fill(table[i], min(B, n + k - i * B))
+        seq.num_tokens = n + k
+        self._hash_new_tokens(seq, tokens, n)
+
+        slots = self._slots(table, n, n + k)
+        if step is not None:
+            if cow:
+                step.plan.blocks_to_copy.extend(copies)
+            for i in range(first, total):
+                step.written.add(table[i])
+                step.computed.add(table[i])
+            step.touched.setdefault(seq_id, []).extend(slots)
+        return slots, new_ids, copies
+
+    def _grow_in_place(self, seq: Sequence, token: Optional[int], n: int, offset: int) -> int:
+        """The common decode case of ``_grow``: one token into a private, partly filled last block.
+        No block is taken and nothing is copied, so nothing can fail; one journal entry undoes it.
+        Returns the token's slot."""
+        last = seq.block_ids[-1]
+        pending = seq.pending_tokens
+        self._journal.record(self._undo_grow_in_place, seq, last, n, pending,
+                             0 if pending is None else len(pending), seq.last_hash)
+        self.gpu.add_filled(last, 1)
+        seq.num_tokens = n + 1
+        if pending is not None:
+            if token is None:
+                seq.pending_tokens = seq.last_hash = None
+            elif offset + 1 < self.block_size:
+                pending.append(token)
+            else:
+                self._hash_new_tokens(seq, (token,), n)  # the block is full now: register its hash
+        slot = last * self.block_size + offset
+        step = self._step
+        if step is not None:
+            step.written.add(last)
+            step.computed.add(last)
+            touched = step.touched.get(seq.seq_id)
+            if touched is None:
+                step.touched[seq.seq_id] = [slot]
+            else:
+                touched.append(slot)
+        return slot
+
+    def _undo_grow_in_place(self, seq: Sequence, last: int, n: int, pending: Optional[list[int]],
+                            pending_len: int, last_hash: Optional[bytes]) -> None:
+        self.gpu.add_filled(last, -1)
+        seq.num_tokens = n
+        if pending is not None:
+            del pending[pending_len:]
+        seq.pending_tokens = pending
+        seq.last_hash = last_hash
+
+    def _fork(self, op: ForkOp) -> ForkResult:
+        parent = self._get_running(op.parent_seq_id, "fork")
+        self._check_new_id(op.child_seq_id)
+        # The answer holds the child's table once in the result and once per table layout of the batch.
+        self._charge((1 + self._table_copies()) * len(parent.block_ids),
+                     f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}")
+        for b in parent.block_ids:
+            self.gpu.incref(b)
+        pending = list(parent.pending_tokens) if parent.pending_tokens is not None else None
+        child = Sequence(op.child_seq_id, list(parent.block_ids), parent.num_tokens, GPU,
+                         parent.namespace, parent.last_hash, pending)
+        self.seqs.add(child)
+        if self._step is not None:
+            self._step.touched.setdefault(op.child_seq_id, [])
+        return ForkResult(op.child_seq_id, list(child.block_ids))
+
+    def _free(self, op: FreeOp) -> FreeResult:
+        if op.seq_id in self.lost and op.seq_id not in self.seqs:  # its blocks went with the lost workers
+            self._journal.record(self.lost.__setitem__, op.seq_id, self.lost.pop(op.seq_id))
+            return FreeResult(op.seq_id, 0)
+        seq = self._get(op.seq_id)
+        if self._step is not None and self._step.touched.get(op.seq_id):
+            # Its tokens would not be computed, yet a fork or a prefix hit may share their blocks.
+            raise FailedPrecondition(
+                f"free: sequence {quote(op.seq_id)} has tokens to compute in this step; free it in a later step")
+        pool = self.gpu if seq.tier == GPU else self.cpu
+        released = 0
+        for b in reversed(seq.block_ids):  # tail first, so the LRU evicts a prefix's tail first
+            released += pool.decref(b)
+        self.seqs.remove(seq)
+        if self._step is not None:
+            self._step.touched.pop(op.seq_id, None)
+        return FreeResult(op.seq_id, released)
+
+    def _hash_new_tokens(self, seq: Sequence, tokens: Optional[Seq[int]], start: int) -> None:
+        """Extend the prefix-hash chain over appended tokens, registering blocks they fill."""
+        pending = seq.pending_tokens
+        if pending is None:
+            return
+        if tokens is None:  # an unknown token breaks the chain for good
+            seq.pending_tokens = seq.last_hash = None
+            return
+        B = self.block_size
+        pending.extend(tokens)  # only ever extended in place, so the journal restores it by truncation
+        if len(pending) < B:
+            return
+        full, i = start // B, 0
+        while len(pending) - i >= B:
+            seq.last_hash = chain_hash(seq.last_hash, pending[i:i + B])
+            self.gpu.register(seq.block_ids[full], seq.last_hash)
+            i += B
+            full += 1
+        seq.pending_tokens = pending[i:]
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        B = self.block_size
+        if end - start == 1:
+            return [table[start // B] * B + start % B]
+        return [table[i // B] * B + i % B for i in range(start, end)]

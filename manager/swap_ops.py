@@ -1,0 +1,127 @@
+"""Swapping whole sequences between the GPU and CPU pools: swap_out, swap_in (reusing GPU
+blocks that still hold the same content by prefix hash) and the table move both share. O(blocks
+of the sequences named)."""
+
+from __future__ import annotations
+
+
+from .block_pool import CACHED, BlockPool
+from .errors import (
+    FailedPrecondition,
+    OutOfRange,
+    ResourceExhausted,
+    quote,
+)
+from .operations import (
+    SwapInOp, SwapOutOp,
+)
+from .plan import (
+    BlockMapping,
+    SwapResult,
+)
+from .sequence import CPU, GPU, Sequence
+from .state import ManagerState
+
+
+class SwapOperations(ManagerState):
+    def _swap_out(self, op: SwapOutOp) -> SwapResult:
+        seqs = self._distinct(op.seq_ids, "swap out")
+        step = self._step
+        for s in seqs:
+            if s.tier != GPU:
+                raise FailedPrecondition(f"swap out: sequence {quote(s.seq_id)} is already swapped out")
+            if step is not None and not step.written.isdisjoint(s.block_ids):
+                raise FailedPrecondition(
+                    f"swap out: sequence {quote(s.seq_id)} has K/V written in this step; swap it out in a later step")
+        distinct = dict.fromkeys(b for s in seqs for b in s.block_ids)
+        need, cpu, gpu = len(distinct), self.cpu, self.gpu
+        if need > cpu.num_blocks:
+            raise OutOfRange(f"swap out: needs {need} CPU blocks; the CPU pool has {cpu.num_blocks}")
+        if need > cpu.num_available:
+            raise ResourceExhausted(f"swap out: needs {need} free CPU blocks, {cpu.num_available} are free")
+
+        mapping = BlockMapping()
+        to_cpu: dict[int, int] = {}
+        for g in distinct:
+            c = cpu.allocate()
+            cpu.fill(c, gpu.blocks[g].num_filled)
+            h = gpu.hash_of(g)
+            if h is not None:
+                cpu.register(c, h)
+            to_cpu[g] = c
+            mapping.add(g, c)
+        self._move(seqs, gpu, cpu, to_cpu, CPU)
+        self.counters.blocks_swapped_out += need
+        self.counters.preemptions += len(seqs)
+        if step is not None:
+            step.plan.blocks_to_swap_out.extend(mapping)
+            for s in seqs:
+                step.touched.pop(s.seq_id, None)
+        return SwapResult(mapping)
+
+    def _swap_in(self, op: SwapInOp) -> SwapResult:
+        seqs = self._distinct(op.seq_ids, "swap in")
+        for s in seqs:
+            if s.tier != CPU:
+                raise FailedPrecondition(f"swap in: sequence {quote(s.seq_id)} is not swapped out")
+        gpu, cpu = self.gpu, self.cpu
+        distinct = dict.fromkeys(c for s in seqs for c in s.block_ids)
+        reuse: dict[int, int] = {}  # CPU block -> GPU block already holding the same content
+        if self.config.enable_prefix_caching:
+            for c in distinct:
+                h = cpu.hash_of(c)
+                g = gpu.lookup(h) if h is not None else None
+                if g is not None:
+                    reuse[c] = g
+        need = len(distinct) - len(reuse)
+        usable = gpu.num_blocks - self.watermark_blocks
+        if need > usable:
+            raise OutOfRange(f"swap in: needs {need} GPU blocks; the GPU pool can never give more than {usable}")
+        available = gpu.num_available - sum(1 for g in set(reuse.values()) if gpu.blocks[g].state == CACHED)
+        if need > available - self.watermark_blocks:
+            raise ResourceExhausted(
+                f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
+                f"and {self.watermark_blocks} are kept in reserve")
+        if self.admit is not None:
+            self.admit(f"swap in {quote(seqs[0].seq_id)}", need + gpu.num_available - available)
+
+        # Take the cache hits first, so that allocating the other blocks cannot evict them.
+        for g in dict.fromkeys(reuse.values()):  # two CPU copies of one block map to one GPU block
+            gpu.acquire(g)
+        mapping = BlockMapping()
+        to_gpu: dict[int, int] = {}
+        for c in distinct:
+            g = reuse.get(c)
+            if g is None:
+                g = gpu.allocate()
+                gpu.fill(g, cpu.blocks[c].num_filled)
+                h = cpu.hash_of(c)
+                if h is not None:
+                    gpu.register(g, h)
+                mapping.add(c, g)
+            to_gpu[c] = g
+        self._move(seqs, cpu, gpu, to_gpu, GPU)
+        self.counters.blocks_swapped_in += need
+        if self._step is not None:
+            self._step.plan.blocks_to_swap_in.extend(mapping)
+            self._step.written.update(mapping.dst)
+            for s in seqs:
+                self._step.touched.setdefault(s.seq_id, [])
+        return SwapResult(mapping, len(reuse))
+
+    def _move(self, seqs: list[Sequence], src: BlockPool, dst: BlockPool, to: dict[int, int], tier: str) -> None:
+        """Point each sequence's table at its blocks' new homes; each new block already holds one
+        reference (from allocate or acquire), so only repeat references take another."""
+        referenced: set[int] = set()
+        for s in seqs:
+            self.seqs.save(s)
+            table = [to[b] for b in s.block_ids]
+            for b in table:
+                if b in referenced:
+                    dst.incref(b)
+                else:
+                    referenced.add(b)
+            for b in reversed(s.block_ids):
+                src.decref(b)
+            s.block_ids = table
+            self.seqs.set_tier(s, tier)
