@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import time
 from importlib import metadata
-from typing import TYPE_CHECKING, Iterator
+from typing import ContextManager, Iterator, Optional, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .block_manager import BlockManager
+from .config import ManagerConfig
 from .plan import ExecutionPlan
-
-if TYPE_CHECKING:  # the service owns the metrics; only its attributes are read here
-    from .service import BlockManagerService
+from .workers import WorkerRegistry
 
 TIERS = ("gpu", "cpu")
 OPERATIONS = ("allocate", "append", "fork", "free", "swap_out", "swap_in", "copy_on_write")
@@ -36,11 +36,23 @@ def _version() -> str:
         return "unknown"
 
 
+class Served(Protocol):
+    """What the metrics read of the service that owns them (``BlockManagerService``), so that
+    this module needs nothing of the service's."""
+
+    config: ManagerConfig
+    manager: Optional[BlockManager]
+    registry: WorkerRegistry
+
+    @property
+    def state_lock(self) -> ContextManager: ...
+
+
 class ManagerMetrics:
     """One registry per service (never prometheus-client's global one), so several managers
     can live in one process without their series mixing."""
 
-    def __init__(self, service: BlockManagerService) -> None:
+    def __init__(self, service: Served) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         config = service.config
@@ -91,7 +103,7 @@ class ManagerMetrics:
 class ManagerStateCollector(Collector):
     """Reads pools, sequences, counters and workers when Prometheus scrapes. O(ranks + kinds)."""
 
-    def __init__(self, service: BlockManagerService) -> None:
+    def __init__(self, service: Served) -> None:
         self.service = service
 
     def collect(self) -> Iterator:
