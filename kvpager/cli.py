@@ -25,6 +25,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -113,6 +114,22 @@ def kv_cache_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
          help=f"KV storage: the model's dtype, or fp8 e4m3 scaled by --kv-scale{note}")
     flag(parser, "--kv-scale", env="KVPAGER_KV_SCALE", type=positive_float, default=0.25, metavar="X",
          help=f"per-tensor K/V scale of an fp8 cache{note}")
+
+
+# Model settings that the model flags set, as the model's checks (worker/hf_config.py) name them.
+_MODEL_FLAGS = {"max_model_len": "--max-model-len", "tensor_parallel_size": "--tensor-parallel-size",
+                "kv_cache_dtype": "--kv-cache-dtype", "kv_scale": "--kv-scale"}
+_SERVES = " (kvpager serves model types"  # UnsupportedModel's tail: the models kvpager serves
+
+
+def model_error_as_flags(message: str) -> str:
+    """A model check's message in the words of the flags ("tensor_parallel_size 3 does not divide
+    ..." -> "--tensor-parallel-size 3 does not divide ..."); where a flag is to blame, without
+    UnsupportedModel's list of the models kvpager serves, which is about the checkpoint."""
+    renamed = re.sub(r"\b(" + "|".join(_MODEL_FLAGS) + r")\b", lambda m: _MODEL_FLAGS[m[1]], message)
+    if renamed == message:
+        return message
+    return renamed.removeprefix("unsupported model: ").split(_SERVES)[0]
 
 
 def client_security_flags(parser: argparse.ArgumentParser, note: str = "") -> None:

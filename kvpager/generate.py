@@ -118,6 +118,17 @@ class Printer:
         c.printed = len(c.text)
 
 
+def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len: int) -> None:
+    """Refuse, before anything starts, a prompt that encodes to nothing or does not fit the
+    model's context with --max-new-tokens after it."""
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise cli.UsageError(f"prompt {i + 1} encodes to no tokens")
+        if len(ids) + max_new_tokens > context_len:
+            raise cli.UsageError(f"prompt {i + 1} is {len(ids)} tokens: with --max-new-tokens {max_new_tokens} it "
+                                 f"exceeds the model's context of {context_len} tokens (--max-model-len)")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.no_ray and args.tensor_parallel_size != 1:
         raise cli.UsageError("--no-ray runs one worker in this process: --tensor-parallel-size must be 1")
@@ -140,13 +151,12 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer.from_pretrained(args.model)
         model = ModelConfig.from_pretrained(args.model, dtype=dtype, max_model_len=args.max_model_len,
                                             kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale)
+        model.check_tensor_parallel(args.tensor_parallel_size)  # before anything starts
     except (TokenizerError, UnsupportedModel, ValueError, OSError) as err:
-        raise cli.Failure(f"cannot serve {args.model}: {cli.one_line(err)}") from err
+        raise cli.Failure(f"cannot serve {args.model}: {cli.model_error_as_flags(cli.one_line(err))}") from err
 
     prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p) for p in args.prompts]
-    for i, ids in enumerate(prompt_ids):
-        if not ids:
-            raise cli.UsageError(f"prompt {i + 1} encodes to no tokens")
+    check_prompts(prompt_ids, args.max_new_tokens, model.context_len)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.n, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
     requests = [Request(f"prompt-{i}", ids, dataclasses.replace(params, seed=args.seed + i))

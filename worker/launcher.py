@@ -539,24 +539,8 @@ def model_config(args: argparse.Namespace, use_gpu: bool):
                                                 kv_scale=args.kv_scale)
         model.check_tensor_parallel(args.tensor_parallel_size)
     except (UnsupportedModel, ValueError, OSError) as err:
-        raise cli.Failure(f"cannot serve --model {name}: {as_flags(cli.one_line(err))}") from err
+        raise cli.Failure(f"cannot serve --model {name}: {cli.model_error_as_flags(cli.one_line(err))}") from err
     return model
-
-
-# Model settings that this command's flags set, as the model's checks name them.
-_MODEL_FLAGS = {"max_model_len": "--max-model-len", "tensor_parallel_size": "--tensor-parallel-size",
-                "kv_cache_dtype": "--kv-cache-dtype", "kv_scale": "--kv-scale"}
-_SERVES = " (kvpager serves model types"  # UnsupportedModel's tail: what kvpager serves
-
-
-def as_flags(message: str) -> str:
-    """A model check's message in the words of the flags ("tensor_parallel_size 3 does not divide
-    ..." -> "--tensor-parallel-size 3 does not divide ..."); where a flag is to blame, without
-    UnsupportedModel's list of the models kvpager serves, which is about the checkpoint."""
-    renamed = re.sub(r"\b(" + "|".join(_MODEL_FLAGS) + r")\b", lambda m: _MODEL_FLAGS[m[1]], message)
-    if renamed == message:
-        return message
-    return renamed.removeprefix("unsupported model: ").split(_SERVES)[0]
 
 
 _RPC_STATUS = re.compile(r'status = StatusCode\.(\w+)\s+details = "([^"]*)"')

@@ -528,3 +528,25 @@ def test_worker_with_a_model_it_cannot_split_exits_1_before_ray_starts(default_m
                    "--device", "cpu")
     assert_one_line_error(proc, 1, "kvpager worker: cannot serve --model tiny: --tensor-parallel-size 3 does not divide")
     assert "Ray" not in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A small random Llama with its tokenizer, as README's `build_random_checkpoint` line writes one."""
+    pytest.importorskip("transformers")
+    from kvpager.checkpoints import build_random_checkpoint
+
+    return build_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", max_position_embeddings=64)
+
+
+def test_generate_refuses_what_cannot_run_before_anything_starts_naming_the_flags(checkpoint):
+    started = time.monotonic()
+    proc = kvpager("generate", "--model", str(checkpoint), "--tensor-parallel-size", "3", "hello")
+    assert_one_line_error(proc, 1, f"kvpager generate: cannot serve {checkpoint}: --tensor-parallel-size 3 does not "
+                                   "divide the 4 attention heads")
+    proc = kvpager("generate", "--model", str(checkpoint), "--max-new-tokens", "100", "hello")
+    assert_one_line_error(proc, 2, "kvpager generate: error: prompt 1 is ", "with --max-new-tokens 100 it exceeds "
+                                   "the model's context of 64 tokens (--max-model-len)")
+    proc = kvpager("generate", "--model", str(checkpoint), "--max-model-len", "100", "hello")
+    assert_one_line_error(proc, 1, "--max-model-len 100 beyond the model's max_position_embeddings 64")
+    assert time.monotonic() - started < 60  # no Ray, no model load: each a few seconds
