@@ -125,8 +125,8 @@ def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len:
         if not ids:
             raise cli.UsageError(f"prompt {i + 1} encodes to no tokens")
         if len(ids) + max_new_tokens > context_len:
-            raise cli.UsageError(f"prompt {i + 1} is {len(ids)} tokens: with --max-new-tokens {max_new_tokens} it "
-                                 f"exceeds the model's context of {context_len} tokens (--max-model-len)")
+            raise cli.UsageError(f"prompt {i + 1}: its {len(ids)} tokens and --max-new-tokens {max_new_tokens} "
+                                 f"exceed the model's context of {context_len} tokens (--max-model-len)")
 
 
 def run(args: argparse.Namespace) -> int:

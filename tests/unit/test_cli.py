@@ -545,8 +545,8 @@ def test_generate_refuses_what_cannot_run_before_anything_starts_naming_the_flag
     assert_one_line_error(proc, 1, f"kvpager generate: cannot serve {checkpoint}: --tensor-parallel-size 3 does not "
                                    "divide the 4 attention heads")
     proc = kvpager("generate", "--model", str(checkpoint), "--max-new-tokens", "100", "hello")
-    assert_one_line_error(proc, 2, "kvpager generate: error: prompt 1 is ", "with --max-new-tokens 100 it exceeds "
-                                   "the model's context of 64 tokens (--max-model-len)")
+    assert_one_line_error(proc, 2, "kvpager generate: error: prompt 1: its ", "tokens and --max-new-tokens 100 "
+                                   "exceed the model's context of 64 tokens (--max-model-len)")
     proc = kvpager("generate", "--model", str(checkpoint), "--max-model-len", "100", "hello")
     assert_one_line_error(proc, 1, "--max-model-len 100 beyond the model's max_position_embeddings 64")
     assert time.monotonic() - started < 60  # no Ray, no model load: each a few seconds
