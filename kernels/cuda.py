@@ -377,7 +377,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     seqs:             the sequences to compute (default: all with new tokens); the rows of the
                       others are left as they are in ``out``
     warps, wgmma:     the kernel instance (default: ``prefill_warps()``, ``prefill_wgmma(device)``);
-                      wgmma instances not built for sm_90a run the mma.sync version
+                      wgmma needs 8 warps; wgmma instances not built for sm_90a run mma.sync
     """
     mod = _load()
     if out is None:
@@ -391,7 +391,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     work = _device_work(host_lengths[0], host_lengths[1], group, w, seqs, query.device)
     if work.shape[0] == 0:
         return out
-    use_wgmma = prefill_wgmma(query.device) if wgmma is None else bool(wgmma)
+    use_wgmma = (prefill_wgmma(query.device) and w == 8) if wgmma is None else bool(wgmma)
     mod.paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, float(scale),
                       float(k_scale), float(v_scale), int(w), use_wgmma)
     return out

@@ -61,10 +61,12 @@ def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int]) -> bool:
     mode = {None: None, True: "1", False: "0"}[use_kernel] or os.environ.get(KERNEL_ENV, "")
     if mode == "1":
         return True
-    # H100, bf16 32q/8kv d128 (benchmarks/kernels.py --only prefill_kernel): gather + SDPA wins
-    # on a few uniform shapes (one SDPA call each); the kernel's one launch wins once the batch
-    # has many distinct (new tokens, context) shapes (24 distinct prompts: 9x; 8: even).
-    return len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
+    # H100, bf16 32q/8kv d128 (benchmarks/kernels.py --only prefill_kernel, docs/performance.md):
+    # the kernel beats gather + SDPA on every chunked-prefill shape measured (new tokens over a
+    # cached prefix: SDPA runs its lower-right-masked kernels there) and on batches of many
+    # distinct shapes (one SDPA call per shape); on a few shapes of whole prompts gather + cuDNN
+    # SDPA is faster.
+    return any(q < c for q, c in zip(q_lens, ctx)) or len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -106,7 +108,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                            k_scale=k_scale, v_scale=v_scale)
 
     multi = [i for i, q in enumerate(q_lens) if q > 1]
-    kernel = _kernel(query, k_cache) if multi else None
+    kernel = _kernel(query, k_cache) if multi and scale > 0 else None
     if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi]):
         # One launch for every sequence of more than one new token, straight from the pages.
         kernel.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,

@@ -558,7 +558,8 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
            "query_start_loc must be contiguous int32 [", num_seqs + 1, "]");
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 2 && work.size(1) == 2 && work.is_contiguous(),
            "work must be contiguous int32 [num_items, 2]");
-  KV_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  KV_CHECK(std::isfinite(scale) && scale > 0, "the prefill kernel needs a finite scale > 0, got ", scale);
+  KV_CHECK(!wgmma || warps == 8, "the wgmma prefill instances have 8 warps, got ", warps);
   KV_CHECK(work.size(0) * num_kv_heads <= std::numeric_limits<int32_t>::max(), "too many work items");
   kvpager::PrefillArgs a{};
   a.out = out.data_ptr();

@@ -122,7 +122,7 @@ struct PrefillArgs {
   float scale_log2;                // softmax scale * log2(e) * k_scale
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int warps;                       // 4 or 8 warps per block (16 rows each)
-  int wgmma;                       // 1: the warpgroup (wgmma) instances, where built for sm_90a
+  int wgmma;                       // 1: the warpgroup (wgmma) instances (8 warps only), where built for sm_90a
 };
 
 // Query rows (token x GQA head pairs) per work item for a launch with `warps` warps.

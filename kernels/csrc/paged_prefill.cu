@@ -1,6 +1,6 @@
 // Launcher of the paged prefill kernel (paged_prefill.cuh): fp16/bf16 queries over fp16/bf16 or
-// fp8 e4m3 caches, head_dim 64/128, 4 or 8 warps per block, mma.sync or (sm_90a) wgmma. No
-// torch here.
+// fp8 e4m3 caches, head_dim 64/128; mma.sync with 4 or 8 warps per block, or (sm_90a) wgmma
+// with 8 (two warpgroups). No torch here.
 #include <atomic>
 #include <cstdint>
 
@@ -21,9 +21,9 @@ struct PrefillCfg {
 
 template <typename T, typename C, int D, typename F>
 bool dispatch_warps(int warps, bool wgmma, F&& f) {
+  // No 4-warp wgmma instance: one warpgroup holding its K/V tile offsets alone spills.
   switch (warps * 2 + (wgmma ? 1 : 0)) {
     case 8: f(PrefillCfg<T, C, D, 4, false>{}); return true;
-    case 9: f(PrefillCfg<T, C, D, 4, true>{}); return true;
     case 16: f(PrefillCfg<T, C, D, 8, false>{}); return true;
     case 17: f(PrefillCfg<T, C, D, 8, true>{}); return true;
     default: return false;

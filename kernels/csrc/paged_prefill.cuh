@@ -226,20 +226,21 @@ constexpr int prefill_smem_bytes() {
   return (16 * WARPS + 2 * prefill_detail::kBN) * D * 2 + 1024;
 }
 
-// The wgmma version keeps kStages K/V tiles (loads run a tile ahead, and P_{j-1} V_{j-1} runs
+// The wgmma version keeps kWgmmaStages K/V tiles of kWgmmaBN positions (loads run a tile ahead, and P_{j-1} V_{j-1} runs
 // while S_j is computed).
 constexpr int kWgmmaStages = 3;
+constexpr int kWgmmaBN = 128;   // K/V positions per tile of the wgmma version
 template <int D, int WARPS>
 constexpr int prefill_wgmma_smem_bytes() {
-  return (16 * WARPS + 2 * kWgmmaStages * prefill_detail::kBN) * D * 2 + 1024;
+  return (16 * WARPS + 2 * kWgmmaStages * kWgmmaBN) * D * 2 + 1024;
 }
 
 namespace prefill_detail {
 
 // What one block computes, and the K/V tile loads from the pages. BM = 16 * WARPS query rows.
-template <typename T, typename C, int D, int WARPS>
+template <typename T, typename C, int D, int WARPS, int BN_>
 struct PrefillBlock {
-  static constexpr int BM = 16 * WARPS, BN = kBN, NT = WARPS * 32;
+  static constexpr int BM = 16 * WARPS, BN = BN_, NT = WARPS * 32;
   static constexpr int CPR = D / 8;                      // 16-byte chunks of T per row
   static constexpr bool kFp8 = sizeof(C) == 1;
   static constexpr int CCPR = kFp8 ? D / 16 : CPR;       // 16-byte chunks of C per cache row
@@ -258,7 +259,7 @@ struct PrefillBlock {
   const C* kbase;
   const C* vbase;
   int my_ch, my_row;
-  int64_t off[RPT];   // element offsets of this thread's rows of the current tile; -1: zero-fill
+  int bid[RPT];   // block ids of this thread's rows of the located tile; -1: zero-fill
 
   __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw) : a(args) {
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -300,34 +301,36 @@ struct PrefillBlock {
     }
   }
 
-  // This thread's rows of the tile starting at position kv0: their offsets in the cache.
+  // This thread's rows of the tile starting at position kv0: their block ids.
   __device__ __forceinline__ void locate(int kv0) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int pos = kv0 + my_row + i * ROW_STEP;
-      int64_t o = -1;
+      int b = -1;
       if (pos < kv_end) {
-        const int blk = __ldg(table + (pos >> a.log2_block_size));
-        if (blk >= 0 && blk < a.num_cache_blocks)
-          o = static_cast<int64_t>(blk) * a.kv_stride_block + (pos & (a.block_size - 1)) * D;
+        b = __ldg(table + (pos >> a.log2_block_size));
+        if (b < 0 || b >= a.num_cache_blocks) b = -1;
       }
-      off[i] = o;
+      bid[i] = b;
     }
   }
 
   // The located rows of K (or V) into dst: cp.async for 16-bit caches; fp8 is loaded,
   // converted (exactly) and stored.
-  __device__ __forceinline__ void load_tile(T* dst, const C* base) {
+  // kv0: the located tile's first position (rows' slots within their blocks follow from it).
+  __device__ __forceinline__ void load_tile(T* dst, const C* base, int kv0) {
     using M = Mma<T>;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = my_row + i * ROW_STEP;
+      const bool valid = bid[i] >= 0;
+      const int64_t off = valid ? static_cast<int64_t>(bid[i]) * a.kv_stride_block +
+                                      ((kv0 + r) & (a.block_size - 1)) * D : 0;
       if constexpr (!kFp8) {
-        const bool valid = off[i] >= 0;
-        cp_async16(smem_addr(dst + tile_off<BN>(r, my_ch)), base + (valid ? off[i] : 0) + my_ch * 8, valid);
+        cp_async16(smem_addr(dst + tile_off<BN>(r, my_ch)), base + off + my_ch * 8, valid);
       } else {
         uint4 u = make_uint4(0, 0, 0, 0);
-        if (off[i] >= 0) u = __ldg(reinterpret_cast<const uint4*>(base + off[i] + my_ch * 16));
+        if (valid) u = __ldg(reinterpret_cast<const uint4*>(base + off + my_ch * 16));
         uint4 lo, hi;
         lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
         lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
@@ -340,31 +343,27 @@ struct PrefillBlock {
   }
 };
 
-// Online softmax of one warp's 16 rows over one S tile (kBN columns, m16n8 accumulator layout:
-// this thread holds rows g ("a") and g + 8 ("b")); rescales o; returns P as A fragments.
-template <typename T, int D>
+// Online softmax of one warp's 16 rows over one S tile (BN columns, m16n8 accumulator layout:
+// this thread holds rows g ("a") and g + 8 ("b")). Scores stay raw (the softmax scale, > 0, is
+// folded into one fma per element); m is kept in the scaled log2 domain.
+template <typename T, int D, int BN>
 struct RowSoftmax {
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
   int lim_a, lim_b;   // last visible position of rows a and b
 
-  // The first half of step(): s becomes P (fp32); m and l move on; returns the factors o must
-  // be rescaled by (alpha_a, alpha_b), for the caller to apply when o may be touched.
-  __device__ __forceinline__ float2 scores(float (&s)[kBN / 8][4], int kv0, bool need_mask, float sl2, int t4) {
+  // s becomes P (fp32); m and l move on; returns the factors o must be rescaled by
+  // (alpha_a, alpha_b), for the caller to apply when o may be touched.
+  __device__ __forceinline__ float2 scores(float (&s)[BN / 8][4], int kv0, bool need_mask, float sl2, int t4) {
+    if (need_mask) {
 #pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
+      for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[i][e] * sl2;
-        if (need_mask) {
-          const int pos = kv0 + i * 8 + 2 * t4 + (e & 1);
-          if (pos > (e < 2 ? lim_a : lim_b)) x = -INFINITY;
-        }
-        s[i][e] = x;
-      }
+        for (int e = 0; e < 4; ++e)
+          if (kv0 + i * 8 + 2 * t4 + (e & 1) > (e < 2 ? lim_a : lim_b)) s[i][e] = -INFINITY;
     }
-    float mx_a = m_a, mx_b = m_b;
+    float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
+    for (int i = 0; i < BN / 8; ++i) {
       mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
       mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
     }
@@ -372,17 +371,20 @@ struct RowSoftmax {
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    mx_a = fmaxf(m_a, mx_a * sl2);
+    mx_b = fmaxf(m_b, mx_b * sl2);
+    // A row with nothing visible yet keeps m = -inf; 0 stands in so that no inf - inf appears.
     const float use_a = mx_a == -INFINITY ? 0.f : mx_a, use_b = mx_b == -INFINITY ? 0.f : mx_b;
     const float alpha_a = fast_exp2(m_a - use_a), alpha_b = fast_exp2(m_b - use_b);
     m_a = mx_a;
     m_b = mx_b;
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
-      s[i][0] = fast_exp2(s[i][0] - use_a);
-      s[i][1] = fast_exp2(s[i][1] - use_a);
-      s[i][2] = fast_exp2(s[i][2] - use_b);
-      s[i][3] = fast_exp2(s[i][3] - use_b);
+    for (int i = 0; i < BN / 8; ++i) {
+      s[i][0] = fast_exp2(fmaf(s[i][0], sl2, -use_a));
+      s[i][1] = fast_exp2(fmaf(s[i][1], sl2, -use_a));
+      s[i][2] = fast_exp2(fmaf(s[i][2], sl2, -use_b));
+      s[i][3] = fast_exp2(fmaf(s[i][3], sl2, -use_b));
       sum_a += s[i][0] + s[i][1];
       sum_b += s[i][2] + s[i][3];
     }
@@ -391,7 +393,10 @@ struct RowSoftmax {
     return make_float2(alpha_a, alpha_b);
   }
 
+  // o *= alpha, skipped when no row of the warp changed its max (alpha == 1 everywhere: the
+  // usual case once the first tiles have been seen).
   static __device__ __forceinline__ void rescale(float (&o)[D / 8][4], float2 alpha) {
+    if (__all_sync(0xffffffffu, alpha.x == 1.f && alpha.y == 1.f)) return;
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       o[i][0] *= alpha.x;
@@ -401,10 +406,11 @@ struct RowSoftmax {
     }
   }
 
-  static __device__ __forceinline__ void pack(const float (&s)[kBN / 8][4], uint32_t (&pa)[kBN / 16][4]) {
+  // P as A fragments (the m16n8 accumulator layout of two n-tiles is the m16k16 A layout).
+  static __device__ __forceinline__ void pack(const float (&s)[BN / 8][4], uint32_t (&pa)[BN / 16][4]) {
     using M = Mma<T>;
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
+    for (int kk = 0; kk < BN / 16; ++kk) {
       pa[kk][0] = M::pack(s[2 * kk][0], s[2 * kk][1]);
       pa[kk][1] = M::pack(s[2 * kk][2], s[2 * kk][3]);
       pa[kk][2] = M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
@@ -412,69 +418,16 @@ struct RowSoftmax {
     }
   }
 
-  __device__ __forceinline__ void step(float (&s)[kBN / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[kBN / 16][4],
+  __device__ __forceinline__ void step(float (&s)[BN / 8][4], float (&o)[D / 8][4], uint32_t (&pa)[BN / 16][4],
                                        int kv0, bool need_mask, float sl2, int t4) {
-    using M = Mma<T>;
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[i][e] * sl2;
-        if (need_mask) {
-          const int pos = kv0 + i * 8 + 2 * t4 + (e & 1);
-          if (pos > (e < 2 ? lim_a : lim_b)) x = -INFINITY;
-        }
-        s[i][e] = x;
-      }
-    }
-    float mx_a = m_a, mx_b = m_b;
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
-      mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    // A row with nothing visible yet keeps m = -inf; 0 stands in so that no inf - inf appears.
-    const float use_a = mx_a == -INFINITY ? 0.f : mx_a, use_b = mx_b == -INFINITY ? 0.f : mx_b;
-    const float alpha_a = fast_exp2(m_a - use_a), alpha_b = fast_exp2(m_b - use_b);
-    m_a = mx_a;
-    m_b = mx_b;
-    float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i) {
-      s[i][0] = fast_exp2(s[i][0] - use_a);
-      s[i][1] = fast_exp2(s[i][1] - use_a);
-      s[i][2] = fast_exp2(s[i][2] - use_b);
-      s[i][3] = fast_exp2(s[i][3] - use_b);
-      sum_a += s[i][0] + s[i][1];
-      sum_b += s[i][2] + s[i][3];
-    }
-    l_a = l_a * alpha_a + sum_a;
-    l_b = l_b * alpha_b + sum_b;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= alpha_a;
-      o[i][1] *= alpha_a;
-      o[i][2] *= alpha_b;
-      o[i][3] *= alpha_b;
-    }
-    // P as A fragments (the m16n8 accumulator layout of two n-tiles is the m16k16 A layout).
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      pa[kk][0] = M::pack(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = M::pack(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = M::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
+    rescale(o, scores(s, kv0, need_mask, sl2, t4));
+    pack(s, pa);
   }
 };
 
 // Normalizes and writes this thread's two rows (warp rows g and g + 8) of o.
-template <typename T, int D, typename B>
-__device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D>& sm, float (&o)[D / 8][4], int r_a,
+template <typename T, int D, int BN, typename B>
+__device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, BN>& sm, float (&o)[D / 8][4], int r_a,
                                            int t4) {
   using M = Mma<T>;
   float l_a = sm.l_a, l_b = sm.l_b;
@@ -502,7 +455,7 @@ __device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D>&
 template <typename T, typename C, int D, int WARPS>
 __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned char* smem_raw) {
   using M = Mma<T>;
-  using Blk = PrefillBlock<T, C, D, WARPS>;
+  using Blk = PrefillBlock<T, C, D, WARPS, kBN>;
   constexpr int BM = Blk::BM, BN = Blk::BN;
   Blk blk(args, smem_raw);
   if (!blk.live) return;
@@ -512,11 +465,11 @@ __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned ch
   blk.load_q();
   if (blk.n_tiles > 0) {
     blk.locate(0);
-    blk.load_tile(blk.sK, blk.kbase);
+    blk.load_tile(blk.sK, blk.kbase, 0);
   }
   cp_async_commit();
 
-  RowSoftmax<T, D> sm;
+  RowSoftmax<T, D, BN> sm;
   const int r_a = blk.row0 + warp * 16 + g;
   sm.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);        // padding rows: the last token's limit
   sm.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
@@ -536,7 +489,7 @@ __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned ch
       for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(qf[kk], smem_addr(blk.sQ + tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4))));
     }
-    blk.load_tile(blk.sV, blk.vbase);   // same positions as K_j (off[] still holds them)
+    blk.load_tile(blk.sV, blk.vbase, kv0);   // same positions as K_j (bid[] still holds them)
     cp_async_commit();
 
     float s[BN / 8][4];
@@ -560,7 +513,7 @@ __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned ch
     __syncthreads();   // V_j landed for everyone; everyone is done with K_j
     if (j + 1 < blk.n_tiles) {
       blk.locate(kv0 + BN);
-      blk.load_tile(blk.sK, blk.kbase);
+      blk.load_tile(blk.sK, blk.kbase, kv0 + BN);
     }
     cp_async_commit();
 
@@ -577,7 +530,7 @@ __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned ch
     }
   }
   cp_async_wait_all();   // nothing may stay in flight into shared memory at exit
-  write_rows<T, D>(blk, sm, o, r_a, t4);
+  write_rows<T, D, BN>(blk, sm, o, r_a, t4);
 }
 
 #if KVPAGER_PREFILL_WGMMA
@@ -608,7 +561,7 @@ __device__ __forceinline__ void wgmma_wait() {
 // the tensor cores while the softmax of S_j runs (FA3's intra-warpgroup overlap).
 template <typename T, typename C, int D, int WARPS>
 __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned char* smem_raw) {
-  using Blk = PrefillBlock<T, C, D, WARPS>;
+  using Blk = PrefillBlock<T, C, D, WARPS, kWgmmaBN>;
   constexpr int BM = Blk::BM, BN = Blk::BN, S = kWgmmaStages;
   static_assert(WARPS % 4 == 0, "whole warpgroups");
   Blk blk(args, smem_raw);
@@ -622,13 +575,13 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
   blk.load_q();
   if (blk.n_tiles > 0) {
     blk.locate(0);
-    blk.load_tile(k_tile(0), blk.kbase);
-    blk.load_tile(v_tile(0), blk.vbase);
+    blk.load_tile(k_tile(0), blk.kbase, 0);
+    blk.load_tile(v_tile(0), blk.vbase, 0);
   }
   cp_async_commit();
   if (blk.n_tiles > 1) blk.locate(BN);
 
-  RowSoftmax<T, D> sm;
+  RowSoftmax<T, D, BN> sm;
   const int r_a = blk.row0 + warp * 16 + g;
   sm.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
   sm.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
@@ -640,6 +593,9 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   uint32_t pa[BN / 16][4];   // P_{j-1}
 
+  // Stages of tiles j - 1, j and j + 1 (rotating; kWgmmaStages == 3).
+  static_assert(S == 3, "the stage rotation below assumes 3 stages");
+  int st_prev = 2, st = 0, st_next = 1;
   for (int j = 0; j < blk.n_tiles; ++j) {
     const int kv0 = j * BN;
     cp_async_wait_all();
@@ -649,7 +605,7 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     float s[BN / 8][4];
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    const uint32_t k_addr = smem_addr(k_tile(j % S));
+    const uint32_t k_addr = smem_addr(k_tile(st));
     fence_regs(s);
     fence_regs(o);
     fence_regs(pa);
@@ -662,7 +618,7 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     }
     wgmma_commit();
     if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
-      const uint32_t v_addr = smem_addr(v_tile((j - 1) % S));
+      const uint32_t v_addr = smem_addr(v_tile(st_prev));
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)   // 16 positions = 2 groups of 8 rows = 2048 bytes per step
         wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
@@ -673,24 +629,27 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     else
       wgmma_wait<0>();
     fence_regs(s);
-    // Tile j + 1 into stage (j + 1) % S (last read in iteration j - 1: K_{j-2}, V_{j-2}) while
-    // P_{j-1} V_{j-1} runs; off[] was located for it at the end of iteration j - 1, so the
+    // Tile j + 1 into stage st_next (last read in iteration j - 1: K_{j-2}, V_{j-2}) while
+    // P_{j-1} V_{j-1} runs; bid[] was located for it at the end of iteration j - 1, so the
     // block-table reads stay off the tensor cores' path.
     if (j + 1 < blk.n_tiles) {
-      blk.load_tile(k_tile((j + 1) % S), blk.kbase);
-      blk.load_tile(v_tile((j + 1) % S), blk.vbase);
+      blk.load_tile(k_tile(st_next), blk.kbase, kv0 + BN);
+      blk.load_tile(v_tile(st_next), blk.vbase, kv0 + BN);
     }
     cp_async_commit();
     const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
     wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
     fence_regs(o);
     fence_regs(pa);
-    RowSoftmax<T, D>::rescale(o, alpha);
-    RowSoftmax<T, D>::pack(s, pa);
+    RowSoftmax<T, D, BN>::rescale(o, alpha);
+    RowSoftmax<T, D, BN>::pack(s, pa);
     if (j + 2 < blk.n_tiles) blk.locate(kv0 + 2 * BN);   // table reads resolve during the next barrier
+    st_prev = st;
+    st = st_next;
+    st_next = st_next == 2 ? 0 : st_next + 1;
   }
   if (blk.n_tiles > 0) {
-    const uint32_t v_addr = smem_addr(v_tile((blk.n_tiles - 1) % S));
+    const uint32_t v_addr = smem_addr(v_tile(st_prev));
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
@@ -702,7 +661,7 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     fence_regs(o);
   }
   cp_async_wait_all();
-  write_rows<T, D>(blk, sm, o, r_a, t4);
+  write_rows<T, D, BN>(blk, sm, o, r_a, t4);
 }
 #endif
 
