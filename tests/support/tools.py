@@ -56,7 +56,7 @@ class UnpackedTools:
         except Unavailable as why:
             pytest.skip(str(why))
         except Broken as why:
-            pytest.fail(str(why))
+            pytest.fail(str(why), pytrace=False)
 
 
 _loaded: Optional[UnpackedTools] = None
