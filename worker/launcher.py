@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from kvpager import cli
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         _stop_on_signals()
         announce(group, args, creds)
         try:
-            watch(group.addresses, creds)  # returns only by raising
+            watch(group.addresses, creds, ManagerWatch(args, creds))  # returns only by raising
         except KeyboardInterrupt:  # SIGTERM or SIGINT: the normal way to stop
             pass
     finally:
@@ -559,9 +559,32 @@ def _cause(err: BaseException) -> str:
     return finals[-1] if finals else cli.one_line(err)
 
 
-def watch(addresses: list[str], credentials=None) -> None:
+class ManagerWatch:
+    """The block manager as ``watch`` sees it: one line when it stops answering (the ranks keep
+    trying to register), one when it answers again; then, where it shows its stats, the check of
+    the start (a manager restarted with another --block-size ends the command with that line)."""
+
+    def __init__(self, args: argparse.Namespace, credentials=None) -> None:
+        self.args, self.credentials, self.answering = args, credentials, True
+
+    def __call__(self) -> None:
+        try:
+            check_manager(self.args.manager, timeout=WATCH_INTERVAL_S, credentials=self.credentials)
+        except cli.Failure as err:
+            if self.answering:
+                log.warning("%s; the ranks register again once it answers", err)
+            self.answering = False
+            return
+        if not self.answering:
+            log.warning("the block manager at %s answers again", self.args.manager)
+            self.answering = True
+            check_manager_agrees(self.args, credentials=self.credentials)
+
+
+def watch(addresses: list[str], credentials=None, manager: Optional[Callable[[], None]] = None) -> None:
     """Return never: check every rank's gRPC health every few seconds; fail when one stops answering.
-    Over TLS when the ranks serve it (verified with --tls-ca, else with their own certificate)."""
+    Over TLS when the ranks serve it (verified with --tls-ca, else with their own certificate).
+    ``manager``, called as often, watches the block manager (``ManagerWatch``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -575,6 +598,8 @@ def watch(addresses: list[str], credentials=None) -> None:
     try:
         while True:
             time.sleep(WATCH_INTERVAL_S)
+            if manager is not None:
+                manager()
             for rank, stub in enumerate(stubs):
                 try:
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=WATCH_INTERVAL_S)

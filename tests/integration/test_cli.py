@@ -247,6 +247,31 @@ def test_a_registration_the_manager_refuses_ends_the_worker_with_one_line(start_
     assert proc.stdout.startswith("Ray: started a local cluster at")  # refused after Ray started, at registration
 
 
+def test_the_worker_says_when_its_manager_goes_and_ends_when_it_comes_back_incompatible():
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    manager = Proc.kvpager("manager", "--insecure", "--port", str(port))
+    worker = None
+    try:
+        manager.wait_for(r"^listening on ", 30)
+        worker = Proc.kvpager("worker", "--insecure", "--manager", target)
+        worker.wait_for(r"^workers ready", 90)
+        assert manager.stop() == 0
+        worker.wait_for(rf"cannot reach the block manager at {re.escape(target)}: .*; the ranks register again "
+                        "once it answers", 30, stream="err")
+        manager = Proc.kvpager("manager", "--insecure", "--port", str(port), "--block-size", "8")
+        worker.wait_for(rf"the block manager at {re.escape(target)} answers again", 30, stream="err")
+        assert worker.proc.wait(60) == 1
+        worker.stop()
+        assert worker.err[-1] == (f"kvpager worker: block size mismatch: the block manager at {target} uses "
+                                  "--block-size 8, these workers --block-size 16: start both with the same "
+                                  "--block-size (KVPAGER_BLOCK_SIZE)"), worker.transcript()
+    finally:
+        if worker is not None:
+            worker.stop()
+        manager.stop()
+
+
 def test_demo_runs_embedded_without_ray():
     proc = run_kvpager("demo", "--requests", "6", "--no-ray", "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
