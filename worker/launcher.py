@@ -22,9 +22,11 @@ starts where the manager shows the worker its stats (an --insecure one does), el
 The actors are named (`kvpager-worker-rank<r>` in --namespace), so a scheduler in another
 process connected to the same cluster can drive the model on them
 (`RayWorkerGroup.attach`, `kvpager demo --manager ... --ray-address ...`). Once every rank
-registered it prints one line per rank and `workers ready`, then watches the ranks' gRPC
-health until SIGTERM or SIGINT, when it stops them (exit 0); a rank that stops answering ends
-the command with exit 1, so a supervisor can restart it.
+registered it prints one line per rank (its addresses and cache) and `workers ready`, then
+watches the ranks' gRPC health until SIGTERM or SIGINT, when it stops them (exit 0); a rank that
+stops answering ends the command with exit 1, so a supervisor can restart it. It watches the
+manager too: one line when it stops answering, one when it is back (the ranks register again by
+themselves), and exit 1 if it came back with flags these workers do not fit.
 """
 
 from __future__ import annotations
