@@ -21,37 +21,46 @@ from typing import Iterable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpager.manager import errors
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from kvpager.manager import errors, status
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 
-_ERRORS = {cls.code: cls for cls in (
-    errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
-    errors.ResourceExhausted, errors.OutOfRange, errors.Aborted, errors.InvariantViolation,
-    errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled, errors.DataLoss,
-)}
 _RETRYABLE = (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled)  # the answer may have been lost
 _MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
-_CODE_NAMES = {0: "OK", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS",
-               8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE",
-               13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS"}
 
 
 def error_for(code_name: str, message: str) -> errors.ManagerError:
-    """The typed exception for a status code name (``ManagerError`` for unmapped codes)."""
-    cls = _ERRORS.get(code_name)
-    if cls is None:
-        err = errors.ManagerError(message)
-        err.code = code_name
-        return err
-    return cls(message)
+    """The typed exception for a status code name, its ``code`` that name (``ManagerError`` for
+    codes the manager's table does not list: manager/status.py)."""
+    return status.error_for(code_name, message)
 
 
 def result_error(result: pb.OperationResult) -> Optional[errors.ManagerError]:
     """The typed exception a Step operation result carries, or None when it succeeded."""
     if result.code == 0:
         return None
-    return error_for(_CODE_NAMES.get(result.code, "UNKNOWN"), result.message)
+    return error_for(status.NAMES.get(result.code, "UNKNOWN"), result.message)
+
+
+def rpc_error(exc: grpc.RpcError) -> errors.ManagerError:
+    """The typed exception of a failed call; RESOURCE_EXHAUSTED carries the blocks needed and
+    free (and their tier) from the status details when the manager sent them."""
+    code = exc.code()
+    err = error_for(code.name if code else "UNKNOWN", exc.details() or "")
+    if isinstance(err, errors.ResourceExhausted):
+        try:
+            details = rpc_status.from_call(exc)
+        except ValueError:  # a status whose details disagree with its code: keep the plain error
+            details = None
+        for packed in details.details if details is not None else ():
+            info = error_details_pb2.ErrorInfo()
+            if packed.Unpack(info) and info.reason == "NOT_ENOUGH_BLOCKS":
+                err.needed, err.free = int(info.metadata["needed"]), int(info.metadata["free"])
+                err.tier = info.metadata.get("tier", "gpu")
+    return err
 
 
 # ---- Step operations ----------------------------------------------------------------------------
@@ -72,7 +81,7 @@ def append_batch_op(seq_ids: Sequence[str], token_ids: Sequence[int] = ()) -> pb
 def batch_failures(result: pb.OperationResult) -> list[tuple[int, errors.ManagerError]]:
     """(index, typed error) of each append of an append_batch result that failed."""
     r = result.append_batch
-    return [(i, error_for(_CODE_NAMES.get(code, "UNKNOWN"), message))
+    return [(i, error_for(status.NAMES.get(code, "UNKNOWN"), message))
             for i, code, message in zip(r.failed_indices, r.failed_codes, r.failed_messages)]
 
 
@@ -210,5 +219,4 @@ class BlockManagerClient:
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
-            code = exc.code()
-            raise error_for(code.name if code else "UNKNOWN", exc.details() or "") from exc
+            raise rpc_error(exc) from exc

@@ -54,6 +54,7 @@ from .plan import (
 from .tentative import TentativeStep, counter_delta
 from .sequence import GPU, Sequence
 from .batch_tables import batch_tables
+from .status import status_of
 from .counts import Counters, OperationCounts  # noqa: F401  (re-exported: recovery, metrics)
 from .invariants import check_manager
 from .sequence_ops import SequenceOperations
@@ -258,7 +259,7 @@ class BlockManager(SequenceOperations, SwapOperations):
                 out.append(OperationOutcome(error=error))
             else:
                 out.append(OperationOutcome(error=Aborted(
-                    f"not applied: the step is all-or-nothing and operation {failed_at} failed ({error.code})")))
+                    f"not applied: the step is all-or-nothing and operation {failed_at} failed ({status_of(error)})")))
         return out
 
     def lose_all(self, epoch: int) -> int:

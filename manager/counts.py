@@ -17,6 +17,7 @@ from .operations import (
 from .plan import (
     OperationOutcome,
 )
+from .status import status_of
 
 
 # The kind of each operation, as counted in OperationCounts (and named in the metrics).
@@ -56,12 +57,12 @@ class OperationCounts:
             kind = OP_KINDS.get(type(op), "invalid")
             outcome = outcomes[i] if committed and i < len(outcomes) else None
             if outcome is None or outcome.error is not None:
-                code = outcome.error.code if outcome is not None else (error.code if error else "INTERNAL")
+                code = status_of(outcome.error) if outcome is not None else (status_of(error) if error else "INTERNAL")
                 self.failed[(kind, code)] += len(op.seq_ids) if isinstance(op, AppendBatchOp) else 1
             elif isinstance(op, AppendBatchOp):
                 failures = outcome.result.failures
                 self.applied[kind] += len(op.seq_ids) - len(failures)
                 for _, err in failures:
-                    self.failed[(kind, err.code)] += 1
+                    self.failed[(kind, status_of(err))] += 1
             else:
                 self.applied[kind] += 1

@@ -1,64 +1,58 @@
 """Typed errors of the block manager.
 
-Each class names the gRPC status it maps to (as a string, so this module needs no grpc);
-the one mapping to real status codes lives in ``kvpager.manager.service``. Three kinds are
-kept apart: *no room now* (``ResourceExhausted``, a normal outcome the scheduler acts on),
-*a bad request* (the others), and *a broken invariant* (``InvariantViolation``, a bug).
+The errors say what went wrong; which gRPC status each is answered with is the one table in
+``manager/status.py``. Three kinds are kept apart: *no room now* (``ResourceExhausted``, a
+normal outcome the scheduler acts on), *a bad request* (the others), and *a broken invariant*
+(``InvariantViolation``, a bug).
 """
 
 from __future__ import annotations
 
 
 class ManagerError(Exception):
-    """Base of every error the manager raises on purpose; ``code`` is a gRPC status name."""
-
-    code = "UNKNOWN"
+    """Base of every error the manager raises on purpose."""
 
 
 class InvalidArgument(ManagerError):
-    code = "INVALID_ARGUMENT"
+    """The request is malformed or asks for something impossible as given."""
 
 
 class NotFound(ManagerError):
-    code = "NOT_FOUND"
+    """No such sequence (or it belongs to another tenant)."""
 
 
 class AlreadyExists(ManagerError):
-    code = "ALREADY_EXISTS"
+    """The id is taken."""
 
 
 class FailedPrecondition(ManagerError):
-    code = "FAILED_PRECONDITION"
+    """Not now in this state (e.g. append to a swapped-out sequence)."""
 
 
 class ResourceExhausted(ManagerError):
-    """No room now; the same request may succeed after sequences are freed or swapped out."""
+    """No room now; the same request may succeed after sequences are freed or swapped out.
+    ``needed`` and ``free`` (blocks of ``tier``), when known, travel as structured details of
+    the status (google.rpc.ErrorInfo), so a caller need not parse the message."""
 
-    code = "RESOURCE_EXHAUSTED"
+    def __init__(self, message: str, needed: int | None = None, free: int | None = None, tier: str = "gpu") -> None:
+        super().__init__(message)
+        self.needed, self.free, self.tier = needed, free, tier
 
 
 class OutOfRange(ManagerError):
     """The request can never fit the pool as configured."""
 
-    code = "OUT_OF_RANGE"
-
 
 class Aborted(ManagerError):
     """Not applied because another operation of an all-or-nothing step failed."""
-
-    code = "ABORTED"
 
 
 class InvariantViolation(ManagerError):
     """Manager state is inconsistent: a bug, never the caller's fault."""
 
-    code = "INTERNAL"
-
 
 class Unavailable(ManagerError):
     """A service (the manager, or a worker it needs) cannot be reached now; retrying may help."""
-
-    code = "UNAVAILABLE"
 
 
 class Busy(Unavailable):
@@ -72,14 +66,12 @@ class Busy(Unavailable):
 
 
 class DeadlineExceeded(ManagerError):
-    code = "DEADLINE_EXCEEDED"
+    """The caller's deadline passed before the answer."""
 
 
 class DataLoss(ManagerError):
     """The sequence's K/V is gone (the worker group that held it was replaced): free it and
     recompute it. Every operation on it but Free answers this until it is freed."""
-
-    code = "DATA_LOSS"
 
 
 QUOTE_LIMIT = 64  # characters of an id quoted in a message; the rest is only counted
@@ -98,4 +90,3 @@ class Cancelled(ManagerError):
     """The call was cancelled before its answer arrived; it may have been applied: retry it with
     the same request id to learn its answer."""
 
-    code = "CANCELLED"

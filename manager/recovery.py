@@ -33,10 +33,10 @@ from typing import Any, Optional
 from .block_manager import BlockManager, Counters
 from .block_pool import BlockPool
 from .config import ManagerConfig
-from . import errors
 from .errors import ManagerError, Unavailable
 from .request_cache import RequestCache
 from .sequence import Sequence
+from .status import error_for, status_of
 from .wal import CorruptState, StateDir
 
 log = logging.getLogger("kvpager.manager")
@@ -101,8 +101,6 @@ def restore_manager(state: dict, config: ManagerConfig) -> BlockManager:
     return m
 
 
-_ERRORS = {cls.code: cls for cls in vars(errors).values()
-           if isinstance(cls, type) and issubclass(cls, ManagerError) and cls is not ManagerError}
 
 
 def _config(d: dict) -> ManagerConfig:
@@ -121,7 +119,7 @@ def _plain(op) -> Any:
 
 
 def _codes(result) -> list:
-    return [None if o.error is None else o.error.code for o in result.outcomes]
+    return [None if o.error is None else status_of(o.error) for o in result.outcomes]
 
 
 # ---- the service's side -------------------------------------------------------------------------
@@ -172,7 +170,7 @@ class Durability:
                     try:
                         live_admit(*a, **k)
                     except ManagerError as err:
-                        decisions.append((err.code, str(err)))
+                        decisions.append((status_of(err), str(err)))
                         raise
                     decisions.append(None)
 
@@ -192,7 +190,7 @@ class Durability:
                 result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
             except BaseException as exc:
                 if opened:  # the workers failed its plan: rolled back
-                    pending.append(("finish", opened[0], False, getattr(exc, "code", None)))
+                    pending.append(("finish", opened[0], False, status_of(exc) if isinstance(exc, ManagerError) else None))
                 else:
                     # Rolled back (an answer too large, a bug, a refused dispatch), yet its step id
                     # is spent: its plan may have reached some workers. Logged, so that a restarted
@@ -335,7 +333,7 @@ class Durability:
             def admit(*a, **k):
                 decision = next(replayed, None)
                 if decision is not None:
-                    raise _ERRORS.get(decision[0], ManagerError)(decision[1])
+                    raise error_for(decision[0], decision[1])
 
             m.admit = admit if decisions is not None else None
             try:
@@ -354,7 +352,7 @@ class Durability:
             if change[1] not in m.tentative.steps:
                 raise CorruptState(f"log record {index}: finish of step {change[1]}, which is not open")
             _, step_id, ok, code = change
-            m.finish_tentative(step_id, ok, None if code is None else _ERRORS.get(code, ManagerError)(""))
+            m.finish_tentative(step_id, ok, None if code is None else error_for(code, ""))
         elif kind == "event" and change[1] == "steps_used":
             m.steps = max(m.steps, change[2])
         elif kind == "event" and change[1] == "forget_gpu_contents":

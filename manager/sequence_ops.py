@@ -79,7 +79,7 @@ class SequenceOperations(ManagerState):
         if new > available - self.watermark_blocks:
             raise ResourceExhausted(
                 f"allocate {quote(op.seq_id)}: needs {new} free GPU blocks, {available} are free or evictable "
-                f"and {self.watermark_blocks} are kept in reserve")
+                f"and {self.watermark_blocks} are kept in reserve", needed=new, free=available - self.watermark_blocks)
         if self.admit is not None:
             self.admit(f"allocate {quote(op.seq_id)}", new + gpu.num_available - available)
 
@@ -177,7 +177,8 @@ class SequenceOperations(ManagerState):
         need = total - len(table) + cow
         if need > gpu.num_available:
             raise ResourceExhausted(
-                f"append to {quote(seq_id)}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable")
+                f"append to {quote(seq_id)}: needs {need} free GPU blocks, {gpu.num_available} are free or evictable",
+                needed=need, free=gpu.num_available)
         if self.admit is not None and need:
             self.admit(f"append to {quote(seq_id)}", need)
 

@@ -24,6 +24,8 @@ from typing import Callable, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2, status_pb2
 
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
@@ -37,17 +39,30 @@ from .epochs import WorkerCaches
 from .health import HealthService
 from .errors import (
     Busy, DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange,
-    Unavailable, quote,
+    ResourceExhausted, Unavailable, quote,
 )
 from .metrics import ManagerMetrics, RpcMetricsInterceptor
 from .plan import ExecutionPlan
 from .request_cache import Answer, RequestCache, fingerprint
+from .status import NUMBERS, status_of
 from .workers import WorkerRegistry
 
 log = logging.getLogger("kvpager.manager")
 _NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 _READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing
+
+
+def _status(err: ManagerError) -> status_pb2.Status:
+    status = status_pb2.Status(code=NUMBERS[status_of(err)], message=str(err))
+    if isinstance(err, ResourceExhausted) and err.needed is not None:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(
+            reason=NOT_ENOUGH_BLOCKS, domain="kvpager.v1",
+            metadata={"needed": str(err.needed), "free": str(err.free), "tier": err.tier}))
+    return status
+
+
+NOT_ENOUGH_BLOCKS = "NOT_ENOUGH_BLOCKS"  # ErrorInfo.reason of a RESOURCE_EXHAUSTED answer
 
 
 class Malformed:
@@ -288,8 +303,10 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     @staticmethod
     def _reply(answer: Answer, context):
+        """The response, or the error as its status (the one table: ``manager/status.py``); no
+        room now carries the blocks needed and free as a google.rpc.ErrorInfo detail."""
         if answer.error is not None:
-            context.abort(grpc.StatusCode[answer.error.code], str(answer.error))
+            context.abort_with_status(rpc_status.to_status(_status(answer.error)))
         return answer.response
 
     # ---- RPCs ---------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ class SwapOperations(ManagerState):
         if need > cpu.num_blocks:
             raise OutOfRange(f"swap out: needs {need} CPU blocks; the CPU pool has {cpu.num_blocks}")
         if need > cpu.num_available:
-            raise ResourceExhausted(f"swap out: needs {need} free CPU blocks, {cpu.num_available} are free")
+            raise ResourceExhausted(f"swap out: needs {need} free CPU blocks, {cpu.num_available} are free",
+                                    needed=need, free=cpu.num_available, tier="cpu")
 
         mapping = BlockMapping()
         to_cpu: dict[int, int] = {}
@@ -81,7 +82,7 @@ class SwapOperations(ManagerState):
         if need > available - self.watermark_blocks:
             raise ResourceExhausted(
                 f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
-                f"and {self.watermark_blocks} are kept in reserve")
+                f"and {self.watermark_blocks} are kept in reserve", needed=need, free=available - self.watermark_blocks)
         if self.admit is not None:
             self.admit(f"swap in {quote(seqs[0].seq_id)}", need + gpu.num_available - available)
 

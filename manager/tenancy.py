@@ -160,6 +160,7 @@ class Scope:
         if shown == text:
             return err
         out = type(err)(shown)
+        out.__dict__.update(err.__dict__)  # what the error carries besides its message (blocks needed, free...)
         out.__cause__ = err.__cause__
         return out
 
@@ -255,4 +256,4 @@ class QuotaCheck:
         if held + blocks > self.quota:
             raise ResourceExhausted(
                 f"{what}: needs {blocks} more GPU blocks; tenant {self.tenant!r} holds {held} of its quota of "
-                f"{self.quota} (quota_blocks)")
+                f"{self.quota} (quota_blocks)", needed=blocks, free=max(0, self.quota - held))

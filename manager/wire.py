@@ -27,11 +27,8 @@ from .plan import (
     TableLayout,
 )
 from .sequence import GPU, Sequence
+from .status import number_of
 
-STATUS_CODES = {  # google.rpc.Code numbers, for per-operation results inside a Step
-    "OK": 0, "INVALID_ARGUMENT": 3, "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "RESOURCE_EXHAUSTED": 8,
-    "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "INTERNAL": 13, "UNKNOWN": 2, "DATA_LOSS": 15,
-}
 
 
 # ---- requests -> operations ----------------------------------------------------------------------
@@ -158,7 +155,7 @@ def _fill_append_batch(m: pb.AppendBatchResponse, r: AppendBatchResult) -> None:
     m.SetInParent()  # present even when nothing failed
     for index, err in r.failures:
         m.failed_indices.append(index)
-        m.failed_codes.append(STATUS_CODES.get(err.code, 2))
+        m.failed_codes.append(number_of(err))
         m.failed_messages.append(str(err))
 
 
@@ -242,7 +239,7 @@ def step_pb(ops: list[Operation], r: StepResult) -> pb.StepResponse:
     for op, outcome in zip(ops, r.outcomes):
         res = results.add()
         if outcome.error is not None:
-            res.code = STATUS_CODES.get(outcome.error.code, 2)
+            res.code = number_of(outcome.error)
             res.message = str(outcome.error)
         else:
             name, fill = _RESULT_FILLERS[type(op)]

@@ -26,6 +26,7 @@ from kvpager.manager import wire
 from kvpager.manager.block_manager import BlockManager
 from kvpager.manager.config import ManagerConfig
 from kvpager.manager.errors import ManagerError, NotFound, Unavailable
+from kvpager.manager.status import status_of
 from kvpager.manager.recovery import manager_state, restore_manager
 from kvpager.manager.wal import CorruptState, StateDir
 from kvpager.v1 import block_manager_pb2 as pb
@@ -120,12 +121,12 @@ def apply_ref(m: BlockManager, method: str, request) -> tuple:
     """Apply a request to the reference as the service does; its outcome: (step id, codes)."""
     if method == "Step":
         result = m.step(wire.step_ops(request), request.all_or_nothing, layout=wire.step_layout(request))
-        return result.step_id, [None if o.error is None else o.error.code for o in result.outcomes]
+        return result.step_id, [None if o.error is None else status_of(o.error) for o in result.outcomes]
     try:
         m.run(_SINGLE[method](request))
         return m.steps, [None]
     except ManagerError as err:
-        return m.steps, [err.code]
+        return m.steps, [status_of(err)]
 
 
 def call(bm: C.BlockManagerClient, method: str, request, request_id: str) -> tuple:

@@ -68,8 +68,11 @@ def test_allocate_duplicate_id_is_already_exists(served):
 def test_allocate_without_room_is_resource_exhausted_and_says_why(served):
     client, _ = served
     client.allocate("a", num_tokens=13 * 4)
-    with pytest.raises(errors.ResourceExhausted, match=r"needs 4 free GPU blocks, 3 are free"):
+    with pytest.raises(errors.ResourceExhausted, match=r"needs 4 free GPU blocks, 3 are free") as info:
         client.allocate("b", num_tokens=16)
+    # The same numbers as structured status details (google.rpc.ErrorInfo), no message parsing.
+    assert (info.value.needed, info.value.free, info.value.tier) == (4, 3, "gpu")
+    assert info.value.code == "RESOURCE_EXHAUSTED"
     client.free("a")
     client.allocate("b", num_tokens=16)  # room again
 
@@ -210,8 +213,9 @@ def test_swap_out_without_cpu_room(served):
     client.swap_out(["a"])                     # 3 CPU blocks left
     client.free("big")
     client.allocate("b", num_tokens=4 * 4)
-    with pytest.raises(errors.ResourceExhausted, match="needs 4 free CPU blocks, 3 are free"):
+    with pytest.raises(errors.ResourceExhausted, match="needs 4 free CPU blocks, 3 are free") as info:
         client.swap_out(["b"])
+    assert (info.value.needed, info.value.free, info.value.tier) == (4, 3, "cpu")
     assert client.get_block_table("b").tier == pb.TIER_GPU
 
 
