@@ -617,6 +617,14 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
       wgmma_ss(Tag<T>{}, s, gmma_desc(q_addr + dq, 16, 1024), gmma_desc(k_addr + dk, 16, 1024));
     }
     wgmma_commit();
+    // Tile j + 1 into stage st_next (last read in iteration j - 1: K_{j-2}, V_{j-2}) while S_j
+    // runs: a whole iteration to land. bid[] was located for it at the end of iteration j - 1,
+    // so the block-table reads stay off this path.
+    if (j + 1 < blk.n_tiles) {
+      blk.load_tile(k_tile(st_next), blk.kbase, kv0 + BN);
+      blk.load_tile(v_tile(st_next), blk.vbase, kv0 + BN);
+    }
+    cp_async_commit();
     if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
       const uint32_t v_addr = smem_addr(v_tile(st_prev));
 #pragma unroll
@@ -629,14 +637,6 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
     else
       wgmma_wait<0>();
     fence_regs(s);
-    // Tile j + 1 into stage st_next (last read in iteration j - 1: K_{j-2}, V_{j-2}) while
-    // P_{j-1} V_{j-1} runs; bid[] was located for it at the end of iteration j - 1, so the
-    // block-table reads stay off the tensor cores' path.
-    if (j + 1 < blk.n_tiles) {
-      blk.load_tile(k_tile(st_next), blk.kbase, kv0 + BN);
-      blk.load_tile(v_tile(st_next), blk.vbase, kv0 + BN);
-    }
-    cp_async_commit();
     const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
     wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
     fence_regs(o);
