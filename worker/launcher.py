@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     check_manager(args.manager, credentials=creds)
     check_manager_agrees(args, credentials=creds)
     check_model(args)
+    check_metrics_ports(args)
     node: Optional[RayNode] = None
     group = None
     try:
@@ -513,6 +514,20 @@ def check_gpus(args: argparse.Namespace, gpus: int) -> None:
     """--device cuda needs a GPU per rank on the node the ranks run on."""
     if args.device == "cuda" and gpus < args.tensor_parallel_size:
         raise cli.Failure(f"--device cuda needs {args.tensor_parallel_size} GPU(s) on this Ray node, it has {gpus}")
+
+
+def check_metrics_ports(args: argparse.Namespace) -> None:
+    """--metrics-port PORT: rank r serves on PORT + r; one already taken fails before Ray starts."""
+    if not args.metrics_port:  # off, or free ports
+        return
+    for rank in range(args.tensor_parallel_size):
+        port = args.metrics_port + rank
+        try:
+            with socket.create_server((args.host, port)):
+                pass
+        except OSError as err:
+            raise cli.Failure(f"--metrics-port {args.metrics_port}: rank {rank}'s port {port} on {args.host} is not "
+                              f"free ({os.strerror(err.errno) if err.errno else err})") from err
 
 
 def check_model(args: argparse.Namespace) -> None:

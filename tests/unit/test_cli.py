@@ -550,3 +550,13 @@ def test_generate_refuses_what_cannot_run_before_anything_starts_naming_the_flag
     proc = kvpager("generate", "--model", str(checkpoint), "--max-model-len", "100", "hello")
     assert_one_line_error(proc, 1, "--max-model-len 100 beyond the model's max_position_embeddings 64")
     assert time.monotonic() - started < 60  # no Ray, no model load: each a few seconds
+
+
+def test_worker_with_a_metrics_port_taken_exits_1_before_ray_starts(default_manager):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1] - 1  # rank 1's port is the taken one
+        proc = kvpager("worker", "--insecure", "--manager", default_manager, "--tensor-parallel-size", "2",
+                       "--device", "cpu", "--metrics-port", str(port))
+    assert_one_line_error(proc, 1, f"kvpager worker: --metrics-port {port}: rank 1's port {port + 1} on 127.0.0.1 "
+                                   "is not free (Address already in use)")
+    assert "Ray" not in proc.stdout
