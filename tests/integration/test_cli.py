@@ -96,6 +96,12 @@ def run_kvpager(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def pool_total_is(total: int, configured: int) -> bool:
+    """Whether GetStats' GPU total fits a pool of ``configured`` blocks: all of them, or all but
+    the null block where the pool reserves one (padding of block tables; manager/block_pool.py)."""
+    return total in (configured, configured - 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -148,7 +154,8 @@ def test_manager_serves_health_and_metrics_and_stats_shows_its_pools(start_manag
     once = run_kvpager("stats", "--manager", target, "--once")
     assert once.returncode == 0, once.stderr
     gpu = next(line for line in once.stdout.splitlines() if line.startswith("gpu"))
-    assert gpu.split()[1:3] == ["64", "3"]  # 20 tokens in blocks of 8
+    total, used = map(int, gpu.split()[1:3])
+    assert pool_total_is(total, 64) and used == 3  # 20 tokens in blocks of 8
     assert "1 running (GPU)" in once.stdout and "\x1b[" not in once.stdout  # not a terminal: no escapes
 
     twice = run_kvpager("stats", "--manager", target, "--count", "2", "--interval", "0.2")
@@ -168,7 +175,7 @@ def test_worker_registers_its_group_and_stops_on_sigterm(start_manager):
         with BlockManagerClient(target) as client:
             stats = client.get_stats()
         assert (stats.workers_registered, stats.workers_expected) == (1, 1)
-        assert (stats.gpu.total_blocks, stats.cpu.total_blocks) == (64, 16)
+        assert pool_total_is(stats.gpu.total_blocks, 64) and stats.cpu.total_blocks == 16
         with urllib.request.urlopen(f"http://{rank.group(2)}/metrics", timeout=10) as reply:
             assert reply.status == 200
         assert worker.stop() == 0
@@ -196,7 +203,8 @@ def test_the_readme_manager_and_worker_work_together_with_their_defaults(start_m
             pass
         with BlockManagerClient(target) as client:
             stats = client.get_stats()
-        assert (stats.workers_registered, stats.gpu.total_blocks, stats.cpu.total_blocks) == (1, 4096, 4096)
+        assert (stats.workers_registered, stats.cpu.total_blocks) == (1, 4096)
+        assert pool_total_is(stats.gpu.total_blocks, 4096)
         assert worker.stop() == 0
         assert worker.out[-1] == "workers stopped" and not any("Traceback" in line for line in worker.err)
         assert not any("Started a local Ray instance" in line for line in worker.err)  # Ray's line, said above
