@@ -56,11 +56,16 @@ def _kernel(query: torch.Tensor, k_cache: torch.Tensor):
     return cuda
 
 
-def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int]) -> bool:
-    """Whether our kernel beat gather + SDPA on shapes like these (measured, docs/performance.md)."""
+def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int], wgmma: bool = True) -> bool:
+    """Whether our kernel beat gather + SDPA on shapes like these (measured, docs/performance.md);
+    ``wgmma``: whether the Hopper (wgmma) version runs, else the mma.sync one."""
     mode = {None: None, True: "1", False: "0"}[use_kernel] or os.environ.get(KERNEL_ENV, "")
     if mode == "1":
         return True
+    if not wgmma:
+        # The mma.sync version (measured on the H100 only): even with gather + SDPA on 8
+        # distinct chunk shapes, ahead from 24 distinct prompts on, behind on uniform shapes.
+        return len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
     # H100, bf16 32q/8kv d128 (benchmarks/kernels.py --only prefill_kernel, docs/performance.md):
     # the kernel beats gather + SDPA on every chunked-prefill shape measured (new tokens over a
     # cached prefix: SDPA runs its lower-right-masked kernels there) and on batches of many
@@ -109,7 +114,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     multi = [i for i, q in enumerate(q_lens) if q > 1]
     kernel = _kernel(query, k_cache) if multi and scale > 0 else None
-    if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi]):
+    if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi],
+                                           kernel.prefill_wgmma(query.device)):
         # One launch for every sequence of more than one new token, straight from the pages.
         kernel.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                                        k_scale, v_scale, host_lengths=(starts, ctx),
