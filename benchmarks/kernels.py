@@ -25,12 +25,19 @@ prefill) against SDPA over contiguous K/V.
 And (``--only fp8``) decode over an fp8 e4m3 cache against the same kernel over the bf16 cache,
 and write_kv quantizing into fp8.
 
+And (``--only prefill_kernel``) our paged prefill kernel (kernels/csrc/paged_prefill.cuh; its
+mma.sync instances with 4 and 8 warps and the wgmma one) on prompts, chunked prefill over cached
+prefixes and ragged batches, against the fastest torch SDPA backend (flash, efficient, cuDNN;
+GQA native or K/V expanded) over the same shapes laid out contiguously and against gather + SDPA
+(kernels/prefill.py with the kernel off), ratios side by side.
+
 Build variants of the decode kernel (the knobs at the top of kernels/csrc/paged_decode.cuh),
 each built in its own directory and timed in its own process, with ``--variants``:
      python benchmarks/kernels.py --variants "base=;rows8=-DKVPAGER_DECODE_ROWS=8"
 
 Run: python benchmarks/kernels.py            (needs CUDA; builds the extension on first use)
      python benchmarks/kernels.py --only swap,write_kv,flex,prefill,copy   (a subset)
+     python benchmarks/kernels.py --only prefill_kernel   (the prefill kernel against SDPA)
      python benchmarks/kernels.py --smoke    (one small call of every kernel, e.g. under compute-sanitizer)
 """
 
@@ -560,8 +567,9 @@ def bench_flex() -> None:
 
 
 def bench_prefill() -> None:
-    """The worker's prefill on CUDA (kernels/prefill.py: gather + SDPA per (query, context) shape)
-    and the reference's batched torch prefill, against SDPA over contiguous K/V."""
+    """The worker's prefill on CUDA (kernels/prefill.py: our prefill kernel where it pays, else
+    gather + SDPA per (query, context) shape) and the reference's batched torch prefill, against
+    SDPA over contiguous K/V."""
     from torch.nn.attention.bias import causal_lower_right
 
     from kvpager.kernels import ops
@@ -590,7 +598,7 @@ def bench_prefill() -> None:
     err = float(((out_ours.float() - out_sdpa.float()).norm(dim=-1) / out_sdpa.float().norm(dim=-1)).max())
     flops = 4 * seqs * HQ * D * (new * prefix + new * (new + 1) / 2)
     print(f"\nprefill: {seqs} prompts x {new} new tokens over a {prefix}-token cached prefix (bf16, 32q/8kv, d128):")
-    for name, t in (("ours (gather + SDPA, kernels/prefill.py)", t_ours),
+    for name, t in (("ours (kernels/prefill.py: kernel or gather+SDPA)", t_ours),
                     ("ours, lengths read from the device (a sync)", t_sync), ("reference (batched torch, fp32)", t_ref),
                     ("SDPA, contiguous K/V, lower-right causal", t_sdpa)):
         print(f"  {name:42} {t * 1e3:7.3f} ms {flops / t / 1e12:6.0f} TFLOP/s  {t / t_sdpa:5.2f}x SDPA")
