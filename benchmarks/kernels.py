@@ -824,8 +824,8 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex", "prefill",
-                                                           "prefill_kernel"}
+    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
+                                                           "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),

@@ -1,4 +1,4 @@
-"""kvpager's own CUDA kernels: paged decode attention, K/V writes, block copies and swaps.
+"""kvpager's own CUDA kernels: paged decode and prefill attention, K/V writes, block copies and swaps.
 
 Same signatures and semantics as :mod:`kvpager.kernels.reference` (the oracle they are tested
 against), for CUDA tensors. The extension (``kernels/csrc``) is JIT-built with
@@ -15,7 +15,10 @@ layer through the views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_c
 
 Supported: float32, float16 and bfloat16, and float8_e4m3fn caches (per-tensor k_scale and
 v_scale) with float16/bfloat16 queries and K/V; head_dim 64, 128, 256; block_size 8, 16, 32;
-any GQA ratio (query heads a multiple of KV heads). Inputs are checked (device, dtype, shape, strides,
+any GQA ratio (query heads a multiple of KV heads). Prefill (``paged_prefill_attention``, one
+launch per ragged batch, tensor cores: wgmma on Hopper, mma.sync elsewhere): float16/bfloat16
+queries over caches of their dtype or float8_e4m3fn, head_dim 64/128, block_size 8-64; the rest
+falls back to ``kernels/prefill.py``'s gather + SDPA. Inputs are checked (device, dtype, shape, strides,
 alignment) and rejected with ``ValueError``. Data-dependent checks that would need a device
 sync are not made: block-table entries and slots outside the cache are skipped (never
 dereferenced), and a context longer than its table row is clamped to the row.

@@ -76,8 +76,8 @@ def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0, 
 def _cases(b, rng):
     """Whole prompts (q == c), chunked prefill over cached prefixes (q < c), single tokens, tile
     and block edges, and random ragged ones."""
-    fixed = [(5 * b + 3, 2 * b + 1), (5 * b + 3, b + 2), (3 * b + 7, 3 * b + 7), (1, 1), (b, b), (b + 1, 1), (64, 64), (65, 17),
-             (200, 130), (129, 128), (700, 37)]
+    fixed = [(5 * b + 3, 2 * b + 1), (5 * b + 3, b + 2), (3 * b + 7, 3 * b + 7), (1, 1), (b, b), (b + 1, 1),
+             (64, 64), (65, 17), (200, 130), (129, 128), (700, 37)]
     rand = []
     for _ in range(4):
         c = int(torch.randint(2, 900, (1,), generator=rng))
