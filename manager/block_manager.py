@@ -224,11 +224,11 @@ class BlockManager(SequenceOperations, SwapOperations):
         return ManagerStats(
             block_size=self.block_size,
             # Blocks HELD by steps waiting on the workers count as used until those steps finish.
-            gpu=TierStats(gpu.num_blocks, gpu.num_used + gpu.num_held, gpu.num_free, gpu.num_cached),
-            cpu=TierStats(cpu.num_blocks, cpu.num_used + cpu.num_held, cpu.num_free, cpu.num_cached),
+            gpu=TierStats(gpu.num_usable, gpu.num_used + gpu.num_held, gpu.num_free, gpu.num_cached),
+            cpu=TierStats(cpu.num_usable, cpu.num_used + cpu.num_held, cpu.num_free, cpu.num_cached),
             running_sequences=self.seqs.num_running,
             swapped_sequences=self.seqs.num_swapped,
-            gpu_utilization=(gpu.num_used + gpu.num_held) / gpu.num_blocks,
+            gpu_utilization=(gpu.num_used + gpu.num_held) / gpu.num_usable,
             internal_fragmentation=(slots - gpu.filled_slots) / slots if slots else 0.0,
             prefix_caching=self.config.enable_prefix_caching,
             prefix_query_tokens=c.prefix_query_tokens,

@@ -7,6 +7,10 @@ Every block is in exactly one state:
 - CACHED: unreferenced, but holds a full block whose content hash is known, so a later
   prompt with the same prefix can reuse it; in the LRU list, evicted from its head only
   when no FREE block is left.
+- NULL: block 0 of a pool made with ``reserve_null`` (the GPU pool), never handed out. Padding
+  entries of block tables name it (the workers keep it zeroed), so a kernel that reads past a
+  sequence's context by mistake reads zeros, never another sequence's K/V (vLLM and SGLang do
+  the same).
 - HELD: released during a Step; it rejoins FREE or CACHED when the step ends, so a block
   never plays two roles in one step's plan (see ``hold_releases``). A step whose plan is on its
   way to the workers (a tentative step, ``manager/tentative.py``) keeps its HELD blocks until
@@ -36,7 +40,8 @@ from typing import Optional
 from .errors import InvariantViolation
 from .journal import Journal
 
-FREE, USED, CACHED, HELD = "free", "used", "cached", "held"
+FREE, USED, CACHED, HELD, NULL = "free", "used", "cached", "held", "null"
+NULL_BLOCK = 0  # the GPU pool's reserved block: what padding entries of block tables name
 
 
 @dataclass(slots=True, eq=False)
@@ -51,16 +56,23 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, journal: Journal, name: str, caching: bool) -> None:
+    def __init__(self, num_blocks: int, journal: Journal, name: str, caching: bool,
+                 reserve_null: bool = False) -> None:
         """``caching``: keep released hashed blocks as CACHED (the GPU tier). A pool without
         it (the CPU tier) still carries each block's hash, so a swapped-in block can be
-        matched against the GPU cache, but frees such blocks at once."""
+        matched against the GPU cache, but frees such blocks at once. ``reserve_null``: block 0
+        is the NULL block, never handed out (``num_usable`` is one less than ``num_blocks``)."""
         self.name = name
         self.caching = caching
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._journal = journal
-        self._free: deque[int] = deque(range(num_blocks))
+        first = 0
+        if reserve_null:
+            self.blocks[NULL_BLOCK].state = NULL
+            first = NULL_BLOCK + 1
+        self.num_usable = num_blocks - first  # blocks that can ever be handed out
+        self._free: deque[int] = deque(range(first, num_blocks))
         self._head = Block(-1)  # LRU sentinels: head.next is the least recently used block
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
@@ -70,6 +82,9 @@ class BlockPool:
         self._tentative_held: set[int] = set()  # HELD blocks of tentative steps
         self._pins: Counter[int] = Counter()     # block -> references kept by tentative steps
         self._hidden: Counter[int] = Counter()   # blocks tentative steps own: lookup skips them
+        # True while a tentative step is undone after its plan went out: a block it took may have
+        # been written by the workers (a copy or swap-in target), so none goes back to the cache.
+        self.plan_may_have_run = False
         self.num_used = 0
         self.filled_slots = 0  # sum of num_filled over USED blocks
         self.evictions = 0
@@ -307,7 +322,9 @@ class BlockPool:
     def _undo_allocate_evict(self, block: Block, old_hash: bytes, old_filled: int) -> None:
         self.num_used -= 1
         self.evictions -= 1
-        if old_hash in self._hash_to_block:  # another block took that prefix since: this one is free
+        if old_hash in self._hash_to_block or self.plan_may_have_run:
+            # Another block took that prefix since, or the workers may have written this block:
+            # it comes back FREE, never as a cache entry whose content may be gone.
             block.state, block.ref_count, block.num_filled = FREE, 0, 0
             self._free.appendleft(block.block_id)
             return
@@ -402,6 +419,10 @@ class BlockPool:
             places[bid] = HELD
         used = filled = 0
         for block in self.blocks:
+            if block.state == NULL:
+                if block.ref_count or block.block_id in places or block.block_hash is not None:
+                    fail(f"the null block {block.block_id} is referenced, listed or hashed")
+                continue
             bid = block.block_id
             refs = references.get(bid, 0) + self._pins.get(bid, 0)
             if block.ref_count != refs:
@@ -437,5 +458,5 @@ class BlockPool:
             fail(f"{used} blocks referenced, counter says {self.num_used}")
         if filled != self.filled_slots:
             fail(f"{filled} filled slots, counter says {self.filled_slots}")
-        if len(free) + len(lru) + len(held) + used != self.num_blocks:
+        if len(free) + len(lru) + len(held) + used != self.num_usable:
             fail("free + cached + held + used != total")

@@ -52,11 +52,11 @@ class SequenceOperations(ManagerState):
         # The answer holds the prompt's slots twice (result and batch) and its table once in the
         # result and once per table layout of the batch.
         self._charge(2 * n + (1 + self._table_copies()) * num_blocks, f"allocate {quote(op.seq_id)}")
-        usable = gpu.num_blocks - self.watermark_blocks
+        usable = gpu.num_usable - self.watermark_blocks
         if num_blocks > usable:
             raise OutOfRange(
                 f"allocate {quote(op.seq_id)}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
-                f"never give more than {usable} ({gpu.num_blocks} minus a reserve of {self.watermark_blocks})")
+                f"never give more than {usable} ({gpu.num_usable} minus a reserve of {self.watermark_blocks})")
 
         caching = self.config.enable_prefix_caching and tokens is not None
         hashes: list[bytes] = []
@@ -166,8 +166,9 @@ class SequenceOperations(ManagerState):
                 f"append to {quote(seq_id)}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
         table = seq.block_ids
         total = -(-(n + k) // B)
-        if total > gpu.num_blocks:
-            raise OutOfRange(f"append to {quote(seq_id)}: {n + k} tokens need {total} blocks; the GPU pool has {gpu.num_blocks}")
+        if total > gpu.num_usable:
+            raise OutOfRange(f"append to {quote(seq_id)}: {n + k} tokens need {total} blocks; the GPU pool has "
+                             f"{gpu.num_usable}")
         step = self._step
         cow = n % B != 0 and gpu.blocks[table[-1]].ref_count > 1
         if cow and step is not None and table[-1] in step.computed:

@@ -61,12 +61,14 @@ class StepState:
 class ManagerState:
     def __init__(self, config: ManagerConfig | None = None) -> None:
         self.config = config or ManagerConfig()
-        if self.config.num_gpu_blocks < 1:
-            raise InvalidArgument("a BlockManager needs num_gpu_blocks >= 1 (0 means: let the service size it from workers)")
+        if self.config.num_gpu_blocks < 2:
+            raise InvalidArgument("a BlockManager needs num_gpu_blocks >= 2 (block 0 is the null block that padding "
+                                  "names; 0 means: let the service size it from workers)")
         self.block_size = self.config.block_size
         self.watermark_blocks = self.config.watermark_blocks
         self._journal = Journal()
-        self.gpu = BlockPool(self.config.num_gpu_blocks, self._journal, "gpu", self.config.enable_prefix_caching)
+        self.gpu = BlockPool(self.config.num_gpu_blocks, self._journal, "gpu", self.config.enable_prefix_caching,
+                             reserve_null=True)
         self.cpu = BlockPool(self.config.num_cpu_blocks, self._journal, "cpu", caching=False)
         self.seqs = SequenceTable(self._journal)
         self.counters = Counters()

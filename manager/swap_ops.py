@@ -35,8 +35,8 @@ class SwapOperations(ManagerState):
                     f"swap out: sequence {quote(s.seq_id)} has K/V written in this step; swap it out in a later step")
         distinct = dict.fromkeys(b for s in seqs for b in s.block_ids)
         need, cpu, gpu = len(distinct), self.cpu, self.gpu
-        if need > cpu.num_blocks:
-            raise OutOfRange(f"swap out: needs {need} CPU blocks; the CPU pool has {cpu.num_blocks}")
+        if need > cpu.num_usable:
+            raise OutOfRange(f"swap out: needs {need} CPU blocks; the CPU pool has {cpu.num_usable}")
         if need > cpu.num_available:
             raise ResourceExhausted(f"swap out: needs {need} free CPU blocks, {cpu.num_available} are free",
                                     needed=need, free=cpu.num_available, tier="cpu")
@@ -75,7 +75,7 @@ class SwapOperations(ManagerState):
                 if g is not None:
                     reuse[c] = g
         need = len(distinct) - len(reuse)
-        usable = gpu.num_blocks - self.watermark_blocks
+        usable = gpu.num_usable - self.watermark_blocks
         if need > usable:
             raise OutOfRange(f"swap in: needs {need} GPU blocks; the GPU pool can never give more than {usable}")
         available = gpu.num_available - sum(1 for g in set(reuse.values()) if gpu.blocks[g].state == CACHED)

@@ -127,7 +127,13 @@ class TentativeSteps:
         for pool, held in step.held:
             pool.resume_held(held)
         if not ok:
-            undo(step.entries)   # pins still in place: a dropped reference comes back on top of its pin
+            for pool, _ in step.held:
+                pool.plan_may_have_run = True
+            try:
+                undo(step.entries)   # pins still in place: a dropped reference comes back on top of its pin
+            finally:
+                for pool, _ in step.held:
+                    pool.plan_may_have_run = False
             for name, delta in step.counter_delta.items():
                 setattr(counters, name, getattr(counters, name) - delta)
         for pool, block_id in step.pins:

@@ -266,7 +266,7 @@ class ManagerMachine(RuleBasedStateMachine):
         model decides; for room, exact or bounded from the pools' counts outside a step."""
         m, B, cfg = self.m, self.B, self.config
         wm, gpu, cpu = m.watermark_blocks, m.gpu, m.cpu
-        usable = cfg.num_gpu_blocks - wm
+        usable = gpu.num_usable - wm  # the null block is never handed out
         single = ctx is None
         if isinstance(op, AllocateOp):
             if op.seq_id in model:
@@ -284,7 +284,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if seq.tier != "gpu":
                 return {FailedPrecondition}
             n, k = len(seq.values), len(op.token_ids) if op.token_ids else op.num_tokens
-            if cdiv(n + k, B) > cfg.num_gpu_blocks:
+            if cdiv(n + k, B) > gpu.num_usable:
                 return {OutOfRange}
             if single:
                 table = m.block_table(op.seq_id).block_ids

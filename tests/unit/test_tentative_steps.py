@@ -15,7 +15,7 @@ from kvpager.manager.operations import AllocateOp, AppendOp, ForkOp, FreeOp, Swa
 B = 2
 
 
-def manager(gpu: int = 16, cpu: int = 8) -> BlockManager:
+def manager(gpu: int = 17, cpu: int = 8) -> BlockManager:
     return BlockManager(ManagerConfig(block_size=B, num_gpu_blocks=gpu, num_cpu_blocks=cpu))
 
 
@@ -87,24 +87,29 @@ def test_blocks_it_registered_are_not_found_by_another_prompt_until_it_commits(o
     assert m.allocate("c", prompt).num_cached_tokens == (4 if ok else 0)
 
 
-def test_a_cached_block_it_evicted_comes_back_cached():
-    m = manager(gpu=4)
+def test_a_cached_block_it_evicted_comes_back_free_since_the_workers_may_have_written_it():
+    m = manager(gpu=5)                         # 4 usable blocks: block 0 is the null block
     prompt = [1, 2, 3]
     m.allocate("a", prompt)
     m.free("a")                                # its full first block stays CACHED
+    evicted = m.gpu.lookup(next(iter(m.gpu._hash_to_block)))
     assert m.gpu.num_cached == 1
     m.allocate("v", [7])
     # Takes the 2 free blocks and evicts the cached one (hash of [1, 2]); a plan: the swap-out.
     step = tentative(m, AllocateOp("x", [5, 6, 7, 8, 9, 9]), SwapOutOp(["v"]))
+    assert evicted in table(m, "x")
     with pytest.raises(ResourceExhausted):
         m.allocate("b", prompt)                # no room at all now
     m.finish_tentative(step, False)
     m.check_invariants()
-    assert m.allocate("b", prompt).num_cached_tokens == 2
+    # Its plan may have reached some workers (it does, here: a copy or swap-in target could be
+    # this block), so its old prefix is not served from it again.
+    assert m.gpu.blocks[evicted].state == FREE
+    assert m.allocate("b", prompt).num_cached_tokens == 0
 
 
 def test_a_block_it_evicted_whose_prefix_another_step_registered_meanwhile_comes_back_free():
-    m = manager(gpu=8)
+    m = manager(gpu=9)
     m.allocate("a", [1, 2, 3])
     m.free("a")                                # E: hash of [1, 2], CACHED
     evicted = m.gpu.lookup(next(iter(m.gpu._hash_to_block)))
