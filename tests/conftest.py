@@ -47,7 +47,8 @@ def running_server(config: ManagerConfig, max_workers: int = 16):
 
 @pytest.fixture
 def small_config() -> ManagerConfig:
-    return ManagerConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8, watermark=0.0)
+    # 17 GPU blocks: block 0 is the null block (never handed out), so 16 are usable.
+    return ManagerConfig(block_size=4, num_gpu_blocks=17, num_cpu_blocks=8, watermark=0.0)
 
 
 @pytest.fixture

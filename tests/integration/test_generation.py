@@ -76,11 +76,11 @@ def check_against_reference(client, service, runner, requests, model: ModelConfi
 
 def test_generation_matches_contiguous_cache_in_process():
     with manager_sized_by_workers() as (client, service):
-        worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=36, num_cpu_blocks=64,
+        worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=37, num_cpu_blocks=64,
                                           manager_address=client.target))
         worker.start()
         try:
-            assert client.get_stats().gpu.total_blocks == 36  # the pool took the worker's capacity
+            assert client.get_stats().gpu.total_blocks == 36  # the worker's capacity less the null block
             scheduler, stats = check_against_reference(client, service, worker.execute_model, make_requests(30, 1))
             assert scheduler.stats.preemptions > 0 and stats.blocks_swapped_in > 0
             assert stats.cow_copies > 0 and stats.prefix_hit_tokens > 0
@@ -96,7 +96,7 @@ def test_generation_with_an_fp8_cache_matches_the_contiguous_cache_of_the_same_v
     tokens equal those of the contiguous cache holding the same quantized-then-dequantized K/V."""
     model = dataclasses.replace(MODEL, kv_cache_dtype="fp8_e4m3", kv_scale=0.25)
     with manager_sized_by_workers() as (client, service):
-        worker = CacheWorker(WorkerConfig(model=model, block_size=BLOCK, num_gpu_blocks=36, num_cpu_blocks=64,
+        worker = CacheWorker(WorkerConfig(model=model, block_size=BLOCK, num_gpu_blocks=37, num_cpu_blocks=64,
                                           manager_address=client.target))
         worker.start()
         try:
@@ -153,7 +153,7 @@ def test_ray_tensor_parallel_workers_generate_and_survive_a_replacement(ray_clus
     from kvpager.worker.ray_group import RayWorkerGroup
 
     with manager_sized_by_workers() as (client, service):
-        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=41, num_cpu_blocks=64,
                               manager_address=client.target)
         group = RayWorkerGroup(config, tensor_parallel_size=2, use_gpu=False)
         try:
@@ -229,7 +229,7 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
                                                          stop_token_ids=stops))
                for i, r in enumerate(make_requests(6, 6))]
     with manager_sized_by_workers() as (client, service):
-        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=41, num_cpu_blocks=64,
                               manager_address=client.target)
         group = RayWorkerGroup(config, tensor_parallel_size=1, use_gpu=False)
         try:
@@ -333,7 +333,7 @@ def test_scheduler_restarts_the_live_requests_when_a_worker_dies_mid_run(ray_clu
     from kvpager.worker.ray_group import RayWorkerGroup
 
     with manager_sized_by_workers() as (client, service):
-        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=40, num_cpu_blocks=64,
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=41, num_cpu_blocks=64,
                               manager_address=client.target)
         groups = [RayWorkerGroup(config, tensor_parallel_size=2, use_gpu=False)]
         calls = 0

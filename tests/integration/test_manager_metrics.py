@@ -120,7 +120,7 @@ def test_service_discovery_lists_registered_workers_with_metrics(metrics_url):
     stub = client.stub
     for rank, metrics_address in ((0, "127.0.0.1:9501"), (1, "")):
         stub.RegisterWorker(pb.RegisterWorkerRequest(
-            address=f"127.0.0.1:{40000 + rank}", rank=rank, tensor_parallel_size=2, num_gpu_blocks=16,
+            address=f"127.0.0.1:{40000 + rank}", rank=rank, tensor_parallel_size=2, num_gpu_blocks=17,
             num_cpu_blocks=8, block_size=4, metrics_address=metrics_address, block_bytes=1024), timeout=5)
     with urllib.request.urlopen(url + "/sd/workers", timeout=5) as reply:
         targets = json.load(reply)

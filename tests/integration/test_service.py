@@ -1,7 +1,8 @@
 """Every RPC and every error, through a real server on a loopback port.
 
 The ``served`` fixture checks the manager's invariants after each test.
-Pool: block size 4, 16 GPU blocks, 8 CPU blocks, no watermark.
+Pool: block size 4, 17 GPU blocks (block 0 is the null block: 16 usable, handed out from 1),
+8 CPU blocks, no watermark.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ def stats(client) -> pb.GetStatsResponse:
 def test_allocate_returns_table_slots_and_cached_prefix(served):
     client, _ = served
     r = client.allocate("a", token_ids=list(range(10)))
-    assert list(r.block_ids) == [0, 1, 2]
-    assert list(r.slot_mapping) == list(range(10))
+    assert list(r.block_ids) == [1, 2, 3]
+    assert list(r.slot_mapping) == list(range(4, 14))
     assert r.num_cached_tokens == 0
     r2 = client.allocate("b", token_ids=list(range(8)) + [99, 98])
-    assert list(r2.block_ids[:2]) == [0, 1] and r2.num_cached_tokens == 8
+    assert list(r2.block_ids[:2]) == [1, 2] and r2.num_cached_tokens == 8
     assert list(r2.slot_mapping[8:]) == [r2.block_ids[2] * 4, r2.block_ids[2] * 4 + 1]
     s = stats(client)
     assert (s.gpu.used_blocks, s.prefix_query_tokens, s.prefix_hit_tokens) == (4, 20, 8)
@@ -34,7 +35,7 @@ def test_allocate_returns_table_slots_and_cached_prefix(served):
 def test_allocate_by_count_only(served):
     client, _ = served
     r = client.allocate("a", num_tokens=5)
-    assert list(r.block_ids) == [0, 1] and r.num_cached_tokens == 0
+    assert list(r.block_ids) == [1, 2] and r.num_cached_tokens == 0
     assert client.get_block_table("a").num_tokens == 5
 
 
@@ -80,17 +81,17 @@ def test_allocate_without_room_is_resource_exhausted_and_says_why(served):
 # ---- Append ----------------------------------------------------------------------------------------
 def test_append_slots_new_blocks_and_copy_on_write(served):
     client, _ = served
-    client.allocate("a", token_ids=[1, 2, 3, 4, 5, 6])  # blocks 0, 1; 2 tokens in block 1
+    client.allocate("a", token_ids=[1, 2, 3, 4, 5, 6])  # blocks 1, 2; 2 tokens in block 2
     r = client.append("a", token_ids=[7])
-    assert list(r.slot_mapping) == [6] and list(r.new_block_ids) == [] and r.num_tokens == 7
-    r = client.append("a", token_ids=[8, 9, 10])  # speculative: fills block 1, spills into block 2
-    assert list(r.slot_mapping) == [7, 8, 9] and list(r.new_block_ids) == [2]
+    assert list(r.slot_mapping) == [10] and list(r.new_block_ids) == [] and r.num_tokens == 7
+    r = client.append("a", token_ids=[8, 9, 10])  # speculative: fills block 2, spills into block 3
+    assert list(r.slot_mapping) == [11, 12, 13] and list(r.new_block_ids) == [3]
     client.fork("a", "b")
-    r = client.append("b", token_ids=[11])  # block 2 is shared and partial: copy-on-write
-    assert list(r.copies.src) == [2] and list(r.copies.dst) == [3] and list(r.new_block_ids) == [3]
-    assert list(r.slot_mapping) == [3 * 4 + 2]
-    r = client.append("a", token_ids=[12])  # now a holds block 2 alone: written in place
-    assert list(r.copies.src) == [] and list(r.slot_mapping) == [2 * 4 + 2]
+    r = client.append("b", token_ids=[11])  # block 3 is shared and partial: copy-on-write
+    assert list(r.copies.src) == [3] and list(r.copies.dst) == [4] and list(r.new_block_ids) == [4]
+    assert list(r.slot_mapping) == [4 * 4 + 2]
+    r = client.append("a", token_ids=[12])  # now a holds block 3 alone: written in place
+    assert list(r.copies.src) == [] and list(r.slot_mapping) == [3 * 4 + 2]
     assert stats(client).cow_copies == 1
 
 
@@ -134,7 +135,7 @@ def test_fork_shares_blocks_and_free_releases_last_reference(served):
     client, _ = served
     client.allocate("a", num_tokens=6)
     r = client.fork("a", "b")
-    assert r.child_seq_id == "b" and list(r.block_ids) == [0, 1]
+    assert r.child_seq_id == "b" and list(r.block_ids) == [1, 2]
     assert stats(client).gpu.used_blocks == 2
     assert client.free("a").num_blocks_released == 0
     assert client.free("b").num_blocks_released == 2
@@ -166,9 +167,9 @@ def test_swap_out_and_in_keep_shared_blocks_shared(served):
     client, _ = served
     client.allocate("a", num_tokens=6)  # count only: no prefix hashes, so swap-in copies everything
     client.fork("a", "b")
-    client.append("b", num_tokens=1)    # b: blocks 0, 2 (copy of 1)
+    client.append("b", num_tokens=1)    # b: blocks 1, 3 (copy of 2)
     out = client.swap_out(["a", "b"])
-    assert list(out.mapping.src) == [0, 1, 2] and list(out.mapping.dst) == [0, 1, 2]
+    assert list(out.mapping.src) == [1, 2, 3] and list(out.mapping.dst) == [0, 1, 2]
     s = stats(client)
     assert (s.gpu.used_blocks, s.cpu.used_blocks, s.swapped_sequences, s.running_sequences) == (0, 3, 2, 0)
     assert client.get_block_table("a").tier == pb.TIER_CPU
@@ -225,7 +226,7 @@ def test_step_applies_in_order_reports_each_result_and_merges_the_plan(served):
     client.allocate("a", num_tokens=6)
     client.fork("a", "b")
     r = client.step([
-        C.append_op("a", num_tokens=1),     # copy-on-write of block 1
+        C.append_op("a", num_tokens=1),     # copy-on-write of block 2
         C.append_op("nope", num_tokens=1),  # fails alone
         C.allocate_op("c", num_tokens=5),
         C.free_op("b"),
@@ -233,14 +234,14 @@ def test_step_applies_in_order_reports_each_result_and_merges_the_plan(served):
     assert r.applied and r.step_id == 3  # Allocate and Fork were steps of one
     assert [res.code for res in r.results] == [0, 5, 0, 0]
     assert C.result_error(r.results[1]).__class__ is errors.NotFound
-    assert list(r.plan.blocks_to_copy.src) == [1] and list(r.plan.blocks_to_copy.dst) == [2]
+    assert list(r.plan.blocks_to_copy.src) == [2] and list(r.plan.blocks_to_copy.dst) == [3]
     batch = r.batch
     assert list(batch.seq_ids) == ["a", "c"]
     assert list(batch.context_lens) == [7, 5] and list(batch.query_lens) == [1, 5]
-    assert list(batch.slot_mapping) == [2 * 4 + 2, 12, 13, 14, 15, 16]
+    assert list(batch.slot_mapping) == [3 * 4 + 2, 16, 17, 18, 19, 20]
     assert batch.max_blocks == 2
-    assert list(batch.block_tables) == [0, 2, 3, 4]
-    assert list(batch.kv_indptr) == [0, 2, 4] and list(batch.kv_indices) == [0, 2, 3, 4]
+    assert list(batch.block_tables) == [1, 3, 4, 5]
+    assert list(batch.kv_indptr) == [0, 2, 4] and list(batch.kv_indices) == [1, 3, 4, 5]
     assert list(batch.kv_last_page_len) == [3, 1]
 
 
@@ -267,7 +268,7 @@ def test_step_swap_plan_and_written_blocks_rule(served):
     r = client.step([C.append_op("a", num_tokens=1), C.swap_out_op(["a"]), C.swap_out_op(["b"])])
     assert [res.code for res in r.results] == [0, 9, 0]  # a was written this step: FAILED_PRECONDITION
     assert "later step" in r.results[1].message
-    assert list(r.plan.blocks_to_swap_out.src) == [2, 3]
+    assert list(r.plan.blocks_to_swap_out.src) == [3, 4]
     r = client.step([C.swap_in_op(["b"]), C.free_op("a")])
     assert [res.code for res in r.results] == [0, 0]
     assert list(r.plan.blocks_to_swap_in.src) == [0, 1] and list(r.batch.seq_ids) == ["b"]
@@ -288,7 +289,7 @@ def test_get_block_table_and_stats(served):
     client, _ = served
     client.allocate("a", num_tokens=6)
     t = client.get_block_table("a")
-    assert (t.seq_id, t.tier, t.num_tokens, list(t.block_ids)) == ("a", pb.TIER_GPU, 6, [0, 1])
+    assert (t.seq_id, t.tier, t.num_tokens, list(t.block_ids)) == ("a", pb.TIER_GPU, 6, [1, 2])
     with pytest.raises(errors.NotFound):
         client.get_block_table("nope")
     s = stats(client)
@@ -323,7 +324,7 @@ def test_client_retries_reuse_one_request_id(served):
     retrying = C.BlockManagerClient(client.target, retries=3)
     try:
         r = retrying.allocate("a", num_tokens=5)
-        assert list(r.block_ids) == [0, 1]
+        assert list(r.block_ids) == [1, 2]
         assert len(service.requests) == 1  # the client gave the call an id
     finally:
         retrying.close()
@@ -347,7 +348,7 @@ def test_server_keeps_serving_after_errors(served):
         with pytest.raises(errors.NotFound):
             client.append("ghost", num_tokens=1)
     client.ping()
-    assert client.allocate("a", num_tokens=1).block_ids[0] == 0
+    assert client.allocate("a", num_tokens=1).block_ids[0] == 1
 
 
 def test_append_batch_reports_only_failures_and_merges_slots(served):
@@ -362,7 +363,7 @@ def test_append_batch_reports_only_failures_and_merges_slots(served):
     assert [(i, type(e)) for i, e in failures] == [(1, errors.NotFound), (3, errors.FailedPrecondition)]
     assert list(r.batch.seq_ids) == ["a", "b", "c"] and list(r.batch.query_lens) == [1, 1, 1]
     assert list(r.batch.context_lens) == [4, 5, 5]
-    assert list(r.batch.slot_mapping) == [3, 3 * 4, 4 * 4]
+    assert list(r.batch.slot_mapping) == [7, 4 * 4, 5 * 4]
     r = client.step([C.append_batch_op(["a", "nope"], [1, 2])], all_or_nothing=True)
     assert not r.applied and [res.code for res in r.results] == [5]
     assert client.get_block_table("a").num_tokens == 4
