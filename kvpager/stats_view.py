@@ -113,7 +113,11 @@ class Screen:
 def poll(client: C.BlockManagerClient) -> tuple[Optional[Sample], str]:
     """(a sample, "") or (None, why the manager gave no stats)."""
     try:
-        return Sample(client.get_stats(), time.monotonic()), ""
+        stats = client.get_stats()
+        if not stats.gpu.total_blocks:  # it answers, but its pools wait for the workers
+            return None, (f"no block pool yet: it is sized from the workers' capacity once every rank registered "
+                          f"({stats.workers_registered} of {stats.workers_expected or '?'} so far)")
+        return Sample(stats, time.monotonic()), ""
     except errors.Unavailable as err:
         try:
             client.ping()

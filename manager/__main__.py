@@ -34,7 +34,8 @@ log = logging.getLogger("kvpager.manager")
 # What each ManagerConfig field means, for --help (the field's env var and default are added).
 _CONFIG_HELP = {
     "block_size": "tokens per KV block",
-    "num_gpu_blocks": "GPU pool size in blocks; 0: size both pools from the workers' capacity",
+    "num_gpu_blocks": "GPU pool size in blocks (block 0 is the null block padding names); 0: size both pools "
+                      "from the capacity of the workers that register",
     "num_cpu_blocks": "CPU swap pool size in blocks",
     "watermark": "fraction of GPU blocks kept free at admission and swap-in",
     "enable_prefix_caching": "reuse cached full prompt blocks across sequences (true/false)",
@@ -56,6 +57,9 @@ _CONFIG_HELP = {
     "fsync": "when the log is fsynced: always (before each answer), batch (every 10 ms: a power loss may lose "
              "the last 10 ms, a crash of the process nothing), never (the OS decides)",
 }
+# Where the command's default differs from ManagerConfig's: the pools are sized from the workers
+# that register, so `kvpager manager` and `kvpager worker` agree with no flags at all.
+_CLI_DEFAULTS = {"num_gpu_blocks": 0}
 _KINDS = {bool: cli.parse_bool, "bool": cli.parse_bool, float: cli.number, "float": cli.number, str: str, "str": str}
 _METAVARS = {bool: "BOOL", "bool": "BOOL", float: "X", "float": "X", str: "S", "str": "S"}
 _METAVARS_BY_NAME = {"state_dir": "DIR", "fsync": "always|batch|never"}
@@ -76,7 +80,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
              help="serve /metrics and /sd/workers on this port (0: a free one)")
     security_flags(parser)
     for f in fields(ManagerConfig):
-        cli.flag(parser, f"--{f.name.replace('_', '-')}", env=f"KVPAGER_{f.name.upper()}", default=f.default,
+        cli.flag(parser, f"--{f.name.replace('_', '-')}", env=f"KVPAGER_{f.name.upper()}",
+                 default=_CLI_DEFAULTS.get(f.name, f.default),
                  type=_KINDS.get(f.type, cli.integer),
                  metavar=_METAVARS_BY_NAME.get(f.name, _METAVARS.get(f.type, "N")),
                  default_help="unset: state in memory only" if f.name == "state_dir" else None,

@@ -366,11 +366,16 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     def GetStats(self, request, context):
         def work():
-            manager = self._manager()
-            reply = wire.stats_pb(manager.stats())
+            manager = self.manager
+            if manager is None:  # the pools wait for the workers: what is known (block size, workers)
+                reply = pb.GetStatsResponse(block_size=self.config.block_size)
+            else:
+                reply = wire.stats_pb(manager.stats())
             reply.workers_registered = len(self.registry.workers())
             reply.workers_expected = self.registry.tensor_parallel_size or 0
-            reply.epoch, reply.lost_sequences = self.caches.epoch, len(manager.lost)
+            reply.epoch, reply.lost_sequences = self.caches.epoch, len(manager.lost) if manager is not None else 0
+            if manager is None:
+                return reply
             identity = current_identity()
             if identity is not None:  # tokens: a scheduler sees its tenant, an admin every tenant
                 self._tenant_stats(reply, manager, identity)
@@ -411,17 +416,24 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))
 
     def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
+        try:
+            return self._admit_worker(request)
+        except ManagerError as err:  # one line for the operator; the worker gets the status
+            log.warning("refused the worker at %s (rank %d): %s", quote(request.address), request.rank, err)
+            raise
+
+    def _admit_worker(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
         self._until_no_tentative_step("RegisterWorker")
+        if self.manager is not None:  # checked before the registry changes: a refusal leaves no trace
+            gpu, cpu = self.manager.gpu.num_blocks, self.manager.cpu.num_blocks
+            if request.num_gpu_blocks < gpu or request.num_cpu_blocks < cpu:
+                raise FailedPrecondition(
+                    f"register worker: capacity {request.num_gpu_blocks} GPU / {request.num_cpu_blocks} CPU blocks is "
+                    f"below the manager's pools ({gpu} / {cpu}): give the workers more (--num-gpu-blocks, "
+                    "--num-cpu-blocks) or the manager less")
         replacing = request.rank in self.registry.ranks_seen
         record = self.registry.register(request)
-        if self.manager is not None:
-            gpu, cpu = self.manager.gpu.num_blocks, self.manager.cpu.num_blocks
-            if record.num_gpu_blocks < gpu or record.num_cpu_blocks < cpu:
-                self.registry.unregister(record.worker_id)
-                raise FailedPrecondition(
-                    f"register worker: capacity {record.num_gpu_blocks} GPU / {record.num_cpu_blocks} CPU blocks is "
-                    f"below the manager's pools ({gpu} / {cpu})")
-        elif self.registry.complete():
+        if self.manager is None and self.registry.complete():
             gpu, cpu = self.registry.capacity()
             self.manager = BlockManager(dataclasses.replace(self.config, num_gpu_blocks=gpu, num_cpu_blocks=cpu))
             log.info("pools sized from the workers: %d GPU and %d CPU blocks", gpu, cpu)

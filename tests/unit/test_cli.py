@@ -119,7 +119,7 @@ def test_environment_configures_the_manager(monkeypatch):
         monkeypatch.setenv(name, value)
     args = parse("manager")
     assert (args.host, args.port, args.metrics_host, args.metrics_port) == ("127.0.0.3", 6000, "127.0.0.1", 0)
-    assert (args.block_size, args.enable_prefix_caching, args.num_gpu_blocks) == (32, False, 4096)
+    assert (args.block_size, args.enable_prefix_caching, args.num_gpu_blocks) == (32, False, 0)
     assert parse("manager", "--port", "7000").port == 7000
     assert parse("manager").metrics_port == 0 and "KVPAGER_METRICS_PORT" in os.environ
     monkeypatch.delenv("KVPAGER_METRICS_PORT")
@@ -357,7 +357,7 @@ def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
     assert agrees("--tensor-parallel-size", "2") == ""
 
 
-def test_worker_leaves_the_check_to_registration_where_the_manager_shows_no_stats():
+def test_worker_checks_a_manager_waiting_for_its_pools_and_leaves_a_guarded_one_to_registration():
     from kvpager import auth
     from kvpager.worker import launcher
 
@@ -367,8 +367,11 @@ def test_worker_leaves_the_check_to_registration_where_the_manager_shows_no_stat
     waiting.start()
     guarded.start()
     try:
+        args = parse("worker", "--manager", f"127.0.0.1:{port}", "--block-size", "16")
+        launcher.check_manager_agrees(args)  # no pools yet: the block size agrees, no pool to compare with
         args = parse("worker", "--manager", f"127.0.0.1:{port}", "--block-size", "8")
-        launcher.check_manager_agrees(args)  # no pools yet: nothing to compare
+        with pytest.raises(cli.Failure, match="block size mismatch"):  # its block size shows without a pool
+            launcher.check_manager_agrees(args)
         args = parse("worker", "--manager", f"127.0.0.1:{guarded_port}", "--block-size", "8")
         creds = auth.WorkerCredentials(auth_token="worker-token-0123456789")
         assert launcher.manager_stats(args.manager, creds) is None  # the worker role may not read stats
