@@ -7,13 +7,20 @@ STAMP := $(VENV)/.installed
 # Where torch comes from: pip's default (see README), or e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
-.PHONY: demo test tools venv proto clean
+.PHONY: demo test lint tools venv proto clean
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpager demo
 
-test: $(STAMP) tools
+test: $(STAMP) lint tools
 	$(PY) -m pytest -q tests
+
+# The house's rules, checked before the tests: the import layers (pyproject.toml's
+# [tool.importlinter] contracts: commands on top, the manager free of torch/Ray, the scheduler and
+# the workers sharing only the step contract) and ruff's checks ([tool.ruff]).
+lint: $(STAMP)
+	$(PY) tests/support/layers.py
+	$(VENV)/bin/ruff check --quiet .
 
 # Prometheus, promtool, docker-compose and wget for the metrics and deployment tests, as files:
 # Debian's packages downloaded and unpacked into .cache/tools (nothing installed, no service

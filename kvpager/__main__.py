@@ -1,7 +1,7 @@
-"""``python -m kvpager``: the ``kvpager`` command (see ``kvpager.cli``)."""
+"""``python -m kvpager``: the ``kvpager`` command (see ``kvpager.commands.cli``)."""
 
 import sys
 
-from kvpager.cli import main
+from kvpager.commands.cli import main
 
 sys.exit(main())

@@ -128,3 +128,9 @@ def unpack_int32(data: bytes) -> np.ndarray:
     if len(data) % 4:
         raise ValueError(f"packed int32 table of {len(data)} bytes: not a multiple of 4")
     return np.frombuffer(data, dtype="<i4")
+
+
+class WorkerDied(RuntimeError):
+    """A rank of the worker group died during a call; the group is unusable (its tensor-parallel
+    process group cannot take a new member) and must be replaced. Part of the step contract: the
+    scheduler catches it without importing the workers."""

@@ -1,5 +1,5 @@
 """Manager settings (``kvpager manager`` makes one flag per field, each also read from
-KVPAGER_<FIELD>: see manager/__main__.py)."""
+KVPAGER_<FIELD>: see kvpager/commands/manager.py)."""
 
 from __future__ import annotations
 

@@ -21,16 +21,12 @@ from typing import Optional
 
 import torch
 
-from kvpager.step import StepInput
+from kvpager.step import StepInput, WorkerDied
 
 from .cache_worker import CacheWorker, WorkerConfig
 
 log = logging.getLogger("kvpager.worker")
 
-
-class WorkerDied(RuntimeError):
-    """A rank of the group died during a call; the group is unusable (its tensor-parallel
-    process group cannot take a new member) and must be replaced."""
 
 
 LOOPBACK_NODE_IP = "127.0.0.2"

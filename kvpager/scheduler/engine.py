@@ -53,9 +53,8 @@ import torch
 
 from kvpager import client as C
 from kvpager.manager import errors
-from kvpager.step import StepInput
+from kvpager.step import StepInput, WorkerDied
 from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.worker.ray_group import WorkerDied
 
 from .request import Group, Request, RequestOutput, SeqState, sample
 

@@ -85,7 +85,7 @@ def test_dockerignore_keeps_the_context_small():
     for path in (".git", ".venv", "tests", "docs", "build", "kvpager/__pycache__", "kvpager/v1/x.pyc",
                  "deploy/docker-compose.yml", "kvpager.egg-info"):
         assert dockerignored(path), path
-    for path in ("pyproject.toml", "README.md", "kvpager/cli.py", "kernels/csrc/launch.cu", "deploy/build_kernels.py"):
+    for path in ("pyproject.toml", "README.md", "kvpager/commands/cli.py", "kernels/csrc/launch.cu", "deploy/build_kernels.py"):
         assert not dockerignored(path), path
 
 
@@ -136,7 +136,7 @@ BLOCK_HEAVY = "import sys; sys.modules['torch'] = None; sys.modules['ray'] = Non
 def test_manager_runs_without_torch_or_ray(tmp_path):
     """What the manager image runs, `kvpager manager` with metrics, works with torch and Ray
     unimportable (as in that image)."""
-    script = BLOCK_HEAVY + "from kvpager.cli import main; sys.exit(main(sys.argv[1:]))"
+    script = BLOCK_HEAVY + "from kvpager.commands.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", script, "manager", "--insecure", "--host", "127.0.0.1", "--port", "0",
                              "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)

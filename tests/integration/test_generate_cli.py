@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvpager import cli  # noqa: E402
+from kvpager.commands import cli  # noqa: E402
 from kvpager.checkpoints import build_random_checkpoint  # noqa: E402
 from kvpager.tokenizer import Tokenizer  # noqa: E402
 

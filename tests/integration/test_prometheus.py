@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvpager import client as C
-from kvpager.demo import make_requests
+from kvpager.commands.demo import make_requests
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
 from kvpager.scheduler import Scheduler

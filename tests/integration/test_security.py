@@ -269,8 +269,8 @@ def test_a_secured_manager_process_and_stats(pki, tmp_path):
 def test_worker_flags_become_credentials_for_the_ranks(pki, tmp_path):
     import pickle
 
-    from kvpager import cli
-    from kvpager.worker import launcher
+    from kvpager.commands import cli
+    from kvpager.commands import worker as launcher
 
     files = write(tmp_path, ca=pki["ca"], cert=pki["worker"].cert, key=pki["worker"].key, worker=f" {WORKER}\n",
                   mgr=MANAGER_TO_WORKERS, empty="")

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 
-import grpc
 import pytest
 
 from kvpager import auth
 from kvpager import client as C
 from kvpager.manager import ManagerConfig, errors, tenancy
 from kvpager.manager.service import create_server
-from kvpager.v1 import block_manager_pb2 as pb
 from tests.support.tls import CA
 
 A, A2, B, EMPTY, QUOTA, ADMIN = (f"{name}-token-0123456789abcdef" for name in ("a", "a2", "b", "empty", "quota", "admin"))

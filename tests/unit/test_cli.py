@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvpager import cli, stats_view
+from kvpager.commands import cli, stats_view
 from kvpager.client import BlockManagerClient
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
@@ -229,7 +229,7 @@ def test_guarded_turns_every_failure_into_one_line(capsys):
 
 
 def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
-    from kvpager.worker.launcher import _cause
+    from kvpager.commands.worker import _cause
 
     class RayTaskErrorLike(Exception):
         traceback_str = ('Traceback (most recent call last):\n  File "x.py", line 1, in start\n'
@@ -250,7 +250,8 @@ def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
 def test_worker_default_cache_sizes_are_modest_on_the_cpu_and_unchanged_on_cuda(monkeypatch):
     import torch
 
-    from kvpager.worker import cache_worker, launcher
+    from kvpager.commands import worker as launcher
+    from kvpager.worker import cache_worker
 
     # --help states the sizes cache_worker uses (the launcher keeps copies so --help needs no torch).
     assert (launcher.CPU_CACHE_BYTES, launcher.DEFAULT_SWAP_BLOCKS, launcher.SWAP_BYTES) == (
@@ -313,7 +314,7 @@ def register(target: str, **fields) -> str:
 
 
 def test_a_refused_registration_becomes_one_line_naming_both_values_and_the_flags(default_manager):
-    from kvpager.worker.launcher import explain_refusal
+    from kvpager.commands.worker import explain_refusal
 
     target = default_manager
     line = explain_refusal(f"FAILED_PRECONDITION: {register(target, block_size=32)}", target)
@@ -332,7 +333,7 @@ def test_a_refused_registration_becomes_one_line_naming_both_values_and_the_flag
 
 
 def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
-    from kvpager.worker import launcher
+    from kvpager.commands import worker as launcher
 
     target = default_manager
 
@@ -359,7 +360,7 @@ def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
 
 def test_worker_checks_a_manager_waiting_for_its_pools_and_leaves_a_guarded_one_to_registration():
     from kvpager import auth
-    from kvpager.worker import launcher
+    from kvpager.commands import worker as launcher
 
     waiting, port, service, _ = create_server(ManagerConfig(num_gpu_blocks=0, num_cpu_blocks=0))  # sized by workers
     tokens = auth.TokenTable.from_json({"tokens": [{"token": "worker-token-0123456789", "role": "worker"}]})
@@ -390,7 +391,7 @@ def test_worker_with_another_block_size_exits_1_at_once_with_one_line(default_ma
 
 
 def test_the_local_ray_line_says_where_to_join_and_a_joining_worker_presents_the_token(monkeypatch, tmp_path):
-    from kvpager.worker import launcher
+    from kvpager.commands import worker as launcher
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     line = launcher.local_ray_line("127.0.0.2:6379")
@@ -504,7 +505,7 @@ def test_stats_shows_a_manager_waiting_for_its_workers():
 def test_worker_model_is_a_preset_or_a_checkpoint_read_before_any_actor_starts(tmp_path):
     pytest.importorskip("transformers")
     from kvpager.checkpoints import build_random_checkpoint
-    from kvpager.worker import launcher
+    from kvpager.commands import worker as launcher
 
     path = build_random_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=320, tokenizer=False)
     model = launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
@@ -521,7 +522,7 @@ def test_worker_model_is_a_preset_or_a_checkpoint_read_before_any_actor_starts(t
 def test_worker_model_errors_a_flag_caused_name_the_flag_not_the_field(tmp_path):
     pytest.importorskip("transformers")
     from kvpager.checkpoints import build_random_checkpoint
-    from kvpager.worker import launcher
+    from kvpager.commands import worker as launcher
 
     def refusal(*flags: str) -> str:
         with pytest.raises(cli.Failure) as failure:

@@ -44,7 +44,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from kvpager import cli
+from kvpager.commands import cli
 
 log = logging.getLogger("kvpager.worker")
 # The default sizes (worker/cache_worker.py imports torch: these are their values, checked by a test).

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from kvpager import cli
+from kvpager.commands import cli
 from kvpager import client as C
 from kvpager.manager import errors
 from kvpager.v1 import block_manager_pb2 as pb

@@ -327,7 +327,7 @@ def guarded(parser: Parser, run: Callable[[argparse.Namespace], Optional[int]], 
 
 
 def run_main(prog: str, module: Any, argv: Optional[Sequence[str]]) -> int:
-    """The ``main`` of a subcommand module run on its own (``python -m kvpager.demo``)."""
+    """The ``main`` of a subcommand module run on its own (``python -m kvpager.commands.demo``)."""
     parser = Parser(prog=prog, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.configure(parser)
     quiet_ray_startup()
@@ -349,7 +349,7 @@ BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "step-rp
 
 def benchmarks_dir() -> Path:
     # An editable install imports kvpager from the repository, whose benchmarks/ sit beside it.
-    return Path(__file__).resolve().parent.parent / "benchmarks"
+    return Path(__file__).resolve().parents[2] / "benchmarks"  # kvpager/commands/cli.py -> the repository
 
 
 def _summary(script: Path) -> str:
@@ -396,11 +396,11 @@ class _Bench:
 # ---- wiring ---------------------------------------------------------------------------------------
 # name: (module providing configure/run, one-line help)
 COMMANDS = {
-    "manager": ("kvpager.manager.__main__", "serve the block manager over gRPC"),
-    "worker": ("kvpager.worker.launcher", "start cache workers on Ray and register them with a manager"),
-    "generate": ("kvpager.generate", "generate text with a local Hugging Face checkpoint"),
-    "demo": ("kvpager.demo", "serve a request mix end to end and check every token (what `make demo` runs)"),
-    "stats": ("kvpager.stats_view", "a live table of a running manager's pools, sequences and workers"),
+    "manager": ("kvpager.commands.manager", "serve the block manager over gRPC"),
+    "worker": ("kvpager.commands.worker", "start cache workers on Ray and register them with a manager"),
+    "generate": ("kvpager.commands.generate", "generate text with a local Hugging Face checkpoint"),
+    "demo": ("kvpager.commands.demo", "serve a request mix end to end and check every token (what `make demo` runs)"),
+    "stats": ("kvpager.commands.stats_view", "a live table of a running manager's pools, sequences and workers"),
     "bench": (None, "run a benchmark script of the repository's benchmarks/ folder"),
 }
 

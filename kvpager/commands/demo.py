@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvpager import cli
+from kvpager.commands import cli
 from kvpager import client as C
 from kvpager.manager import errors
 from kvpager.scheduler import Request, SamplingParams, Scheduler
@@ -144,7 +144,7 @@ def remote(args: argparse.Namespace) -> Iterator[Deployment]:
     """The running manager at --manager and the named workers on the Ray cluster at --ray-address."""
     import ray
 
-    from kvpager.worker.launcher import connect_ray
+    from kvpager.commands.worker import connect_ray
     from kvpager.worker.ray_group import RayWorkerGroup
 
     client = C.BlockManagerClient(args.manager, **cli.client_security(args))

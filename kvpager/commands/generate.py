@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
-from kvpager import cli
+from kvpager.commands import cli
 
 DEFAULT_BLOCK_SIZE = 16
 
