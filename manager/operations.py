@@ -59,3 +59,14 @@ class RejectedOp:
 
 
 Operation = Union[AllocateOp, AppendOp, AppendBatchOp, ForkOp, FreeOp, SwapOutOp, SwapInOp, RejectedOp]
+
+
+def op_ids(op: Operation) -> Sequence[str]:
+    """The sequence ids an operation names (not copied). O(1)."""
+    if isinstance(op, (AllocateOp, AppendOp, FreeOp)):
+        return (op.seq_id,)
+    if isinstance(op, ForkOp):
+        return (op.parent_seq_id, op.child_seq_id)
+    if isinstance(op, (AppendBatchOp, SwapOutOp, SwapInOp)):
+        return op.seq_ids
+    return ()

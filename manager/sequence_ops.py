@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
-from .block_pool import CACHED
 from .errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -75,13 +74,7 @@ class SequenceOperations(ManagerState):
                 hits.pop()  # the whole prompt is cached: recompute its last block to get logits
 
         new = num_blocks - len(hits)
-        available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
-        if new > available - self.watermark_blocks:
-            raise ResourceExhausted(
-                f"allocate {quote(op.seq_id)}: needs {new} free GPU blocks, {available} are free or evictable "
-                f"and {self.watermark_blocks} are kept in reserve", needed=new, free=available - self.watermark_blocks)
-        if self.admit is not None:
-            self.admit(f"allocate {quote(op.seq_id)}", new + gpu.num_available - available)
+        self._admit(f"allocate {quote(op.seq_id)}", new, hits)
 
         for b in hits:
             gpu.acquire(b)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
-from .block_pool import BlockPool
+from .block_pool import CACHED, BlockPool
 from .config import ManagerConfig
 from .errors import (
     AlreadyExists,
@@ -21,6 +21,7 @@ from .errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
     quote,
 )
 from .journal import Journal
@@ -153,6 +154,20 @@ class ManagerState:
     def _data_loss(self, seq_id: str) -> DataLoss:
         return DataLoss(f"sequence {quote(seq_id)} lost its K/V: the worker group that held it was replaced (epoch "
                         f"{self.lost[seq_id]}); free it and compute it again")
+
+    def _admit(self, what: str, new: int, hits) -> None:
+        """Admission of an allocation or swap-in: ``new`` blocks to take, besides the GPU blocks
+        ``hits`` it shares by prefix (a CACHED one among them is revived, so it counts against the
+        room too). RESOURCE_EXHAUSTED unless they fit above the watermark; then the service's
+        per-tenant quota check (``admit``). O(hits)."""
+        gpu = self.gpu
+        available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
+        if new > available - self.watermark_blocks:
+            raise ResourceExhausted(
+                f"{what}: needs {new} free GPU blocks, {available} are free or evictable and "
+                f"{self.watermark_blocks} are kept in reserve", needed=new, free=available - self.watermark_blocks)
+        if self.admit is not None:
+            self.admit(what, new + gpu.num_available - available)
 
     def _get_running(self, seq_id: str, what: str) -> Sequence:
         seq = self._get(seq_id)

@@ -5,7 +5,7 @@ of the sequences named)."""
 from __future__ import annotations
 
 
-from .block_pool import CACHED, BlockPool
+from .block_pool import BlockPool
 from .errors import (
     FailedPrecondition,
     OutOfRange,
@@ -78,13 +78,7 @@ class SwapOperations(ManagerState):
         usable = gpu.num_usable - self.watermark_blocks
         if need > usable:
             raise OutOfRange(f"swap in: needs {need} GPU blocks; the GPU pool can never give more than {usable}")
-        available = gpu.num_available - sum(1 for g in set(reuse.values()) if gpu.blocks[g].state == CACHED)
-        if need > available - self.watermark_blocks:
-            raise ResourceExhausted(
-                f"swap in: needs {need} free GPU blocks, {available} are free or evictable "
-                f"and {self.watermark_blocks} are kept in reserve", needed=need, free=available - self.watermark_blocks)
-        if self.admit is not None:
-            self.admit(f"swap in {quote(seqs[0].seq_id)}", need + gpu.num_available - available)
+        self._admit(f"swap in {quote(seqs[0].seq_id)}", need, set(reuse.values()))
 
         # Take the cache hits first, so that allocating the other blocks cannot evict them.
         for g in dict.fromkeys(reuse.values()):  # two CPU copies of one block map to one GPU block

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 from .errors import ManagerError, ResourceExhausted, quote
 from .operations import (
-    AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, SwapInOp, SwapOutOp,
+    AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, SwapInOp, SwapOutOp, op_ids,
 )
 from .sequence import GPU
 
@@ -66,17 +66,6 @@ def tenant_of(key: str) -> str:
 def client_len(key: str) -> int:
     """Characters of the id a client gave for ``key`` (the manager's length limits apply to it)."""
     return len(key) if key[:1] != SEP else len(unqualify(key)[1])
-
-
-def _ids(op: Operation):
-    """The ids ``op`` names (not copied)."""
-    if isinstance(op, (AllocateOp, AppendOp, FreeOp)):
-        return (op.seq_id,)
-    if isinstance(op, ForkOp):
-        return (op.parent_seq_id, op.child_seq_id)
-    if isinstance(op, (AppendBatchOp, SwapOutOp, SwapInOp)):
-        return op.seq_ids
-    return ()
 
 
 # Every id of an operation (and an Allocate's namespace) as one string, to look for NUL in one scan.
@@ -165,7 +154,7 @@ class Scope:
         return out
 
     def op_error(self, err: ManagerError, op: Operation) -> ManagerError:
-        return self.error(err, _ids(op))
+        return self.error(err, op_ids(op))
 
     def response(self, reply, ops: Optional[list[Operation]] = None):
         """The reply of a single operation, a Step or GetBlockTable with the caller's ids (in place)."""
@@ -193,7 +182,7 @@ class Scope:
                         del inner.failed_messages[:]
                         inner.failed_messages.extend(messages)
                 if res.message:
-                    res.message = self.message(res.message, _ids(op))
+                    res.message = self.message(res.message, op_ids(op))
         return reply
 
 

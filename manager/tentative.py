@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 from .block_pool import USED, BlockPool
 from .journal import undo
-from .operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, SwapInOp, SwapOutOp
+from .operations import Operation, op_ids
 
 # Undo entries of the pools that need no mark: shared-reference arithmetic and per-block data
 # of blocks the step owns anyway.
@@ -50,17 +50,6 @@ class TentativeStep:
     hidden: list[tuple[BlockPool, int]] = field(default_factory=list)
     finished: bool = False
     committed: bool = False
-
-
-def op_ids(op: Operation) -> Seq[str]:
-    """The sequence ids an operation names. O(ids)."""
-    if isinstance(op, (AllocateOp, AppendOp, FreeOp)):
-        return (op.seq_id,)
-    if isinstance(op, ForkOp):
-        return (op.parent_seq_id, op.child_seq_id)
-    if isinstance(op, (AppendBatchOp, SwapOutOp, SwapInOp)):
-        return op.seq_ids
-    return ()
 
 
 class TentativeSteps:
