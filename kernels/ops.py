@@ -1,7 +1,8 @@
 """The kernels the worker calls: our CUDA kernels for tensors on a CUDA device when the
-extension builds, the torch reference everywhere else. Prefill attention has no CUDA kernel of
-ours yet: on CUDA it gathers K/V and runs torch SDPA (``kernels/prefill.py``), decodes riding
-in the same step going to our decode kernel.
+extension builds, the torch reference everywhere else. Prefill attention on CUDA
+(``kernels/prefill.py``) runs our paged prefill kernel where it measured faster (cached
+prefixes, many shapes) and gathers K/V for torch SDPA otherwise; decodes riding in the same step
+go to our decode kernel.
 
 Same signatures and semantics as ``kvpager.kernels.reference``.
 """
