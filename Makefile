@@ -17,10 +17,12 @@ test: $(STAMP) lint tools
 
 # The house's rules, checked before the tests: the import layers (pyproject.toml's
 # [tool.importlinter] contracts: commands on top, the manager free of torch/Ray, the scheduler and
-# the workers sharing only the step contract) and ruff's checks ([tool.ruff]).
+# the workers sharing only the step contract), ruff's checks ([tool.ruff]) and mypy on the
+# modules listed in [tool.mypy].
 lint: $(STAMP)
 	$(PY) tests/support/layers.py
 	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/mypy
 
 # Prometheus, promtool, docker-compose and wget for the metrics and deployment tests, as files:
 # Debian's packages downloaded and unpacked into .cache/tools (nothing installed, no service

@@ -163,7 +163,7 @@ class BlockManagerClient:
 
     def step(self, operations: Iterable[pb.Operation], all_or_nothing: bool = False,
              request_id: Optional[str] = None,
-             table_layout: pb.TableLayout.ValueType = pb.TABLE_LAYOUT_BOTH) -> pb.StepResponse:
+             table_layout: pb.TableLayout = pb.TABLE_LAYOUT_BOTH) -> pb.StepResponse:
         """One scheduler iteration. Per-operation failures are in ``results`` (see ``result_error``).
         ``table_layout``: the block-table forms the answer's batch carries (``TABLE_LAYOUT_PADDED``,
         ``_CSR``, ``_NONE``, ``_PADDED_PACKED``; default both): each costs time in proportion to its

@@ -20,14 +20,14 @@ def batch_tables(seqs: SequenceTable, touched: dict[str, list[int]], block_size:
     """The batch of the touched sequences, with the block-table forms ``layout`` asks for.
     O(rows) Python steps plus O(entries) copied by C-level list operations."""
     get = seqs.get
-    seqs = [get(seq_id) for seq_id in touched]
-    tables = [seq.block_ids for seq in seqs]
+    rows: list[Sequence] = [get(seq_id) for seq_id in touched]  # type: ignore[misc]  # touched ones are live
+    tables = [seq.block_ids for seq in rows]
     lengths = list(map(len, tables))
     max_blocks = max(lengths, default=0)
     queries = touched.values()
     out = BatchTables(
         seq_ids=list(touched),
-        context_lens=[seq.num_tokens for seq in seqs],
+        context_lens=[seq.num_tokens for seq in rows],
         query_lens=list(map(len, queries)),
         slot_mapping=list(chain.from_iterable(queries)),
         max_blocks=max_blocks,
@@ -40,7 +40,7 @@ def batch_tables(seqs: SequenceTable, touched: dict[str, list[int]], block_size:
         out.kv_indices = list(chain.from_iterable(tables))
         out.kv_last_page_len = _last_page_lens(out.context_lens, lengths, block_size)
     if layout.packed:
-        out.block_tables_packed = packed_padded(seqs, lengths, max_blocks)
+        out.block_tables_packed = packed_padded(rows, lengths, max_blocks)
     return out
 
 

@@ -24,7 +24,7 @@ Cost of each operation, independent of how many sequences are live (B = block si
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq
 
 from .config import ManagerConfig
 from .errors import (
@@ -65,7 +65,7 @@ from .swap_ops import SwapOperations
 class BlockManager(SequenceOperations, SwapOperations):
     def __init__(self, config: ManagerConfig | None = None) -> None:
         super().__init__(config)
-        self._apply = {
+        self._apply: dict[type, Callable[[Any], Any]] = {
             AllocateOp: self._allocate,
             AppendOp: self._append,
             AppendBatchOp: self._append_batch,
@@ -163,7 +163,9 @@ class BlockManager(SequenceOperations, SwapOperations):
             if failed_at is not None:
                 journal.rollback()
                 self.counters = saved
-                outcomes = self._aborted(len(ops), failed_at, outcomes[failed_at].error)
+                failure = outcomes[failed_at].error
+                assert failure is not None
+                outcomes = self._aborted(len(ops), failed_at, failure)
                 state = StepState(ExecutionPlan(state.plan.step_id), table_copies=copies)
             tables = self._batch(state.touched, layout) if batch else BatchTables()
             result = StepResult(state.plan.step_id, outcomes, failed_at is None, state.plan, tables,
@@ -199,8 +201,10 @@ class BlockManager(SequenceOperations, SwapOperations):
             return result
         # The per-call hooks belong to this call; other calls set their own while it waits.
         self.admit = self.on_tentative = None
+        dispatch = self.dispatch
+        assert dispatch is not None  # a step is tentative only with workers attached, or held open
         try:
-            self.dispatch(result.plan)
+            dispatch(result.plan)
         except BaseException as exc:
             self.finish_tentative(tentative.step_id, False, exc if isinstance(exc, ManagerError) else None)
             raise

@@ -15,6 +15,7 @@ from .operations import (
     AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp,
 )
 from .plan import (
+    AppendBatchResult,
     OperationOutcome,
 )
 from .status import status_of
@@ -57,9 +58,11 @@ class OperationCounts:
             kind = OP_KINDS.get(type(op), "invalid")
             outcome = outcomes[i] if committed and i < len(outcomes) else None
             if outcome is None or outcome.error is not None:
-                code = status_of(outcome.error) if outcome is not None else (status_of(error) if error else "INTERNAL")
+                failed_with = outcome.error if outcome is not None else error
+                code = status_of(failed_with) if failed_with is not None else "INTERNAL"
                 self.failed[(kind, code)] += len(op.seq_ids) if isinstance(op, AppendBatchOp) else 1
             elif isinstance(op, AppendBatchOp):
+                assert isinstance(outcome.result, AppendBatchResult)
                 failures = outcome.result.failures
                 self.applied[kind] += len(op.seq_ids) - len(failures)
                 for _, err in failures:

@@ -21,8 +21,8 @@ def check_manager(m: "BlockManager") -> None:
     """Raise InvariantViolation unless every block is free, cached or owned exactly as the
     block tables say (refcounts, fill, totals per tier). O(blocks + sequences)."""
     B = m.block_size
-    refs = {GPU: Counter(), CPU: Counter()}
-    fill = {GPU: {}, CPU: {}}
+    refs: dict[str, Counter[int]] = {GPU: Counter(), CPU: Counter()}
+    fill: dict[str, dict[int, int]] = {GPU: {}, CPU: {}}
     swapped = 0
     for seq in m.seqs.values():
         table = seq.block_ids

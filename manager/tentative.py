@@ -88,10 +88,10 @@ class TentativeSteps:
             step.held.append((pool, pool.take_held()))
         dropped: dict[tuple[BlockPool, int], None] = {}  # shared blocks it dropped a reference to
         for fn, args in entries:
-            pool = getattr(fn, "__self__", None)
-            if not isinstance(pool, BlockPool):
+            owner = getattr(fn, "__self__", None)
+            if not isinstance(owner, BlockPool):
                 continue
-            kind, block_id = fn.__func__, args[0].block_id
+            pool, kind, block_id = owner, getattr(fn, "__func__"), args[0].block_id
             if kind is BlockPool._undo_decref:
                 dropped[(pool, block_id)] = None
             elif kind not in _UNMARKED:
