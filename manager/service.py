@@ -224,12 +224,15 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         step = busy.step
         limit = self.config.worker_plan_timeout + 1.0
         started = time.monotonic()
-        with self._waiting_on_workers(method):
-            while not step.finished:
-                left = started + limit - time.monotonic()
-                if left <= 0:
-                    raise Unavailable(f"{method}: {busy} after waiting {limit:.1f}s for it: retry later")
-                self._finished.wait(left)
+        try:
+            with self._waiting_on_workers(method):
+                while not step.finished:
+                    left = started + limit - time.monotonic()
+                    if left <= 0:
+                        raise Unavailable(f"{method}: {busy} after waiting {limit:.1f}s for it: retry later")
+                    self._finished.wait(left)
+        finally:
+            self._state_owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
@@ -471,7 +474,9 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         if manager is None or not manager.tentative:
             return
         limit = self.config.worker_plan_timeout + 1.0
-        if not self._finished.wait_for(lambda: not manager.tentative, timeout=limit):
+        done = self._finished.wait_for(lambda: not manager.tentative, timeout=limit)
+        self._state_owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
+        if not done:
             raise Unavailable(f"{method}: {len(manager.tentative)} steps still wait on the workers after "
                               f"{limit:.1f}s; try again")
 

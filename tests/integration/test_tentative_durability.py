@@ -145,3 +145,61 @@ def test_steps_logged_beside_a_waiting_step_recover_at_every_moment(tmp_path):
     finally:
         worker.gate.set()
         worker_server.stop(None)
+
+
+class TwoGateWorker(GatedWorker):
+    """The first ExecutePlan waits for ``gate``, the second for ``second``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = threading.Event()
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def ExecutePlan(self, request, context):
+        with self._lock:
+            self.calls += 1
+            mine = self.gate if self.calls == 1 else self.second
+        self.entered.set()
+        mine.wait(20)
+        return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
+
+
+def test_a_call_that_waited_for_a_busy_sequence_still_releases_the_lock_for_its_own_plan(tmp_path):
+    """A swap-out naming the sequence of a copy-on-write that waits on the workers waits for it,
+    then sends its own plan; while that plan waits, the lock is free (other calls answer)."""
+    config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0,
+                           worker_plan_timeout=20, worker_heartbeat_timeout=60)
+    worker = TwoGateWorker()
+    worker_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, worker_server)
+    worker_port = worker_server.add_insecure_port("127.0.0.1:0")
+    worker_server.start()
+    try:
+        with serving(config) as (bm, service):
+            bm.stub.RegisterWorker(pb.RegisterWorkerRequest(
+                address=f"127.0.0.1:{worker_port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=64,
+                num_cpu_blocks=32, block_size=4, cache_id="cache-1"), timeout=5)
+            bm.allocate("a", token_ids=[1, 2, 3, 4, 5, 6])
+            bm.fork("a", "a2")
+            cow = threading.Thread(target=lambda: bm.append("a2", token_ids=[10]))
+            cow.start()
+            assert worker.entered.wait(10)
+            out = threading.Thread(target=lambda: bm.swap_out(["a2"]))   # busy: waits for the copy-on-write
+            out.start()
+            while service._waiting < 2:   # the copy-on-write's dispatch and the swap-out waiting for it
+                threading.Event().wait(0.01)
+            worker.gate.set()             # the copy-on-write commits; the swap-out sends its plan, which waits
+            cow.join(10)
+            while worker.calls < 2:
+                threading.Event().wait(0.01)
+            answered = threading.Event()
+            threading.Thread(target=lambda: (bm.allocate("beside", token_ids=[7, 8, 9]), answered.set())).start()
+            assert answered.wait(5), "the lock stayed held through the swap-out's dispatch"
+            worker.second.set()
+            out.join(10)
+            assert bm.get_block_table("a2").tier == pb.TIER_CPU
+    finally:
+        worker.gate.set()
+        worker.second.set()
+        worker_server.stop(None)
