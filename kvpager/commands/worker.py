@@ -271,7 +271,9 @@ def check_manager_agrees(args: argparse.Namespace, credentials=None, timeout: fl
         raise cli.Failure(block_size_refusal(args.manager, stats.block_size, args.block_size))
     if stats.workers_expected and stats.workers_expected != args.tensor_parallel_size:
         raise cli.Failure(group_size_refusal(args.manager, stats.workers_expected, args.tensor_parallel_size))
-    pools = (stats.gpu.total_blocks, stats.cpu.total_blocks)
+    # GetStats counts the GPU blocks that can be handed out; the pool has one more, the null block
+    # (manager/block_pool.py), and a worker must hold every block of it.
+    pools = (stats.gpu.total_blocks + 1 if stats.gpu.total_blocks else 0, stats.cpu.total_blocks)
     if too_small((args.num_gpu_blocks, args.num_cpu_blocks), pools):
         raise cli.Failure(capacity_refusal(args.manager, (args.num_gpu_blocks, args.num_cpu_blocks), pools))
 

@@ -350,9 +350,12 @@ def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
     refusal = agrees("--num-gpu-blocks", "100", "--num-cpu-blocks", "10")
     with BlockManagerClient(target) as client:
         pools = client.get_stats()
-    gpu, cpu = pools.gpu.total_blocks, pools.cpu.total_blocks
+    gpu, cpu = pools.gpu.total_blocks + 1, pools.cpu.total_blocks  # GetStats' GPU total leaves out the null block
     assert f"100 GPU blocks where its pool has {gpu}, 10 CPU blocks where its pool has {cpu}" in refusal
     assert f"--num-gpu-blocks {gpu} and --num-cpu-blocks {cpu}" in refusal
+    # One block short of the pool (the null block included) is refused before Ray, as at registration.
+    assert agrees("--num-gpu-blocks", str(gpu - 1), "--num-cpu-blocks", str(cpu)).startswith("cache smaller")
+    assert agrees("--num-gpu-blocks", str(gpu), "--num-cpu-blocks", str(cpu)) == ""
     assert register(target, tensor_parallel_size=2, rank=1) == ""
     assert agrees().startswith("tensor-parallel size mismatch:")
     assert agrees("--tensor-parallel-size", "2") == ""
