@@ -20,7 +20,7 @@ test: $(STAMP) lint tools
 # the workers sharing only the step contract), ruff's checks ([tool.ruff]) and mypy on the
 # modules listed in [tool.mypy].
 lint: $(STAMP)
-	$(PY) tests/support/layers.py
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check --quiet .
 	$(VENV)/bin/mypy
 
