@@ -33,7 +33,7 @@ from typing import Any, Optional
 from .block_manager import BlockManager, Counters
 from .block_pool import BlockPool
 from .config import ManagerConfig
-from .errors import ManagerError, Unavailable
+from .errors import Busy, ManagerError, Unavailable
 from .request_cache import RequestCache
 from .sequence import Sequence
 from .status import error_for, status_of
@@ -155,8 +155,6 @@ class Durability:
 
         def step(ops, all_or_nothing=False, batch=True, before_commit=None, layout=None, **kw):
             ops = list(ops)
-            if m.tentative and m.tentative.busy_with(ops) is not None:
-                return original(ops, all_or_nothing, batch, before_commit, **kw)  # raises Busy: nothing to log
             before = m.steps
             args = {} if layout is None else {"layout": layout}
             # The service's admission hook (tenant quotas) decides outside the manager's state:
@@ -188,6 +186,8 @@ class Durability:
             m.on_tentative = on_tentative
             try:
                 result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
+            except Busy:  # refused before anything was applied: nothing to log
+                raise
             except BaseException as exc:
                 if opened:  # the workers failed its plan: rolled back
                     pending.append(("finish", opened[0], False, status_of(exc) if isinstance(exc, ManagerError) else None))

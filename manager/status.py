@@ -52,7 +52,8 @@ def status_of(err: BaseException) -> str:
 
 
 def number_of(err: BaseException) -> int:
-    return NUMBERS[status_of(err)] if status_of(err) in NUMBERS else NUMBERS["UNKNOWN"]
+    """The google.rpc.Code number ``err`` is answered with."""
+    return NUMBERS.get(status_of(err), NUMBERS["UNKNOWN"])
 
 
 def error_for(name: str, message: str) -> ManagerError:

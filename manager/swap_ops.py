@@ -44,11 +44,7 @@ class SwapOperations(ManagerState):
         mapping = BlockMapping()
         to_cpu: dict[int, int] = {}
         for g in distinct:
-            c = cpu.allocate()
-            cpu.fill(c, gpu.blocks[g].num_filled)
-            h = gpu.hash_of(g)
-            if h is not None:
-                cpu.register(c, h)
+            c = self._new_copy(gpu, g, cpu)
             to_cpu[g] = c
             mapping.add(g, c)
         self._move(seqs, gpu, cpu, to_cpu, CPU)
@@ -88,11 +84,7 @@ class SwapOperations(ManagerState):
         for c in distinct:
             g = reuse.get(c)
             if g is None:
-                g = gpu.allocate()
-                gpu.fill(g, cpu.blocks[c].num_filled)
-                h = cpu.hash_of(c)
-                if h is not None:
-                    gpu.register(g, h)
+                g = self._new_copy(cpu, c, gpu)
                 mapping.add(c, g)
             to_gpu[c] = g
         self._move(seqs, cpu, gpu, to_gpu, GPU)
@@ -103,6 +95,17 @@ class SwapOperations(ManagerState):
             for s in seqs:
                 self._step.touched.setdefault(s.seq_id, [])
         return SwapResult(mapping, len(reuse))
+
+    @staticmethod
+    def _new_copy(src: BlockPool, block_id: int, dst: BlockPool) -> int:
+        """A new block of ``dst`` to receive ``src``'s block: its fill, and its prefix hash carried
+        over (so a swapped block can be matched against the GPU prefix cache). O(1)."""
+        new = dst.allocate()
+        dst.fill(new, src.blocks[block_id].num_filled)
+        block_hash = src.hash_of(block_id)
+        if block_hash is not None:
+            dst.register(new, block_hash)
+        return new
 
     def _move(self, seqs: list[Sequence], src: BlockPool, dst: BlockPool, to: dict[int, int], tier: str) -> None:
         """Point each sequence's table at its blocks' new homes; each new block already holds one
