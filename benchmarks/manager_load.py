@@ -34,7 +34,7 @@ from typing import Optional
 
 from kvpager import client as C
 from kvpager.manager.config import ManagerConfig
-from kvpager.manager.errors import ManagerError, ResourceExhausted
+from kvpager.errors import ManagerError, ResourceExhausted
 from kvpager.manager.service import create_server
 from kvpager.v1 import block_manager_pb2 as pb
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from kvpager.manager import errors, status
+from kvpager import errors, status
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -34,7 +34,7 @@ _MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
 
 def error_for(code_name: str, message: str) -> errors.ManagerError:
     """The typed exception for a status code name, its ``code`` that name (``ManagerError`` for
-    codes the manager's table does not list: manager/status.py)."""
+    codes the manager's table does not list: kvpager/status.py)."""
     return status.error_for(code_name, message)
 
 

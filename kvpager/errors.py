@@ -1,7 +1,7 @@
 """Typed errors of the block manager.
 
 The errors say what went wrong; which gRPC status each is answered with is the one table in
-``manager/status.py``. Three kinds are kept apart: *no room now* (``ResourceExhausted``, a
+``kvpager/status.py``. Three kinds are kept apart: *no room now* (``ResourceExhausted``, a
 normal outcome the scheduler acts on), *a bad request* (the others), and *a broken invariant*
 (``InvariantViolation``, a bug).
 """

@@ -1,6 +1,6 @@
 """The one table from the manager's errors to gRPC status codes.
 
-Domain errors (``manager/errors.py``) say what went wrong, not how it travels; this table says
+Domain errors (``kvpager/errors.py``) say what went wrong, not how it travels; this table says
 which status each one is answered with, by name (the service's ``grpc.StatusCode[...]``, metric
 labels, the write-ahead log) and by number (``google.rpc.Code``: the per-operation results inside
 a Step). The client maps statuses back to the same classes through it (``error_for``). Pure data:

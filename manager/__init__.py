@@ -2,7 +2,7 @@
 
 from .block_manager import BlockManager
 from .config import ManagerConfig
-from .errors import (
+from kvpager.errors import (
     Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, NotFound,
     OutOfRange, ResourceExhausted,
 )

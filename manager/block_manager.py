@@ -27,7 +27,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence as Seq
 
 from .config import ManagerConfig
-from .errors import (
+from kvpager.errors import (
     Aborted,
     Busy,
     InvalidArgument,
@@ -54,7 +54,7 @@ from .plan import (
 from .tentative import TentativeStep, counter_delta
 from .sequence import GPU, Sequence
 from .batch_tables import batch_tables
-from .status import status_of
+from kvpager.status import status_of
 from .counts import Counters, OperationCounts  # noqa: F401  (re-exported: recovery, metrics)
 from .invariants import check_manager
 from .sequence_ops import SequenceOperations

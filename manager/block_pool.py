@@ -37,7 +37,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import InvariantViolation
+from kvpager.errors import InvariantViolation
 from .journal import Journal
 
 FREE, USED, CACHED, HELD, NULL = "free", "used", "cached", "held", "null"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from .errors import InvalidArgument
+from kvpager.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

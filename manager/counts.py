@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
-from .errors import (
+from kvpager.errors import (
     ManagerError,
 )
 from .operations import (
@@ -18,7 +18,7 @@ from .plan import (
     AppendBatchResult,
     OperationOutcome,
 )
-from .status import status_of
+from kvpager.status import status_of
 
 
 # The kind of each operation, as counted in OperationCounts (and named in the metrics).

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .errors import (
+from kvpager.errors import (
     InvariantViolation,
     quote,
 )

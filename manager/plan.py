@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .errors import ManagerError
+from kvpager.errors import ManagerError
 
 
 @dataclass(slots=True)

@@ -33,10 +33,10 @@ from typing import Any, Optional
 from .block_manager import BlockManager, Counters
 from .block_pool import BlockPool
 from .config import ManagerConfig
-from .errors import Busy, ManagerError, Unavailable
+from kvpager.errors import Busy, ManagerError, Unavailable
 from .request_cache import RequestCache
 from .sequence import Sequence
-from .status import error_for, status_of
+from kvpager.status import error_for, status_of
 from .wal import CorruptState, StateDir
 
 log = logging.getLogger("kvpager.manager")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any, Callable, Optional
 
-from .errors import InvalidArgument, ManagerError, quote
+from kvpager.errors import InvalidArgument, ManagerError, quote
 
 _ENTRY_OVERHEAD = 64  # bytes of bookkeeping counted per entry besides its id and answer
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
-from .errors import (
+from kvpager.errors import (
     FailedPrecondition,
     InvalidArgument,
     InvariantViolation,

@@ -37,14 +37,14 @@ from .block_manager import BlockManager
 from .config import ManagerConfig
 from .epochs import WorkerCaches
 from .health import HealthService
-from .errors import (
+from kvpager.errors import (
     Busy, DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange,
     ResourceExhausted, Unavailable, quote,
 )
 from .metrics import ManagerMetrics, RpcMetricsInterceptor
 from .plan import ExecutionPlan
 from .request_cache import Answer, RequestCache, fingerprint
-from .status import NUMBERS, status_of
+from kvpager.status import NUMBERS, status_of
 from .workers import WorkerRegistry
 
 log = logging.getLogger("kvpager.manager")
@@ -306,7 +306,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
     @staticmethod
     def _reply(answer: Answer, context):
-        """The response, or the error as its status (the one table: ``manager/status.py``); no
+        """The response, or the error as its status (the one table: ``kvpager/status.py``); no
         room now carries the blocks needed and free as a google.rpc.ErrorInfo detail."""
         if answer.error is not None:
             context.abort_with_status(rpc_status.to_status(_status(answer.error)))

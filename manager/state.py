@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence as Seq
 
 from .block_pool import CACHED, BlockPool
 from .config import ManagerConfig
-from .errors import (
+from kvpager.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,

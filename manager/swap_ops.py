@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from .block_pool import BlockPool
-from .errors import (
+from kvpager.errors import (
     FailedPrecondition,
     OutOfRange,
     ResourceExhausted,

@@ -24,7 +24,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Iterable, Optional
 
-from .errors import ManagerError, ResourceExhausted, quote
+from kvpager.errors import ManagerError, ResourceExhausted, quote
 from .operations import (
     AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, SwapInOp, SwapOutOp, op_ids,
 )

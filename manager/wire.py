@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2
 
-from .errors import InvalidArgument, quote
+from kvpager.errors import InvalidArgument, quote
 from .operations import (
     AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, Operation, RejectedOp, SwapInOp, SwapOutOp,
 )
@@ -27,7 +27,7 @@ from .plan import (
     TableLayout,
 )
 from .sequence import GPU, Sequence
-from .status import number_of
+from kvpager.status import number_of
 
 
 

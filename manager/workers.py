@@ -25,7 +25,7 @@ import grpc
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 
-from .errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvpager.errors import FailedPrecondition, InvalidArgument, Unavailable
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ import torch
 
 from kvpager.commands import cli
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import block_manager_pb2 as pb

@@ -25,7 +25,7 @@ from kvpager.commands import cli
 
 from kvpager.manager import config as config_mod
 from kvpager.manager.config import ManagerConfig
-from kvpager.manager.errors import ManagerError
+from kvpager.errors import ManagerError
 from kvpager.manager.service import SERVICE_NAME, create_server
 from kvpager.manager.wal import CorruptState
 

@@ -17,7 +17,7 @@ from typing import Optional, TextIO
 
 from kvpager.commands import cli
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.v1 import block_manager_pb2 as pb
 
 BAR_WIDTH = 32

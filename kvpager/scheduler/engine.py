@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.step import StepInput, WorkerDied
 from kvpager.v1 import block_manager_pb2 as pb
 

@@ -57,7 +57,7 @@ import pytest
 import yaml
 
 from kvpager.client import BlockManagerClient
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.metrics_http import fetch
 from tests.support.prometheus import PrometheusAPI
 

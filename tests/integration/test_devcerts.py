@@ -24,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from kvpager import auth, devcerts
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.metrics_http import fetch, scrape
 
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPAGER_")}, "PYTHONUNBUFFERED": "1"}

@@ -25,8 +25,8 @@ from kvpager import client as C
 from kvpager.manager import wire
 from kvpager.manager.block_manager import BlockManager
 from kvpager.manager.config import ManagerConfig
-from kvpager.manager.errors import ManagerError, NotFound, Unavailable
-from kvpager.manager.status import status_of
+from kvpager.errors import ManagerError, NotFound, Unavailable
+from kvpager.status import status_of
 from kvpager.manager.recovery import manager_state, restore_manager
 from kvpager.manager.wal import CorruptState, StateDir
 from kvpager.v1 import block_manager_pb2 as pb
@@ -490,7 +490,7 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
     """A rank that comes back with another cache id lost its cache: a new epoch, every sequence
     answers DATA_LOSS (naming it) until freed; the same cache id again (a manager restart, a
     dropped heartbeat) loses nothing. Epoch and lost sequences survive a restart."""
-    from kvpager.manager.errors import DataLoss
+    from kvpager.errors import DataLoss
 
     d = str(tmp_path / "state")
     config = ManagerConfig(**POOL, state_dir=d, worker_heartbeat_timeout=60)
@@ -540,7 +540,7 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
 def test_a_rolled_back_step_id_is_never_given_again_after_a_restart(tmp_path):
     """A step rolled back after its plan went out (here: dispatch fails UNAVAILABLE) spent its
     step id: some worker may hold that plan. A restarted manager goes on after it."""
-    from kvpager.manager.errors import Unavailable
+    from kvpager.errors import Unavailable
 
     config = ManagerConfig(**POOL, state_dir=str(tmp_path / "state"))
     with serving(config) as (bm, svc):

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.metrics_http import scrape
 from kvpager.v1 import block_manager_pb2 as pb
 from tests.support.catalog import check_exports, scrape_families

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvpager import client as C
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.v1 import block_manager_pb2 as pb
 
 

@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 
-from kvpager.manager import errors
+from kvpager import errors
 from kvpager.manager.config import ManagerConfig
 from kvpager.manager.recovery import manager_state
 from kvpager.manager.service import BlockManagerService

@@ -32,7 +32,7 @@ from kvpager.manager import (
     Aborted, AlreadyExists, BlockManager, FailedPrecondition, InvalidArgument, ManagerConfig, ManagerError,
     NotFound, OutOfRange, ResourceExhausted,
 )
-from kvpager.manager.errors import Busy
+from kvpager.errors import Busy
 from kvpager.manager.batch_tables import packed_padded
 from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 from kvpager.manager.plan import AllocateResult, AppendBatchResult, AppendResult, ForkResult, FreeResult, SwapResult

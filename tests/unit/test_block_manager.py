@@ -19,7 +19,7 @@ from kvpager.manager import (
     OutOfRange, ResourceExhausted,
 )
 from kvpager.manager.block_manager import MAX_SEQ_ID_LEN
-from kvpager.manager.errors import Unavailable
+from kvpager.errors import Unavailable
 from kvpager.manager.operations import (
     AllocateOp, AppendOp, ForkOp, FreeOp, RejectedOp, SwapInOp, SwapOutOp,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpager.manager.errors import InvalidArgument, NotFound, quote
+from kvpager.errors import InvalidArgument, NotFound, quote
 from kvpager.manager.request_cache import Answer, RequestCache, fingerprint
 from kvpager.v1 import block_manager_pb2 as pb
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager.block_pool import CACHED, FREE, USED
-from kvpager.manager.errors import Busy, ResourceExhausted, Unavailable
+from kvpager.errors import Busy, ResourceExhausted, Unavailable
 from kvpager.manager.operations import AllocateOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 
 B = 2
