@@ -15,23 +15,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager import errors
+from kvpager.manager import ManagerConfig
 from kvpager.manager.operations import ForkOp
 from kvpager.v1 import block_manager_pb2 as pb
+
+from tests.support.state import served_fingerprint
 
 from ..conftest import running_server
 
 BOUNDED = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0, max_step_operations=8,
                         max_step_forks=2, max_id_len=40, max_prompt_tokens=40)
-
-
-def snapshot(service):
-    """Everything a refused call must leave as it was (but the step counter), invariants checked."""
-    with service.lock:
-        m = service.manager
-        m.check_invariants()
-        seqs = {s.seq_id: (s.tier, s.num_tokens, tuple(s.block_ids)) for s in m.seqs.values()}
-        return dataclasses.replace(m.stats(), steps=0), seqs
 
 
 @pytest.fixture
@@ -44,7 +38,7 @@ def bounded():
 def test_each_bound_is_refused_with_its_status_and_nothing_applied(bounded):
     client, service = bounded
     client.allocate("p", num_tokens=6)
-    before = snapshot(service)
+    before = served_fingerprint(service)
     refusals = [
         (lambda: client.step([C.allocate_op(f"s{i}", num_tokens=1) for i in range(9)]), "max_step_operations"),
         (lambda: client.step([C.append_batch_op(["p"] * 9)]), "max_step_operations"),
@@ -65,7 +59,7 @@ def test_each_bound_is_refused_with_its_status_and_nothing_applied(bounded):
         with pytest.raises(expected) as info:
             call()
         assert fragment is None or fragment in str(info.value), info.value
-        assert snapshot(service) == before
+        assert served_fingerprint(service) == before
     # Within the bounds the same calls work.
     client.step([C.allocate_op(f"s{i}", num_tokens=1) for i in range(8)])
     client.step([C.fork_op("p", f"c{i}") for i in range(2)])
@@ -74,14 +68,14 @@ def test_each_bound_is_refused_with_its_status_and_nothing_applied(bounded):
 def test_an_answer_larger_than_max_reply_bytes_is_refused_and_rolled_back():
     config = ManagerConfig(block_size=4, num_gpu_blocks=1024, num_cpu_blocks=16, watermark=0.0, max_reply_bytes=1024)
     with running_server(config) as (client, service):
-        before = snapshot(service)
+        before = served_fingerprint(service)
         # Caught by the lower bound before the prompt is applied.
         with pytest.raises(errors.OutOfRange, match="max_reply_bytes"):
             client.allocate("big", num_tokens=400)
         # Fits the lower bound, but the encoded answer (result + batch tables) does not: rolled back.
         with pytest.raises(errors.OutOfRange, match=r"the answer would be \d+ bytes"):
             client.step([C.allocate_op("big", num_tokens=300)])
-        assert snapshot(service) == before
+        assert served_fingerprint(service) == before
         client.allocate("big", num_tokens=300)  # the single call's smaller answer fits
 
 
@@ -89,7 +83,7 @@ def test_a_huge_fork_step_is_refused_before_it_is_applied():
     """The issue's case: hundreds of forks of a long sequence. Refused quickly, nothing applied."""
     with running_server(ManagerConfig(max_reply_bytes=256 << 10)) as (client, service):
         client.allocate("parent", num_tokens=60_000)  # 3,750 blocks
-        before = snapshot(service)
+        before = served_fingerprint(service)
         increfs = []
         gpu = service.manager.gpu
         real_incref = gpu.incref
@@ -107,7 +101,7 @@ def test_a_huge_fork_step_is_refused_before_it_is_applied():
         assert r.ByteSize() < 200_000 and elapsed < 5
         with pytest.raises(errors.OutOfRange, match="max_reply_bytes"):  # not all-or-nothing: refused whole
             client.step([C.fork_op("parent", f"child{i}") for i in range(300)])
-        assert snapshot(service) == before
+        assert served_fingerprint(service) == before
 
 
 # ---- messages --------------------------------------------------------------------------------------
@@ -145,9 +139,9 @@ def test_every_mutating_rpc_answers_a_retry_with_its_first_answer(served):
     client.swap_out(["w"])
     for name, call in _retry_cases(client):
         first = call(f"id-{name}")
-        state = snapshot(service)
+        state = served_fingerprint(service)
         assert call(f"id-{name}") == first, name
-        assert snapshot(service) == state, name
+        assert served_fingerprint(service) == state, name
 
 
 def test_client_sends_a_request_id_by_default(served):
@@ -223,12 +217,12 @@ BAD_MESSAGES = [
 def test_malformed_bytes_are_invalid_argument_and_the_server_keeps_serving(served, method, raw):
     client, service = served
     client.allocate("a", num_tokens=2)
-    before = snapshot(service)
+    before = served_fingerprint(service)
     call = client.channel.unary_unary(f"/kvpager.v1.BlockManager/{method}")  # raw bytes both ways
     with pytest.raises(grpc.RpcError) as info:
         call(raw, timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert snapshot(service) == before
+    assert served_fingerprint(service) == before
     client.ping()
     client.append("a", num_tokens=1)
 
@@ -237,7 +231,7 @@ def test_malformed_bytes_are_invalid_argument_and_the_server_keeps_serving(serve
 def test_a_bug_rolls_the_whole_step_back_and_answers_internal(served, caplog, failure):
     client, service = served
     client.allocate("a", num_tokens=2)
-    before = snapshot(service)
+    before = served_fingerprint(service)
     real_fork = service.manager._apply[ForkOp]
 
     def broken_fork(op):
@@ -253,7 +247,7 @@ def test_a_bug_rolls_the_whole_step_back_and_answers_internal(served, caplog, fa
                 client.fork("a", "c", request_id="bug-1")
     finally:
         service.manager._apply[ForkOp] = real_fork
-    assert snapshot(service) == before
+    assert served_fingerprint(service) == before
     assert any(r.exc_info for r in caplog.records), "logged with its traceback"
     assert client.fork("a", "c", request_id="bug-1").child_seq_id == "c"  # a bug's answer is not kept
 

@@ -19,7 +19,6 @@ of its sequences meanwhile must be refused ``Busy`` with nothing changed.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +36,7 @@ from kvpager.manager.batch_tables import packed_padded
 from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
 from kvpager.manager.plan import AllocateResult, AppendBatchResult, AppendResult, ForkResult, FreeResult, SwapResult
 from kvpager.step import unpack_int32
+from tests.support.state import fingerprint
 
 NAMES = [f"s{i}" for i in range(10)]
 NAMESPACES = ["", "", "", "tenant"]
@@ -118,24 +118,6 @@ class StepContext:
     any_writes: bool = False                                # some K/V is written in this step
     with_tokens: set[str] = field(default_factory=set)      # sequences with tokens to compute
     query: dict[str, int] = field(default_factory=dict)     # expected query length per sequence
-
-
-def fingerprint(m: BlockManager):
-    def pool(p):
-        return (
-            [(b.block_id, b.state, b.ref_count, b.block_hash, b.num_filled) for b in p.blocks],
-            p.free_order(), p.lru_order(), p.num_held, p.num_used, p.filled_slots, p.evictions,
-            dict(p._hash_to_block),
-        )
-
-    seqs = sorted(
-        (s.seq_id, tuple(s.block_ids), s.num_tokens, s.tier, s.namespace, s.last_hash,
-         None if s.pending_tokens is None else tuple(s.pending_tokens))
-        for s in m.seqs.values()
-    )
-    stats = dataclasses.asdict(m.stats())
-    del stats["steps"]  # numbers step attempts
-    return pool(m.gpu), pool(m.cpu), seqs, m.seqs.num_swapped, stats, dataclasses.asdict(m.counters)
 
 
 # ---- the machine -------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
     ...a call that must fail, or be rolled back...
     assert fingerprint(manager) == before
 
+or, of a running server's manager (tests/conftest.py's ``running_server``), ``served_fingerprint(service)``.
+
 It reads only what the manager offers to everyone (``stats()``, ``counters``, the sequence
 table's values, each pool's blocks, counts, ``free_order()``, ``lru_order()`` and ``lookup()``),
 never a private attribute: a test that compares fingerprints then keeps working when the
@@ -43,3 +45,11 @@ def fingerprint(manager) -> tuple[Any, ...]:
     del stats["steps"]
     return (pool_state(manager.gpu), pool_state(manager.cpu), sequences_state(manager), manager.seqs.num_swapped,
             len(manager.seqs), stats, dataclasses.asdict(manager.counters))
+
+
+def served_fingerprint(service) -> tuple[Any, ...]:
+    """``fingerprint`` of a running server's manager, taken under the service's lock after checking
+    its invariants (a test then compares the state as the next call will find it)."""
+    with service.lock:
+        service.manager.check_invariants()
+        return fingerprint(service.manager)

@@ -10,8 +10,6 @@ the LRU. Every manager a test builds is checked with ``check_invariants()`` at t
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from kvpager.manager import (
@@ -24,6 +22,7 @@ from kvpager.manager.operations import (
     AllocateOp, AppendOp, ForkOp, FreeOp, RejectedOp, SwapInOp, SwapOutOp,
 )
 from kvpager.manager.plan import TierStats
+from tests.support.state import fingerprint
 
 DEFAULTS = dict(block_size=4, num_gpu_blocks=17, num_cpu_blocks=8, watermark=0.0)
 
@@ -48,27 +47,6 @@ def m(make) -> BlockManager:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-def fingerprint(m: BlockManager):
-    """Everything an operation may change. ``stats().steps`` is left out: it numbers step
-    attempts (every call gets a fresh step id, applied or not)."""
-
-    def pool(p):
-        return (
-            [(b.block_id, b.state, b.ref_count, b.block_hash, b.num_filled) for b in p.blocks],
-            p.free_order(), p.lru_order(), p.num_held, p.num_used, p.filled_slots, p.evictions,
-            dict(p._hash_to_block),
-        )
-
-    seqs = sorted(
-        (s.seq_id, tuple(s.block_ids), s.num_tokens, s.tier, s.namespace, s.last_hash,
-         None if s.pending_tokens is None else tuple(s.pending_tokens))
-        for s in m.seqs.values()
-    )
-    stats = dataclasses.asdict(m.stats())
-    del stats["steps"]
-    return pool(m.gpu), pool(m.cpu), seqs, m.seqs.num_swapped, len(m.seqs), stats, dataclasses.asdict(m.counters)
-
-
 def fails(m: BlockManager, error: type, fn, *args, match: str | None = None, **kwargs):
     """Call fn, expect ``error``, and check that the failure left no trace."""
     before = fingerprint(m)
