@@ -186,8 +186,8 @@ class CacheWorker:
                                                                  sharing)
         if num_blocks < 1:
             raise RuntimeError(f"no room for a single {spec.block_bytes}-byte KV block on {device}")
-        num_cpu_blocks = default_swap_blocks(spec.block_bytes) if cfg.num_cpu_blocks is None else cfg.num_cpu_blocks
-        self.cache = KVCache(spec, num_blocks, num_cpu_blocks, device)
+        num_swap_blocks = default_swap_blocks(spec.block_bytes) if cfg.num_cpu_blocks is None else cfg.num_cpu_blocks
+        self.cache = KVCache(spec, num_blocks, num_swap_blocks, device)
         self.graphs = self._decode_graphs()
         self._serve()
         if cfg.metrics_port is not None:
@@ -196,8 +196,8 @@ class CacheWorker:
             self._register()
             self._heartbeat = threading.Thread(target=self._beat, name="kvpager-heartbeat", daemon=True)
             self._heartbeat.start()
-        log.info("worker rank %d on %s: %d GPU + %d CPU blocks of %d bytes, serving %s, metrics %s", cfg.rank,
-                 device, num_blocks, num_cpu_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
+        log.info("worker rank %d on %s: %d cache + %d swap blocks of %d bytes, serving %s, metrics %s", cfg.rank,
+                 device, num_blocks, num_swap_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
         return self.address
 
     def _decode_graphs(self) -> Optional[DecodeGraphs]:
@@ -265,18 +265,18 @@ class CacheWorker:
         # The tensor's device names the index ("cuda:0") where the configured one may not ("cuda").
         cache, cfg = self.cache, self.config
         return WorkerInfo(worker_id=self.worker_id, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
-                          device=str(cache.gpu.device), attention_backend=self._attention_backend(),
+                          device=str(cache.blocks.device), attention_backend=self._attention_backend(),
                           kv_cache_dtype=str(cache.spec.dtype).removeprefix("torch."))
 
     def _attention_backend(self) -> str:
-        return ops.backend(self.cache.gpu[:, 0, 0])  # layer 0's K view, without KVCache.layer's stream wait
+        return ops.backend(self.cache.blocks[:, 0, 0])  # layer 0's K view, without KVCache.layer's stream wait
 
     def _register(self) -> None:
         cfg = self.config
         with self._manager_channel() as channel:
             reply = pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(
                 address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
-                num_gpu_blocks=self.cache.num_gpu_blocks, num_cpu_blocks=self.cache.num_cpu_blocks,
+                num_gpu_blocks=self.cache.num_blocks, num_cpu_blocks=self.cache.num_swap_blocks,
                 block_size=cfg.block_size, metrics_address=self.metrics_address,
                 block_bytes=self.cache.spec.block_bytes, cache_id=self.cache_id), timeout=30)
         self.worker_id = reply.worker_id
@@ -429,8 +429,8 @@ class CacheWorker:
     def memory_stats(self) -> worker_pb2.WorkerMemoryStats:
         cache = self.cache
         return worker_pb2.WorkerMemoryStats(
-            worker_id=self.worker_id, device=str(cache.device), num_gpu_blocks=cache.num_gpu_blocks,
-            num_cpu_blocks=cache.num_cpu_blocks, block_bytes=cache.spec.block_bytes,
-            gpu_cache_bytes=cache.gpu.numel() * cache.gpu.element_size(),
-            cpu_cache_bytes=cache.cpu.numel() * cache.cpu.element_size(),
+            worker_id=self.worker_id, device=str(cache.device), num_gpu_blocks=cache.num_blocks,
+            num_cpu_blocks=cache.num_swap_blocks, block_bytes=cache.spec.block_bytes,
+            gpu_cache_bytes=cache.blocks.nbytes,
+            cpu_cache_bytes=cache.swap_space.nbytes,
             attention_backend=self._attention_backend(), **self._stats)

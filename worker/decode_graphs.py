@@ -59,7 +59,7 @@ def supported(model: Decoder, cache: KVCache) -> Optional[str]:
         return "the cache is not on a CUDA device"
     if model.tp_size > 1:
         return "tensor-parallel groups run their all-reduces eagerly"
-    if ops.backend(cache.gpu[:, 0, 0]) != "cuda":
+    if ops.backend(cache.blocks[:, 0, 0]) != "cuda":
         return f"our CUDA decode kernel does not serve head dim {cache.spec.head_dim} / this cache"
     return None
 
@@ -150,7 +150,7 @@ class DecodeGraphs:
         return len(todo)
 
     def _layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.gpu[:, layer, 0], self.cache.gpu[:, layer, 1]
+        return self.cache.blocks[:, layer, 0], self.cache.blocks[:, layer, 1]
 
     def _body(self, batch: int, width: int) -> None:
         tokens, positions, slots = self._longs[:, :batch]

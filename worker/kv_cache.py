@@ -1,4 +1,5 @@
-"""The KV cache a worker owns: device blocks, CPU swap blocks, and the execution of plans.
+"""The KV cache a worker owns: its blocks on the worker's device (``blocks``), the host swap
+space (``swap_space``), and the execution of plans.
 
 Layout (block-major): ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``,
 K at index 0 and V at 1 of dim 2. One block's data for every layer is one contiguous chunk,
@@ -22,7 +23,7 @@ On CUDA a plan runs asynchronously on the cache's own swap stream, ordered by ev
   write of the step can reach a block before the swap-out reading it has finished.
 
 ``execute`` returns once the work is enqueued. The host must call ``synchronize()`` before it
-reads ``cpu`` itself (tests do); nothing in the serving path reads it from the host. On the
+reads ``swap_space`` itself (tests do); nothing in the serving path reads it from the host. On the
 CPU the plan runs synchronously through the reference.
 """
 
@@ -70,30 +71,33 @@ class CacheSpec:
 
 
 class KVCache:
-    def __init__(self, spec: CacheSpec, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device | str) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, num_swap_blocks: int, device: torch.device | str) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        self.gpu = torch.zeros(spec.shape(num_gpu_blocks), dtype=spec.dtype, device=self.device)
-        # Pinned host memory lets swaps run as asynchronous DMA; only possible with CUDA.
+        # The cache the model reads and writes, on ``device`` (a GPU, or host memory on a CPU worker):
+        # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        self.blocks = torch.zeros(spec.shape(num_blocks), dtype=spec.dtype, device=self.device)
+        # The swap space, always in host memory, pinned with CUDA so swaps run as asynchronous DMA:
+        # [num_swap_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
         pin = self.device.type == "cuda"
-        self.cpu = torch.zeros(spec.shape(num_cpu_blocks), dtype=spec.dtype, pin_memory=pin)
+        self.swap_space = torch.zeros(spec.shape(num_swap_blocks), dtype=spec.dtype, pin_memory=pin)
         self._swap_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ready: torch.cuda.Event | None = None   # recorded on the swap stream after the last plan
         self._waited: set[int] = set()                 # compute streams that already waited on it
 
     @property
-    def num_gpu_blocks(self) -> int:
-        return self.gpu.shape[0]
+    def num_blocks(self) -> int:
+        return self.blocks.shape[0]
 
     @property
-    def num_cpu_blocks(self) -> int:
-        return self.cpu.shape[0]
+    def num_swap_blocks(self) -> int:
+        return self.swap_space.shape[0]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer: two views ``[num_blocks, num_kv_heads, block_size, head_dim]``.
         On CUDA, the current stream first waits for the last plan's swaps and copies."""
         self.wait()
-        return self.gpu[:, index, 0], self.gpu[:, index, 1]
+        return self.blocks[:, index, 0], self.blocks[:, index, 1]
 
     def wait(self, stream: "torch.cuda.Stream | None" = None) -> None:
         """Make ``stream`` (default: the current stream of the cache's device) wait, on the
@@ -108,23 +112,23 @@ class KVCache:
             self._waited.add(key)
 
     def synchronize(self) -> None:
-        """Block the host until every executed plan has finished (e.g. before reading ``cpu``)."""
+        """Block the host until every executed plan has finished (e.g. before reading ``swap_space``)."""
         if self._swap_stream is not None:
             self._swap_stream.synchronize()
 
     def execute(self, swap_out: tuple[Sequence[int], Sequence[int]], swap_in: tuple[Sequence[int], Sequence[int]],
                 copy: tuple[Sequence[int], Sequence[int]], time_part: Optional[PartTimer] = None) -> None:
-        """Run one step's plan in the order that keeps data right: swap-out (GPU→CPU) before a
-        released block is reused, swap-in (CPU→GPU), then copy-on-write copies (GPU→GPU),
+        """Run one step's plan in the order that keeps data right: swap-out (device→swap space)
+        before a released block is reused, swap-in (swap space→device), then copy-on-write copies,
         all before the step writes new K/V. Each argument is a (src, dst) pair of id lists.
         The whole plan is checked first; a bad one is rejected without touching memory.
         On CUDA it is enqueued on the swap stream and this returns at once (see the module
         docstring for the ordering); on the CPU it has finished when this returns.
         ``time_part(kind)``, if given, is entered around each part that has work, on the
         stream that runs it; it must not make the host wait."""
-        self._check("swap-out", swap_out, self.num_gpu_blocks, self.num_cpu_blocks)
-        self._check("swap-in", swap_in, self.num_cpu_blocks, self.num_gpu_blocks)
-        self._check("copy", copy, self.num_gpu_blocks, self.num_gpu_blocks)
+        self._check("swap-out", swap_out, self.num_blocks, self.num_swap_blocks)
+        self._check("swap-in", swap_in, self.num_swap_blocks, self.num_blocks)
+        self._check("copy", copy, self.num_blocks, self.num_blocks)
         if not (swap_out[0] or swap_in[0] or copy[0]):
             return
         if self._swap_stream is None:
@@ -146,15 +150,15 @@ class KVCache:
         if swap_out[0]:
             src, dst = _ids(swap_out[0]), _ids(swap_out[1])
             with timed("swap_out"):
-                ops.swap_blocks(self.gpu, self.cpu, src, dst)
+                ops.swap_blocks(self.blocks, self.swap_space, src, dst)
         if swap_in[0]:
             src, dst = _ids(swap_in[0]), _ids(swap_in[1])
             with timed("swap_in"):
-                ops.swap_blocks(self.cpu, self.gpu, src, dst)
+                ops.swap_blocks(self.swap_space, self.blocks, src, dst)
         if copy[0]:
             src, dst = _ids(copy[0]), _ids(copy[1])
             with timed("copy"):
-                ops.copy_blocks(self.gpu, src, dst)
+                ops.copy_blocks(self.blocks, src, dst)
 
     @staticmethod
     def _check(what: str, pairs: tuple[Sequence[int], Sequence[int]], src_blocks: int, dst_blocks: int) -> None:

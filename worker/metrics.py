@@ -340,10 +340,10 @@ class _StateCollector:
                                      "allocator reserved (0 on a CPU worker).")
         info = InfoMetricFamily("kvpager_worker", "Who this worker is; constant 1.")
         if not describe_only:
-            blocks.add_metric(["gpu"], cache.num_gpu_blocks)
-            blocks.add_metric(["cpu"], cache.num_cpu_blocks)
-            nbytes.add_metric(["gpu"], cache.gpu.nbytes)
-            nbytes.add_metric(["cpu"], cache.cpu.nbytes)
+            blocks.add_metric(["gpu"], cache.num_blocks)
+            blocks.add_metric(["cpu"], cache.num_swap_blocks)
+            nbytes.add_metric(["gpu"], cache.blocks.nbytes)
+            nbytes.add_metric(["cpu"], cache.swap_space.nbytes)
             on_cuda = cache.device.type == "cuda"
             allocated.add_metric([], torch.cuda.memory_allocated(cache.device) if on_cuda else 0)
             reserved.add_metric([], torch.cuda.memory_reserved(cache.device) if on_cuda else 0)

@@ -146,7 +146,7 @@ def test_prometheus_reports_what_the_manager_reports(stack):
     assert scalar(prometheus, 'kvpager_swapped_bytes_total{direction="out"}') == st.blocks_swapped_out * block_bytes
     assert scalar(prometheus, 'kvpager_worker_moved_bytes_total{direction="gpu_to_cpu"}') == \
         st.blocks_swapped_out * block_bytes
-    assert scalar(prometheus, 'kvpager_worker_cache_bytes{tier="gpu"}') == worker.cache.gpu.nbytes
+    assert scalar(prometheus, 'kvpager_worker_cache_bytes{tier="gpu"}') == worker.cache.blocks.nbytes
     # The worker's series carry the rank from service discovery.
     (labels,) = [json.loads(k) for k in latest(prometheus, "kvpager_worker_plans_total")]
     assert labels["rank"] == "0" and labels["job"] == "kvpager-workers"

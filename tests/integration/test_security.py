@@ -201,7 +201,7 @@ def test_a_worker_serves_only_the_secured_manager(pki):
                 assert all(r.code == 0 for r in reply.results)
                 assert len(reply.plan.blocks_to_copy.src) == 1  # copy-on-write, executed by the worker
             assert worker.memory_stats().blocks_copied == 1
-            before = worker.cache.gpu.clone()
+            before = worker.cache.blocks.clone()
             plan = plan_pb2.ExecutionPlan(step_id=99, blocks_to_copy=plan_pb2.BlockMapping(src=[0], dst=[1]))
             request = worker_pb2.ExecutePlanRequest(plan=plan)
             attempts = [  # (channel, expected status)
@@ -217,7 +217,7 @@ def test_a_worker_serves_only_the_secured_manager(pki):
                     with pytest.raises(grpc.RpcError) as info:
                         worker_pb2_grpc.CacheWorkerStub(channel).ExecutePlan(request, timeout=3)
                     assert info.value.code() == code, info.value.details()
-            assert worker.memory_stats().plans_executed == 1 and torch.equal(worker.cache.gpu, before)
+            assert worker.memory_stats().plans_executed == 1 and torch.equal(worker.cache.blocks, before)
             # Health stays open to a TLS client with a certificate.
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 

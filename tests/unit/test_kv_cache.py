@@ -9,34 +9,34 @@ SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=t
 
 
 def fresh_cache() -> KVCache:
-    cache = KVCache(SPEC, num_gpu_blocks=6, num_cpu_blocks=4, device="cpu")
+    cache = KVCache(SPEC, num_blocks=6, num_swap_blocks=4, device="cpu")
     gen = torch.Generator().manual_seed(0)
-    cache.gpu.copy_(torch.randn(cache.gpu.shape, generator=gen))
-    cache.cpu.copy_(torch.randn(cache.cpu.shape, generator=gen))
+    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=gen))
+    cache.swap_space.copy_(torch.randn(cache.swap_space.shape, generator=gen))
     return cache
 
 
 def test_layout_is_block_major_and_layer_views_alias_it():
     cache = fresh_cache()
-    assert cache.gpu.shape == (6, 2, 2, 2, 4, 4)
+    assert cache.blocks.shape == (6, 2, 2, 2, 4, 4)
     assert SPEC.block_bytes == 2 * 2 * 2 * 4 * 4 * 4
     k, v = cache.layer(1)
-    assert k.shape == (6, 2, 4, 4) and k.data_ptr() == cache.gpu[:, 1, 0].data_ptr()
+    assert k.shape == (6, 2, 4, 4) and k.data_ptr() == cache.blocks[:, 1, 0].data_ptr()
     k[3, 1, 2] = 7.0
-    assert torch.all(cache.gpu[3, 1, 0, 1, 2] == 7.0)
+    assert torch.all(cache.blocks[3, 1, 0, 1, 2] == 7.0)
 
 
 def test_plan_runs_swap_out_then_swap_in_then_copy():
     cache = fresh_cache()
-    gpu, cpu = cache.gpu.clone(), cache.cpu.clone()
-    # GPU block 3 leaves for CPU block 0, CPU block 1 arrives in GPU block 3, then 3 is copied to 5.
+    blocks, swap = cache.blocks.clone(), cache.swap_space.clone()
+    # Cache block 3 leaves for swap block 0, swap block 1 arrives in cache block 3, then 3 is copied to 5.
     cache.execute(swap_out=([3], [0]), swap_in=([1], [3]), copy=([3], [5]))
-    assert torch.equal(cache.cpu[0], gpu[3])
-    assert torch.equal(cache.gpu[3], cpu[1])
-    assert torch.equal(cache.gpu[5], cpu[1])
+    assert torch.equal(cache.swap_space[0], blocks[3])
+    assert torch.equal(cache.blocks[3], swap[1])
+    assert torch.equal(cache.blocks[5], swap[1])
     untouched = [0, 1, 2, 4]
-    assert torch.equal(cache.gpu[untouched], gpu[untouched])
-    assert torch.equal(cache.cpu[[1, 2, 3]], cpu[[1, 2, 3]])
+    assert torch.equal(cache.blocks[untouched], blocks[untouched])
+    assert torch.equal(cache.swap_space[[1, 2, 3]], swap[[1, 2, 3]])
 
 
 @pytest.mark.parametrize("plan, message", [
@@ -47,7 +47,7 @@ def test_plan_runs_swap_out_then_swap_in_then_copy():
 ])
 def test_bad_plan_is_rejected_whole(plan, message):
     cache = fresh_cache()
-    gpu, cpu = cache.gpu.clone(), cache.cpu.clone()
+    blocks, swap = cache.blocks.clone(), cache.swap_space.clone()
     with pytest.raises(PlanRejected, match=message):
         cache.execute(**plan)
-    assert torch.equal(cache.gpu, gpu) and torch.equal(cache.cpu, cpu)
+    assert torch.equal(cache.blocks, blocks) and torch.equal(cache.swap_space, swap)

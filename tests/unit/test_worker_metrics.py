@@ -124,14 +124,14 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     cache = worker.cache
     assert value(m, "kvpager_worker_cache_blocks", tier="gpu") == 12
     assert value(m, "kvpager_worker_cache_blocks", tier="cpu") == 6
-    assert value(m, "kvpager_worker_cache_bytes", tier="gpu") == cache.gpu.nbytes == 12 * cache.spec.block_bytes
-    assert value(m, "kvpager_worker_cache_bytes", tier="cpu") == cache.cpu.nbytes == 6 * cache.spec.block_bytes
+    assert value(m, "kvpager_worker_cache_bytes", tier="gpu") == cache.blocks.nbytes == 12 * cache.spec.block_bytes
+    assert value(m, "kvpager_worker_cache_bytes", tier="cpu") == cache.swap_space.nbytes == 6 * cache.spec.block_bytes
     allocated = value(m, "kvpager_worker_device_memory_allocated_bytes")
     reserved = value(m, "kvpager_worker_device_memory_reserved_bytes")
     if cache.device.type == "cuda":  # the allocator holds at least the cache tensor
-        assert cache.gpu.nbytes <= allocated <= reserved
+        assert cache.blocks.nbytes <= allocated <= reserved
         # Our CUDA kernels serve only some head sizes; the others run the torch reference.
-        device, backend = str(cache.gpu.device), ops.backend(cache.gpu[:, 0, 0])
+        device, backend = str(cache.blocks.device), ops.backend(cache.blocks[:, 0, 0])
     else:
         assert allocated == reserved == 0
         device, backend = "cpu", "reference"
