@@ -1,12 +1,13 @@
-"""A pool of physical KV blocks for one memory tier, with ref counts and an evictable prefix cache.
+"""A pool of physical KV blocks for one memory tier: ref counts, free list, held blocks.
 
-Every block is in exactly one state:
+Every block (``manager/block.py``) is in exactly one state:
 
-- FREE: holds nothing; in ``_free`` (a deque; allocation pops the left end).
-- USED: referenced by ``ref_count`` >= 1 block-table entries.
+- FREE: holds nothing; in ``_free`` (a deque: allocation pops the left end, a release appends
+  to the right end, an undo puts a block back at the end it left from: O(1) each).
+- USED: referenced by ``ref_count`` >= 1 block-table entries (and pins, below).
 - CACHED: unreferenced, but holds a full block whose content hash is known, so a later
-  prompt with the same prefix can reuse it; in the LRU list, evicted from its head only
-  when no FREE block is left.
+  prompt with the same prefix can reuse it; in the prefix cache's LRU
+  (``manager/prefix_cache.py``), evicted from its head only when no FREE block is left.
 - NULL: block 0 of a pool made with ``reserve_null`` (the GPU pool), never handed out. Padding
   entries of block tables name it (the workers keep it zeroed), so a kernel that reads past a
   sequence's context by mistake reads zeros, never another sequence's K/V (vLLM and SGLang do
@@ -25,34 +26,23 @@ nothing ran in between, and stay valid when other steps did (an undone cache hit
 at its old place if that still exists, else at its head; an undone eviction whose hash another
 block took since becomes FREE; an undone reference that was the last releases the block).
 
-Complexity: allocate, acquire, incref, decref, lookup and register are O(1). The LRU is an
-intrusive doubly linked list over the block records (as in vLLM v1's free queue) so that a
-cache hit can take a block out of its middle in O(1). Every mutation records its inverse
-in the shared ``Journal`` so that an all-or-nothing step can roll back exactly.
+Complexity: allocate, acquire, incref, decref, fill, lookup and register are O(1) (the free
+deque's ends and the prefix cache's intrusive LRU). Every mutation records its inverse in the
+shared ``Journal`` so that an all-or-nothing step can roll back exactly. The invariant checker
+is ``manager/invariants.py``'s ``check_pool``.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from kvpager.errors import InvariantViolation
+from .block import CACHED, FREE, HELD, NULL, NULL_BLOCK, USED, Block
 from .journal import Journal
+from .prefix_cache import PrefixCache
 
-FREE, USED, CACHED, HELD, NULL = "free", "used", "cached", "held", "null"
-NULL_BLOCK = 0  # the GPU pool's reserved block: what padding entries of block tables name
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    block_id: int
-    state: str = FREE                    # changed only by BlockPool
-    ref_count: int = 0                   # block-table references; changed only by BlockPool
-    block_hash: Optional[bytes] = None   # prefix hash of a full block; set by register, cleared on eviction
-    num_filled: int = 0                  # token slots written (the fullest sharer); set by BlockPool.fill
-    prev: Optional["Block"] = None       # LRU links, meaningful only while CACHED
-    next: Optional["Block"] = None
+__all__ = ["CACHED", "FREE", "HELD", "NULL", "NULL_BLOCK", "USED", "Block", "BlockPool"]
 
 
 class BlockPool:
@@ -72,16 +62,11 @@ class BlockPool:
             self.blocks[NULL_BLOCK].state = NULL
             first = NULL_BLOCK + 1
         self.num_usable = num_blocks - first  # blocks that can ever be handed out
-        self._free: deque[int] = deque(range(first, num_blocks))
-        self._head = Block(-1)  # LRU sentinels: head.next is the least recently used block
-        self._tail = Block(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self._num_cached = 0
-        self._hash_to_block: dict[bytes, int] = {}
+        self._free: deque[int] = deque(range(first, num_blocks))  # FREE blocks; allocate pops the left end
+        self.cache = PrefixCache(name)  # hash -> block, and the LRU of CACHED blocks (manager/prefix_cache.py)
         self._held: Optional[dict[int, None]] = None  # insertion-ordered set while a step runs
         self._tentative_held: set[int] = set()  # HELD blocks of tentative steps
         self._pins: Counter[int] = Counter()     # block -> references kept by tentative steps
-        self._hidden: Counter[int] = Counter()   # blocks tentative steps own: lookup skips them
         # True while a tentative step is undone after its plan went out: a block it took may have
         # been written by the workers (a copy or swap-in target), so none goes back to the cache.
         self.plan_may_have_run = False
@@ -96,7 +81,7 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return self._num_cached
+        return self.cache.num_cached
 
     @property
     def num_held(self) -> int:
@@ -111,7 +96,7 @@ class BlockPool:
     @property
     def num_available(self) -> int:
         """Blocks that ``allocate`` can hand out now (free ones, then evicted cached ones)."""
-        return len(self._free) + self._num_cached
+        return len(self._free) + self.cache.num_cached
 
     # ---- allocation and references ------------------------------------------------------
     def allocate(self) -> int:
@@ -121,12 +106,10 @@ class BlockPool:
             self._journal.record(self._undo_allocate_free, block, block.block_hash)
             block.block_hash = None
         else:
-            block = self._head.next
-            if block is self._tail:
+            evicted = self.cache.evict_oldest()
+            if evicted is None or evicted.block_hash is None:
                 raise InvariantViolation(f"{self.name} pool: allocate with no available block")
-            self._lru_remove(block)
-            old_hash = block.block_hash
-            del self._hash_to_block[old_hash]
+            block, old_hash = evicted, evicted.block_hash
             block.block_hash = None
             self.evictions += 1
             self._journal.record(self._undo_allocate_evict, block, old_hash, block.num_filled)
@@ -170,10 +153,9 @@ class BlockPool:
             self.incref(block_id)
             return
         if state == CACHED:
-            prev, nxt = block.prev, block.next
-            self._lru_remove(block)
+            prev, nxt = self.cache.take(block)
             self._journal.record(self._undo_acquire_cached, block, prev, nxt)
-        elif state == HELD:
+        elif state == HELD and self._held is not None:
             del self._held[block_id]
             self._journal.record(self._undo_acquire_held, block)
         else:
@@ -200,11 +182,8 @@ class BlockPool:
 
     # ---- prefix cache -------------------------------------------------------------------
     def lookup(self, block_hash: bytes) -> Optional[int]:
-        """The block holding this prefix, unless a tentative step owns it (hidden)."""
-        block_id = self._hash_to_block.get(block_hash)
-        if block_id is not None and self._hidden and block_id in self._hidden:
-            return None
-        return block_id
+        """The block holding this prefix, unless a tentative step owns it (hidden). O(1)."""
+        return self.cache.lookup(block_hash)
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Make a full block findable by its prefix hash (first block with a hash wins)."""
@@ -213,9 +192,9 @@ class BlockPool:
             self._journal.record(self._undo_carry_hash, block, block.block_hash)
             block.block_hash = block_hash
             return
-        if block.block_hash is None and block_hash not in self._hash_to_block:
+        if block.block_hash is None and not self.cache.holds(block_hash):
             block.block_hash = block_hash
-            self._hash_to_block[block_hash] = block_id
+            self.cache.add(block_hash, block_id)
             self._journal.record(self._undo_register, block)
 
     def hash_of(self, block_id: int) -> Optional[bytes]:
@@ -224,14 +203,10 @@ class BlockPool:
     def forget_contents(self) -> None:
         """Drop every content hash (a worker was replaced: what its blocks held is gone).
         CACHED blocks become FREE; USED blocks stay with their sequences. O(num_blocks)."""
-        while self._head.next is not self._tail:
-            block = self._head.next
-            self._lru_remove(block)
-            block.block_hash = None
-            self._park(block)
         for block in self.blocks:
             block.block_hash = None
-        self._hash_to_block.clear()
+        for block in self.cache.clear():
+            self._park(block)
 
     # ---- steps --------------------------------------------------------------------------
     def hold_releases(self) -> None:
@@ -275,42 +250,20 @@ class BlockPool:
             self._leave_used(block)
 
     def hide(self, block_id: int) -> None:
-        self._hidden[block_id] += 1
+        self.cache.hide(block_id)
 
     def unhide(self, block_id: int) -> None:
-        hidden = self._hidden
-        hidden[block_id] -= 1
-        if not hidden[block_id]:
-            del hidden[block_id]
+        self.cache.unhide(block_id)
 
     # ---- internals ----------------------------------------------------------------------
     def _park(self, block: Block) -> None:
         if self.caching and block.block_hash is not None:
             block.state = CACHED
-            self._lru_append(block)
+            self.cache.push(block)
         else:
             block.state = FREE
             block.num_filled = 0
             self._free.append(block.block_id)
-
-    def _lru_append(self, block: Block) -> None:
-        last = self._tail.prev
-        last.next = block
-        block.prev, block.next = last, self._tail
-        self._tail.prev = block
-        self._num_cached += 1
-
-    def _lru_remove(self, block: Block) -> None:
-        block.prev.next = block.next
-        block.next.prev = block.prev
-        block.prev = block.next = None
-        self._num_cached -= 1
-
-    def _lru_insert_between(self, block: Block, prev: Block, nxt: Block) -> None:
-        prev.next = block
-        nxt.prev = block
-        block.prev, block.next = prev, nxt
-        self._num_cached += 1
 
     # Inverses of the mutations above, run by Journal.rollback in reverse order.
     def _undo_allocate_free(self, block: Block, old_hash: Optional[bytes]) -> None:
@@ -322,7 +275,7 @@ class BlockPool:
     def _undo_allocate_evict(self, block: Block, old_hash: bytes, old_filled: int) -> None:
         self.num_used -= 1
         self.evictions -= 1
-        if old_hash in self._hash_to_block or self.plan_may_have_run:
+        if self.cache.holds(old_hash) or self.plan_may_have_run:
             # Another block took that prefix since, or the workers may have written this block:
             # it comes back FREE, never as a cache entry whose content may be gone.
             block.state, block.ref_count, block.num_filled = FREE, 0, 0
@@ -330,8 +283,8 @@ class BlockPool:
             return
         block.state, block.ref_count, block.num_filled = CACHED, 0, old_filled
         block.block_hash = old_hash
-        self._hash_to_block[old_hash] = block.block_id
-        self._lru_insert_between(block, self._head, self._head.next)
+        self.cache.add(old_hash, block.block_id)
+        self.cache.insert(block)
 
     def _undo_incref(self, block: Block) -> None:
         block.ref_count -= 1
@@ -342,10 +295,10 @@ class BlockPool:
         block.ref_count += 1
 
     def _undo_release(self, block: Block) -> None:
-        if block.state == HELD:
+        if block.state == HELD and self._held is not None:
             del self._held[block.block_id]
         elif block.state == CACHED:
-            self._lru_remove(block)
+            self.cache.take(block)
         else:
             popped = self._free.pop()
             if popped != block.block_id:
@@ -357,14 +310,13 @@ class BlockPool:
     def _undo_acquire_cached(self, block: Block, prev: Block, nxt: Block) -> None:
         self._undo_acquire(block)
         block.state = CACHED
-        if prev.next is nxt:  # its old place in the LRU still exists
-            self._lru_insert_between(block, prev, nxt)
-        else:
-            self._lru_insert_between(block, self._head, self._head.next)
+        self.cache.insert(block, prev, nxt)  # at its old place if that still exists
 
     def _undo_acquire_held(self, block: Block) -> None:
         self._undo_acquire(block)
         block.state = HELD
+        if self._held is None:
+            raise InvariantViolation(f"{self.name} pool: undo of a held block outside a step")
         self._held[block.block_id] = None
 
     def _undo_acquire(self, block: Block) -> None:
@@ -380,83 +332,27 @@ class BlockPool:
         block.block_hash = old_hash
 
     def _undo_register(self, block: Block) -> None:
-        del self._hash_to_block[block.block_hash]
+        if block.block_hash is not None:
+            self.cache.discard(block.block_hash)
         block.block_hash = None
 
     # ---- checking -----------------------------------------------------------------------
     def lru_order(self) -> list[int]:
-        out, block = [], self._head.next
-        while block is not self._tail:
-            out.append(block.block_id)
-            block = block.next
-        return out
+        return self.cache.order()
 
     def free_order(self) -> list[int]:
         return list(self._free)
 
-    def check_invariants(self, references: dict[int, int]) -> None:
-        """``references`` maps block id -> number of block-table entries naming it. O(num_blocks)."""
+    def load(self, free: Iterable[int], lru: Iterable[int], by_hash: dict[bytes, int]) -> None:
+        """Refill a new pool's free list and prefix cache from a snapshot (``manager/recovery.py``,
+        which sets the block records and counters). O(num_blocks)."""
+        self._free = deque(free)
+        self.cache.load((self.blocks[b] for b in lru), by_hash)
 
-        def fail(msg: str) -> None:
-            raise InvariantViolation(f"{self.name} pool: {msg}")
+    def held_ids(self) -> set[int]:
+        """Every HELD block: the current step's and the tentative steps'. O(held)."""
+        return set(self._held or ()) | self._tentative_held
 
-        free, lru = self.free_order(), self.lru_order()
-        if len(set(free)) != len(free):
-            fail("a block is twice in the free list")
-        if len(lru) != self._num_cached:
-            fail(f"LRU holds {len(lru)} blocks, counter says {self._num_cached}")
-        held = set(self._held or ()) | self._tentative_held
-        places: dict[int, str] = {}
-        for bid in free:
-            places[bid] = FREE
-        for bid in lru:
-            if bid in places:
-                fail(f"block {bid} is both {places[bid]} and cached")
-            places[bid] = CACHED
-        for bid in held:
-            if bid in places:
-                fail(f"block {bid} is both {places[bid]} and held")
-            places[bid] = HELD
-        used = filled = 0
-        for block in self.blocks:
-            if block.state == NULL:
-                if block.ref_count or block.block_id in places or block.block_hash is not None:
-                    fail(f"the null block {block.block_id} is referenced, listed or hashed")
-                continue
-            bid = block.block_id
-            refs = references.get(bid, 0) + self._pins.get(bid, 0)
-            if block.ref_count != refs:
-                fail(f"block {bid} ref_count {block.ref_count} but {refs} block-table references and pins")
-            if refs > 0:
-                if bid in places:
-                    fail(f"block {bid} is referenced but {places[bid]}")
-                if block.state != USED:
-                    fail(f"block {bid} is referenced but marked {block.state}")
-                used += 1
-                filled += block.num_filled
-            else:
-                where = places.get(bid)
-                if where is None:
-                    fail(f"block {bid} is neither free, cached, held nor owned (leaked)")
-                if block.state != where:
-                    fail(f"block {bid} is in the {where} list but marked {block.state}")
-            if block.state == CACHED and block.block_hash is None:
-                fail(f"cached block {bid} has no hash")
-            if block.num_filled > 0 and block.state == FREE:
-                fail(f"free block {bid} claims {block.num_filled} filled slots")
-            if not self.caching:
-                continue
-            if block.block_hash is not None and self._hash_to_block.get(block.block_hash) != bid:
-                fail(f"block {bid} has a hash the cache does not map to it")
-        for h, bid in self._hash_to_block.items():
-            if self.blocks[bid].block_hash != h:
-                fail(f"hash map names block {bid}, which holds another hash")
-        for bid in self._hidden:
-            if self.blocks[bid].state not in (USED, HELD):
-                fail(f"block {bid} is hidden for a tentative step but {self.blocks[bid].state}")
-        if used != self.num_used:
-            fail(f"{used} blocks referenced, counter says {self.num_used}")
-        if filled != self.filled_slots:
-            fail(f"{filled} filled slots, counter says {self.filled_slots}")
-        if len(free) + len(lru) + len(held) + used != self.num_usable:
-            fail("free + cached + held + used != total")
+    def pins_on(self, block_id: int) -> int:
+        """References tentative steps keep on this block. O(1)."""
+        return self._pins.get(block_id, 0)

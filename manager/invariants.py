@@ -5,12 +5,12 @@ agree. O(blocks + sequences): tests, the demo and recovery call it, never the ho
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, NoReturn
 
-from kvpager.errors import (
-    InvariantViolation,
-    quote,
-)
+from kvpager.errors import InvariantViolation, quote
+from kvpager.numeric import ceil_div
+from .block import CACHED, FREE, HELD, NULL, USED
+from .block_pool import BlockPool
 from .sequence import CPU, GPU
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def check_manager(m: "BlockManager") -> None:
     swapped = 0
     for seq in m.seqs.values():
         table = seq.block_ids
-        if seq.num_tokens < 1 or len(table) != -(-seq.num_tokens // B):
+        if seq.num_tokens < 1 or len(table) != ceil_div(seq.num_tokens, B):
             raise InvariantViolation(f"sequence {quote(seq.seq_id)}: {seq.num_tokens} tokens in {len(table)} blocks")
         if len(set(table)) != len(table):
             raise InvariantViolation(f"sequence {quote(seq.seq_id)} names a block twice: {table}")
@@ -43,10 +43,67 @@ def check_manager(m: "BlockManager") -> None:
     if swapped != m.seqs.num_swapped:
         raise InvariantViolation(f"{swapped} sequences swapped out, counter says {m.seqs.num_swapped}")
     for tier, pool in ((GPU, m.gpu), (CPU, m.cpu)):
-        pool.check_invariants(refs[tier])
+        check_pool(pool, refs[tier])
         for b, filled in fill[tier].items():
             if pool.blocks[b].num_filled != filled:
                 raise InvariantViolation(
                     f"{tier} block {b} records {pool.blocks[b].num_filled} filled slots; its sequences fill {filled}")
         if m._step is None and pool.num_held_by_step:
             raise InvariantViolation(f"{tier} pool holds {pool.num_held_by_step} blocks outside a step")
+
+
+def check_pool(pool: BlockPool, references: Mapping[int, int]) -> None:
+    """Every block of ``pool`` is in exactly the place its state says (free list, LRU, held, or
+    referenced as often as ``references``, block id -> block-table entries naming it, plus pins
+    say), and the pool's counters and prefix cache agree. O(num_blocks)."""
+
+    def fail(msg: str) -> NoReturn:
+        raise InvariantViolation(f"{pool.name} pool: {msg}")
+
+    free, lru = pool.free_order(), pool.lru_order()
+    if len(set(free)) != len(free):
+        fail("a block is twice in the free list")
+    pool.cache.check(pool.blocks, pool.caching, fail)
+    held = pool.held_ids()
+    places: dict[int, str] = {}
+    for bid in free:
+        places[bid] = FREE
+    for bid in lru:
+        if bid in places:
+            fail(f"block {bid} is both {places[bid]} and cached")
+        places[bid] = CACHED
+    for bid in held:
+        if bid in places:
+            fail(f"block {bid} is both {places[bid]} and held")
+        places[bid] = HELD
+    used = filled = 0
+    for block in pool.blocks:
+        if block.state == NULL:
+            if block.ref_count or block.block_id in places or block.block_hash is not None:
+                fail(f"the null block {block.block_id} is referenced, listed or hashed")
+            continue
+        bid = block.block_id
+        refs = references.get(bid, 0) + pool.pins_on(bid)
+        if block.ref_count != refs:
+            fail(f"block {bid} ref_count {block.ref_count} but {refs} block-table references and pins")
+        if refs > 0:
+            if bid in places:
+                fail(f"block {bid} is referenced but {places[bid]}")
+            if block.state != USED:
+                fail(f"block {bid} is referenced but marked {block.state}")
+            used += 1
+            filled += block.num_filled
+        else:
+            where = places.get(bid)
+            if where is None:
+                fail(f"block {bid} is neither free, cached, held nor owned (leaked)")
+            if block.state != where:
+                fail(f"block {bid} is in the {where} list but marked {block.state}")
+        if block.num_filled > 0 and block.state == FREE:
+            fail(f"free block {bid} claims {block.num_filled} filled slots")
+    if used != pool.num_used:
+        fail(f"{used} blocks referenced, counter says {pool.num_used}")
+    if filled != pool.filled_slots:
+        fail(f"{filled} filled slots, counter says {pool.filled_slots}")
+    if len(free) + len(lru) + len(held) + used != pool.num_usable:
+        fail("free + cached + held + used != total")

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any, Optional
 
 from .block_manager import BlockManager, Counters
@@ -51,9 +51,9 @@ def _pool_state(pool: BlockPool) -> dict:
     return {
         "num_blocks": pool.num_blocks,
         "blocks": [(b.state, b.ref_count, b.block_hash, b.num_filled) for b in pool.blocks],
-        "free": list(pool._free),
+        "free": pool.free_order(),
         "lru": pool.lru_order(),
-        "hash_to_block": dict(pool._hash_to_block),
+        "hash_to_block": pool.cache.hashes(),
         "num_used": pool.num_used,
         "filled_slots": pool.filled_slots,
         "evictions": pool.evictions,
@@ -65,10 +65,7 @@ def _restore_pool(pool: BlockPool, state: dict) -> None:
         raise CorruptState(f"the {pool.name} pool has {pool.num_blocks} blocks; the snapshot has {state['num_blocks']}")
     for block, (st, refs, h, filled) in zip(pool.blocks, state["blocks"]):
         block.state, block.ref_count, block.block_hash, block.num_filled = st, refs, h, filled
-    pool._free = deque(state["free"])
-    for block_id in state["lru"]:
-        pool._lru_append(pool.blocks[block_id])
-    pool._hash_to_block = dict(state["hash_to_block"])
+    pool.load(state["free"], state["lru"], state["hash_to_block"])
     pool.num_used, pool.filled_slots, pool.evictions = state["num_used"], state["filled_slots"], state["evictions"]
 
 

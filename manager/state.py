@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
-from .block_pool import CACHED, BlockPool
+from .block import CACHED
+from .block_pool import BlockPool
 from .config import ManagerConfig
 from kvpager.errors import (
     AlreadyExists,

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence as Seq
 
-from .block_pool import USED, BlockPool
+from .block import USED
+from .block_pool import BlockPool
 from .journal import undo
 from .operations import Operation, op_ids
 

@@ -92,7 +92,7 @@ def test_a_cached_block_it_evicted_comes_back_free_since_the_workers_may_have_wr
     prompt = [1, 2, 3]
     m.allocate("a", prompt)
     m.free("a")                                # its full first block stays CACHED
-    evicted = m.gpu.lookup(next(iter(m.gpu._hash_to_block)))
+    evicted = m.gpu.lookup(next(iter(m.gpu.cache.hashes())))
     assert m.gpu.num_cached == 1
     m.allocate("v", [7])
     # Takes the 2 free blocks and evicts the cached one (hash of [1, 2]); a plan: the swap-out.
@@ -112,7 +112,7 @@ def test_a_block_it_evicted_whose_prefix_another_step_registered_meanwhile_comes
     m = manager(gpu=9)
     m.allocate("a", [1, 2, 3])
     m.free("a")                                # E: hash of [1, 2], CACHED
-    evicted = m.gpu.lookup(next(iter(m.gpu._hash_to_block)))
+    evicted = m.gpu.lookup(next(iter(m.gpu.cache.hashes())))
     m.allocate("v", [7])
     m.allocate("w", [8, 8, 8, 8])
     # x takes the 4 free blocks and evicts E; its plan (v's swap-out) waits.
