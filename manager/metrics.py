@@ -10,7 +10,6 @@ the workers, and the bytes swaps moved (blocks times each worker rank's block si
 from __future__ import annotations
 
 import time
-from importlib import metadata
 from typing import ContextManager, Iterator, Optional, Protocol
 
 import grpc
@@ -18,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, Proce
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpager import package_version
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .plan import ExecutionPlan
@@ -27,13 +27,6 @@ TIERS = ("gpu", "cpu")
 OPERATIONS = ("allocate", "append", "fork", "free", "swap_out", "swap_in", "copy_on_write")
 # RPCs take ~50 µs (Ping) to seconds (a Step waiting on a slow worker).
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvpager")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class Served(Protocol):
@@ -57,7 +50,7 @@ class ManagerMetrics:
         ProcessCollector(registry=self.registry)
         config = service.config
         Info("kvpager_manager", "The manager's version and settings.", registry=self.registry).info(
-            {"version": _version(), "block_size": str(config.block_size),
+            {"version": package_version(), "block_size": str(config.block_size),
              "prefix_caching": str(config.enable_prefix_caching).lower()})
         self.rpc_duration = Histogram("kvpager_rpc_duration_seconds", "Time to answer an RPC, by method.",
                                       ["method"], buckets=RPC_BUCKETS, registry=self.registry)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
+from kvpager.numeric import ceil_div
 from kvpager.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -47,7 +48,7 @@ class SequenceOperations(ManagerState):
         tokens = op.token_ids or None
         n = self._count(tokens, op.num_tokens, "prompt")
         B, gpu = self.block_size, self.gpu
-        num_blocks = -(-n // B)
+        num_blocks = ceil_div(n, B)
         # The answer holds the prompt's slots twice (result and batch) and its table once in the
         # result and once per table layout of the batch.
         self._charge(2 * n + (1 + self._table_copies()) * num_blocks, f"allocate {quote(op.seq_id)}")
@@ -158,7 +159,7 @@ class SequenceOperations(ManagerState):
             raise InvalidArgument(
                 f"append to {quote(seq_id)}: {n} + {k} tokens exceeds max_seq_len {self.config.max_seq_len}")
         table = seq.block_ids
-        total = -(-(n + k) // B)
+        total = ceil_div(n + k, B)
         if total > gpu.num_usable:
             raise OutOfRange(f"append to {quote(seq_id)}: {n + k} tokens need {total} blocks; the GPU pool has "
                              f"{gpu.num_usable}")
