@@ -27,25 +27,27 @@ import uuid
 from collections import deque
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+from kvpager import auth
 from kvpager.kernels import cuda as cuda_kernels
 from kvpager.kernels import ops
-from kvpager import auth
 from kvpager.metrics_http import MetricsServer
-from kvpager.v1 import worker_pb2, worker_pb2_grpc
+from kvpager.numeric import ceil_div
+from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
+from kvpager.v1 import block_manager_pb2 as pb
+from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
+from kvpager.v1 import worker_pb2_grpc
 
+from .block_plan import BlockPlan
 from .kv_cache import CacheSpec, KVCache, PlanExpired
 from .launched_steps import LaunchedSteps
+from .memory_stats import MemoryStats, PlanCounts
 from .metrics import StepTiming, WorkerInfo, WorkerMetrics
-from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
-
 from .decode_graphs import DecodeGraphs, supported as graphs_supported
 from .model import Decoder, ModelConfig
 from .service import CacheWorkerService
@@ -148,8 +150,7 @@ class CacheWorker:
         self._metrics_server: Optional[MetricsServer] = None
         self._stop = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
-        self._stats = dict(plans_executed=0, blocks_swapped_out=0, blocks_swapped_in=0, blocks_copied=0,
-                           last_step_id=0)
+        self._plan_counts = PlanCounts()
         # Step ids of the plans applied, newest last (bounded: a step needs a recent plan).
         self._applied_plans: deque[int] = deque(maxlen=APPLIED_PLANS_KEPT)
         # The last greedy step's token ids, on the device, for a step that takes its tokens from
@@ -209,7 +210,7 @@ class CacheWorker:
             if self.cache.device.type == "cuda":
                 log.info("rank %d: decode steps run eagerly: %s", cfg.rank, reason)
             return None
-        max_blocks = -(-cfg.model.context_len // cfg.block_size)
+        max_blocks = ceil_div(cfg.model.context_len, cfg.block_size)
         graphs = DecodeGraphs(self.model, self.cache, cfg.cuda_graph_max_batch, max_blocks)
         captured = graphs.capture_all()   # before serving: no step waits for a capture
         if captured:
@@ -301,10 +302,9 @@ class CacheWorker:
                     log.warning("heartbeat failed: %s", exc.code().name)
 
     # ---- work ----------------------------------------------------------------------------------------
-    def execute_plan(self, step_id: int, swap_out: tuple[Sequence[int], Sequence[int]],
-                     swap_in: tuple[Sequence[int], Sequence[int]], copy: tuple[Sequence[int], Sequence[int]],
-                     still_wanted: Optional[Callable[[], bool]] = None) -> None:
-        """Enqueue a step's swaps and copies. ``still_wanted`` (the gRPC call's ``is_active``) is
+    def execute_plan(self, step_id: int, plan: BlockPlan, still_wanted: Optional[Callable[[], bool]] = None) -> None:
+        """Enqueue step ``step_id``'s swaps and copies. A bad plan raises PlanRejected, nothing
+        applied (``KVCache.execute``). ``still_wanted`` (the gRPC call's ``is_active``) is
         asked under the lock, right before anything moves: a plan whose sender stopped waiting
         (its deadline passed while this worker was stopped or busy, so the manager rolled the
         step back and may have given its blocks out again) raises PlanExpired, nothing applied."""
@@ -319,17 +319,17 @@ class CacheWorker:
             # the plan needs holds on the device without a host sync here. Metrics time the
             # parts with events on that stream, read later (worker.metrics), for the same reason.
             if metrics is None:
-                self.cache.execute(swap_out, swap_in, copy)
+                self.cache.execute(plan)
             else:
                 metrics.poll()
-                self.cache.execute(swap_out, swap_in, copy, time_part=metrics.time_plan_part)
-                metrics.observe_plan(len(swap_out[0]), len(swap_in[0]), len(copy[0]))
-            s = self._stats
-            s["plans_executed"] += 1
-            s["blocks_swapped_out"] += len(swap_out[0])
-            s["blocks_swapped_in"] += len(swap_in[0])
-            s["blocks_copied"] += len(copy[0])
-            s["last_step_id"] = step_id
+                self.cache.execute(plan, time_part=metrics.time_plan_part)
+                metrics.observe_plan(len(plan.swap_out), len(plan.swap_in), len(plan.copy))
+            counts = self._plan_counts
+            counts.plans_executed += 1
+            counts.blocks_swapped_out += len(plan.swap_out)
+            counts.blocks_swapped_in += len(plan.swap_in)
+            counts.blocks_copied += len(plan.copy)
+            counts.last_step_id = step_id
             if len(self._applied_plans) == self._applied_plans.maxlen:
                 self._applied_set.discard(self._applied_plans[0])
             self._applied_plans.append(step_id)
@@ -426,11 +426,14 @@ class CacheWorker:
                 f"{step.plan_step_id}, which this worker has not applied (last applied plan: step {last}); "
                 "nothing was run")
 
-    def memory_stats(self) -> worker_pb2.WorkerMemoryStats:
+    def memory_stats(self) -> MemoryStats:
+        """The cache's size and the plans applied so far (``worker.memory_stats``)."""
         cache = self.cache
-        return worker_pb2.WorkerMemoryStats(
+        # Read without the lock, so the stats answer while a model step holds it: a plan applied
+        # meanwhile may show in some counts and not yet in others.
+        counts = dataclasses.asdict(self._plan_counts)
+        return MemoryStats(
             worker_id=self.worker_id, device=str(cache.device), num_gpu_blocks=cache.num_blocks,
             num_cpu_blocks=cache.num_swap_blocks, block_bytes=cache.spec.block_bytes,
-            gpu_cache_bytes=cache.blocks.nbytes,
-            cpu_cache_bytes=cache.swap_space.nbytes,
-            attention_backend=self._attention_backend(), **self._stats)
+            gpu_cache_bytes=cache.blocks.nbytes, cpu_cache_bytes=cache.swap_space.nbytes,
+            attention_backend=self._attention_backend(), **counts)

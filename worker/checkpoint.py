@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from kvpager.numeric import ceil_div
+
 if TYPE_CHECKING:
     from .hf_config import ModelConfig
 
@@ -98,7 +100,7 @@ def expected_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, ...]]:
 def vocab_range(vocab_size: int, rank: int, tp_size: int) -> tuple[int, int, int]:
     """(start, stop, rows per rank) of rank's vocabulary slice; ``stop - start`` may fall short
     of the rows per rank on the last ranks (the model pads with zero rows)."""
-    per_rank = -(-vocab_size // tp_size)
+    per_rank = ceil_div(vocab_size, tp_size)
     start = min(rank * per_rank, vocab_size)
     return start, min(start + per_rank, vocab_size), per_rank
 

@@ -37,6 +37,8 @@ import torch
 
 from kvpager.kernels import ops
 
+from .block_plan import BlockMoves, BlockPlan
+
 
 # Times one part of a plan ("swap_out", "swap_in" or "copy"): entered on the stream that runs
 # the part (the swap stream on CUDA), so it can record events there (worker.metrics).
@@ -116,53 +118,52 @@ class KVCache:
         if self._swap_stream is not None:
             self._swap_stream.synchronize()
 
-    def execute(self, swap_out: tuple[Sequence[int], Sequence[int]], swap_in: tuple[Sequence[int], Sequence[int]],
-                copy: tuple[Sequence[int], Sequence[int]], time_part: Optional[PartTimer] = None) -> None:
-        """Run one step's plan in the order that keeps data right: swap-out (device→swap space)
-        before a released block is reused, swap-in (swap space→device), then copy-on-write copies,
-        all before the step writes new K/V. Each argument is a (src, dst) pair of id lists.
-        The whole plan is checked first; a bad one is rejected without touching memory.
+    def execute(self, plan: BlockPlan, time_part: Optional[PartTimer] = None) -> None:
+        """Run one step's plan in the order that keeps data right: swap-out (cache→swap space)
+        before a released block is reused, swap-in (swap space→cache), then copy-on-write copies,
+        all before the step writes new K/V. The whole plan is checked first; a bad one is
+        rejected (PlanRejected) without touching memory.
         On CUDA it is enqueued on the swap stream and this returns at once (see the module
         docstring for the ordering); on the CPU it has finished when this returns.
         ``time_part(kind)``, if given, is entered around each part that has work, on the
         stream that runs it; it must not make the host wait."""
-        self._check("swap-out", swap_out, self.num_blocks, self.num_swap_blocks)
-        self._check("swap-in", swap_in, self.num_swap_blocks, self.num_blocks)
-        self._check("copy", copy, self.num_blocks, self.num_blocks)
-        if not (swap_out[0] or swap_in[0] or copy[0]):
+        self._check("swap-out", plan.swap_out, self.num_blocks, self.num_swap_blocks)
+        self._check("swap-in", plan.swap_in, self.num_swap_blocks, self.num_blocks)
+        self._check("copy", plan.copy, self.num_blocks, self.num_blocks)
+        if plan.is_empty:
             return
         if self._swap_stream is None:
-            self._run(swap_out, swap_in, copy, time_part)
+            self._run(plan, time_part)
             return
         with torch.cuda.device(self.device):
             swap = self._swap_stream
             swap.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(swap):
-                self._run(swap_out, swap_in, copy, time_part)
+                self._run(plan, time_part)
                 ready = torch.cuda.Event()
                 ready.record(swap)
         self._ready, self._waited = ready, set()
 
-    def _run(self, swap_out, swap_in, copy, time_part: Optional[PartTimer]) -> None:
+    def _run(self, plan: BlockPlan, time_part: Optional[PartTimer]) -> None:
         # Index tensors are built before a part's timer starts: on CUDA an idle stream's clock
         # runs between the events, so host work inside them would count as device time.
         timed = time_part or _untimed
-        if swap_out[0]:
-            src, dst = _ids(swap_out[0]), _ids(swap_out[1])
+        if plan.swap_out:
+            src, dst = _ids(plan.swap_out.src), _ids(plan.swap_out.dst)
             with timed("swap_out"):
                 ops.swap_blocks(self.blocks, self.swap_space, src, dst)
-        if swap_in[0]:
-            src, dst = _ids(swap_in[0]), _ids(swap_in[1])
+        if plan.swap_in:
+            src, dst = _ids(plan.swap_in.src), _ids(plan.swap_in.dst)
             with timed("swap_in"):
                 ops.swap_blocks(self.swap_space, self.blocks, src, dst)
-        if copy[0]:
-            src, dst = _ids(copy[0]), _ids(copy[1])
+        if plan.copy:
+            src, dst = _ids(plan.copy.src), _ids(plan.copy.dst)
             with timed("copy"):
                 ops.copy_blocks(self.blocks, src, dst)
 
     @staticmethod
-    def _check(what: str, pairs: tuple[Sequence[int], Sequence[int]], src_blocks: int, dst_blocks: int) -> None:
-        src, dst = pairs
+    def _check(what: str, moves: BlockMoves, src_blocks: int, dst_blocks: int) -> None:
+        src, dst = moves.src, moves.dst
         if len(src) != len(dst):
             raise PlanRejected(f"{what}: {len(src)} sources but {len(dst)} destinations")
         for ids, limit, side in ((src, src_blocks, "source"), (dst, dst_blocks, "destination")):

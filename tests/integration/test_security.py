@@ -17,9 +17,9 @@ import sys
 import grpc
 import pytest
 
-from kvpager import auth
+from kvpager import auth, errors
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpager import client as C
-from kvpager.manager import BlockManager, ManagerConfig, errors
+from kvpager import client as C, errors
+from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager.operations import AllocateOp
 from kvpager.manager.plan import TableLayout
 from kvpager.step import StepInput, unpack_int32

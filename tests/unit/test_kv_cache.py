@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvpager.worker.block_plan import BlockMoves, BlockPlan
 from kvpager.worker.kv_cache import CacheSpec, KVCache, PlanRejected
 
 SPEC = CacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)
@@ -30,7 +31,7 @@ def test_plan_runs_swap_out_then_swap_in_then_copy():
     cache = fresh_cache()
     blocks, swap = cache.blocks.clone(), cache.swap_space.clone()
     # Cache block 3 leaves for swap block 0, swap block 1 arrives in cache block 3, then 3 is copied to 5.
-    cache.execute(swap_out=([3], [0]), swap_in=([1], [3]), copy=([3], [5]))
+    cache.execute(BlockPlan(swap_out=BlockMoves([3], [0]), swap_in=BlockMoves([1], [3]), copy=BlockMoves([3], [5])))
     assert torch.equal(cache.swap_space[0], blocks[3])
     assert torch.equal(cache.blocks[3], swap[1])
     assert torch.equal(cache.blocks[5], swap[1])
@@ -40,14 +41,14 @@ def test_plan_runs_swap_out_then_swap_in_then_copy():
 
 
 @pytest.mark.parametrize("plan, message", [
-    (dict(swap_out=([6], [0]), swap_in=([], []), copy=([], [])), "out of range"),
-    (dict(swap_out=([], []), swap_in=([0], [-1]), copy=([], [])), "out of range"),
-    (dict(swap_out=([0], [0]), swap_in=([], []), copy=([1, 2], [4, 4])), "written twice"),
-    (dict(swap_out=([0, 1], [0]), swap_in=([], []), copy=([], [])), "destinations"),
+    (BlockPlan(swap_out=BlockMoves([6], [0])), "out of range"),
+    (BlockPlan(swap_in=BlockMoves([0], [-1])), "out of range"),
+    (BlockPlan(swap_out=BlockMoves([0], [0]), copy=BlockMoves([1, 2], [4, 4])), "written twice"),
+    (BlockPlan(swap_out=BlockMoves([0, 1], [0])), "destinations"),
 ])
 def test_bad_plan_is_rejected_whole(plan, message):
     cache = fresh_cache()
     blocks, swap = cache.blocks.clone(), cache.swap_space.clone()
     with pytest.raises(PlanRejected, match=message):
-        cache.execute(**plan)
+        cache.execute(plan)
     assert torch.equal(cache.blocks, blocks) and torch.equal(cache.swap_space, swap)

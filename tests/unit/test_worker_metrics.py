@@ -9,6 +9,8 @@ checked with stand-in events.
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 import torch
@@ -19,7 +21,9 @@ from kvpager.manager.service import create_server
 from kvpager.step import StepInput
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 from kvpager.worker import metrics as worker_metrics
+from kvpager.worker.block_plan import BlockMoves, BlockPlan
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig, advertised_host, host_port
+from kvpager.worker.memory_stats import MemoryStats
 from kvpager.worker.metrics import DeviceClock
 from kvpager.worker.model import ModelConfig
 from kvpager.worker.ray_group import _rank_metrics_port
@@ -82,6 +86,13 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
         execute(stub, 1, swap_out=([1, 2], [0, 1]))
         execute(stub, 2, swap_in=([0], [5]))
         execute(stub, 3, swap_out=([0], [2]), copy=([3, 4], [6, 7]))
+        # The servicer turns the worker's plain MemoryStats into the wire message, field for field.
+        wire = stub.GetMemoryStats(worker_pb2.GetMemoryStatsRequest(), timeout=10)
+        stats = worker.memory_stats()
+        assert isinstance(stats, MemoryStats)
+        assert {f.name: getattr(wire, f.name) for f in wire.DESCRIPTOR.fields} == dataclasses.asdict(stats)
+        assert (stats.plans_executed, stats.blocks_swapped_out, stats.blocks_swapped_in, stats.blocks_copied,
+                stats.last_step_id) == (3, 3, 1, 2, 3)
     moved = {"gpu_to_cpu": 3, "cpu_to_gpu": 1, "gpu_to_gpu": 2}
     parts = {"swap_out": 2, "swap_in": 1, "copy": 1}
 
@@ -151,7 +162,7 @@ def test_a_worker_without_metrics_port_serves_none():
     worker.start()
     try:
         assert worker.metrics is None and worker.endpoints() == dict(grpc=worker.address, metrics="")
-        worker.execute_plan(1, ([0], [0]), ([], []), ([], []))
+        worker.execute_plan(1, BlockPlan(swap_out=BlockMoves(src=[0], dst=[0])))
         assert worker.memory_stats().plans_executed == 1
     finally:
         worker.stop()
