@@ -8,6 +8,8 @@ normal outcome the scheduler acts on), *a bad request* (the others), and *a brok
 
 from __future__ import annotations
 
+from typing import Optional, Protocol
+
 
 class ManagerError(Exception):
     """Base of every error the manager raises on purpose."""
@@ -55,12 +57,19 @@ class Unavailable(ManagerError):
     """A service (the manager, or a worker it needs) cannot be reached now; retrying may help."""
 
 
+class PendingStep(Protocol):
+    """What ``Busy`` names: a step that says when it has finished (``manager/tentative.py``)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+
 class Busy(Unavailable):
     """A sequence the call names belongs to a step whose plan the workers have not answered yet
     (a tentative step, ``manager/tentative.py``); nothing was applied. The service waits for that
     step and runs the call again; ``step`` is the step to wait for."""
 
-    def __init__(self, message: str, step: object = None) -> None:
+    def __init__(self, message: str, step: Optional[PendingStep] = None) -> None:
         super().__init__(message)
         self.step = step
 

@@ -1,131 +1,76 @@
-"""The gRPC face of the block manager: a thin servicer, worker registration, health, reflection.
+"""The gRPC face of the block manager: a thin servicer (protobuf in, a manager call, protobuf out).
 
-Every RPC decodes its request, takes the state lock, calls the manager, encodes the answer and
-releases it. A step's plan goes to the workers (``WorkerRegistry.execute``) before the step
-commits, with the lock released: the step is tentative meanwhile (``manager/tentative.py``), so
-every other call (reads, Ping, heartbeats, steps that need no worker or other sequences) goes on;
-only a call naming one of its sequences waits for it. Manager errors
-become gRPC statuses in exactly one place (``_reply``). Ids are mapped to the caller's tenant
-(``manager/tenancy.py``) when a request is decoded and back when its answer is encoded. Health
-is SERVING unless workers registered and a rank is missing (the BlockManager service also
-NOT_SERVING while no pool exists).
+Every RPC decodes its request, takes the state lock (``manager/state_lock.py``), calls the
+manager, encodes the answer and releases it; errors become gRPC statuses in one place
+(``manager/rpc_errors.py``). A step's plan goes to the workers (``WorkerRegistry.execute``)
+before the step commits, with the lock released: the step is tentative meanwhile
+(``manager/tentative.py``), so every other call (reads, Ping, heartbeats, steps that need no
+worker or other sequences) goes on; only a call naming one of its sequences waits for it
+(``Busy``, then run again). Ids are mapped to the caller's tenant (``manager/tenancy.py``) when a
+request is decoded and back when its answer is encoded. Worker registration and health:
+``manager/registration.py``; the answers kept for retries: ``manager/request_cache.py``; the
+write-ahead log: ``manager/recovery.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
 from concurrent import futures
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from grpc_status import rpc_status
-from google.rpc import error_details_pb2, status_pb2
 
+from kvpager import auth
+from kvpager.auth import TLS, TokenTable, current_identity
+from kvpager.errors import (
+    Busy, DeadlineExceeded, InvalidArgument, InvariantViolation, ManagerError, OutOfRange, Unavailable, quote,
+)
+from kvpager.metrics_http import MetricsServer
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
-
-from kvpager.auth import current_identity
-
 from . import tenancy, wire
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .epochs import WorkerCaches
 from .health import HealthService
-from kvpager.errors import (
-    Busy, DeadlineExceeded, FailedPrecondition, InvalidArgument, InvariantViolation, ManagerError, OutOfRange,
-    ResourceExhausted, Unavailable, quote,
-)
 from .metrics import ManagerMetrics, RpcMetricsInterceptor
-from .plan import ExecutionPlan
+from .operations import Operation
+from .plan import ExecutionPlan, StepResult
+from .registration import SERVICE_NAME, WorkerRegistration
 from .request_cache import Answer, RequestCache, fingerprint
-from kvpager.status import NUMBERS, status_of
+from .rpc_errors import MalformedRequestInterceptor, reply
+from .state_lock import StateLock
 from .workers import WorkerRegistry
+
+if TYPE_CHECKING:
+    from .recovery import Durability
+
+__all__ = ["SERVICE_NAME", "BlockManagerService", "create_server"]
 
 log = logging.getLogger("kvpager.manager")
 _NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 _READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing
 
 
-def _status(err: ManagerError) -> status_pb2.Status:
-    status = status_pb2.Status(code=NUMBERS[status_of(err)], message=str(err))
-    if isinstance(err, ResourceExhausted) and err.needed is not None:
-        status.details.add().Pack(error_details_pb2.ErrorInfo(
-            reason=NOT_ENOUGH_BLOCKS, domain="kvpager.v1",
-            metadata={"needed": str(err.needed), "free": str(err.free), "tier": err.tier}))
-    return status
-
-
-NOT_ENOUGH_BLOCKS = "NOT_ENOUGH_BLOCKS"  # ErrorInfo.reason of a RESOURCE_EXHAUSTED answer
-
-
-class Malformed:
-    """What a request that is not a valid message becomes (``MalformedRequestInterceptor``)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-class MalformedRequestInterceptor(grpc.ServerInterceptor):
-    """Bytes that do not parse as the method's request (bad UTF-8 in a string field included)
-    are answered INVALID_ARGUMENT through the servicer's one mapping (gRPC itself would answer
-    INTERNAL, "Exception deserializing request")."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
-            return handler
-        parse, behavior = handler.request_deserializer, handler.unary_unary
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-
-        def deserialize(data: bytes):
-            try:
-                return parse(data)
-            except Exception as exc:  # protobuf's DecodeError, or whatever a parser raises
-                return Malformed(f"{method}: the request is not a valid message ({type(exc).__name__}: "
-                                 f"{str(exc)[:200]})")
-
-        def guarded(request, context):
-            if isinstance(request, Malformed):
-                return BlockManagerService._reply(Answer(error=InvalidArgument(request.reason)), context)
-            return behavior(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=deserialize, response_serializer=handler.response_serializer)
-
-
-class BlockManagerService(pb_grpc.BlockManagerServicer):
+class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # type: ignore[misc]
+    # (the generated servicer base is untyped: kvpager/v1 has no _grpc.pyi stubs)
     def __init__(self, config: ManagerConfig, manager: Optional[BlockManager] = None,
-                 health_servicer: Optional[health.HealthServicer] = None,
+                 health_servicer: Optional[HealthService] = None,
                  request_cache_size: Optional[int] = None) -> None:
         self.config = config
         # None while the pools wait to be sized from the workers' capacity (num_gpu_blocks == 0).
         self.manager = manager if manager is not None or config.sized_by_workers else BlockManager(config)
         # One lock guards the state (docs/design.md, "The service"); it is never held while
-        # waiting on a worker: a step whose plan is out is tentative and the lock is released.
-        # ``lock`` is the same lock (reentrant, so ``with service.lock, service.state_lock`` is
-        # fine): holding it, a caller sees no call half-applied (tentative steps may be pending).
-        self.state_lock = threading.RLock()
-        self.lock = self.state_lock
-        self._finished = threading.Condition(self.state_lock)  # notified when a call that waited on workers ends
-        self._state_owner: Optional[int] = None  # thread holding state_lock through a mutation
-        self._dispatches: dict[int, float] = {}  # thread -> monotonic start of the plan it dispatches
-        self._waiting = 0  # calls waiting on workers: dispatching a plan, or for a busy sequence's step
-        self._waiting_lock = threading.Lock()
-        # While a dispatch has waited longer than stall_after seconds, calls beyond max_waiting
-        # that would wait on workers too answer UNAVAILABLE at once (nothing applied), so they do
-        # not take every server thread from Ping, GetStats, health, heartbeats and the steps
-        # that need no worker.
-        self.max_waiting = 8
-        self.stall_after = 0.02
+        # waiting on a worker. ``lock`` and ``state_lock`` are that lock (reentrant, so ``with
+        # service.lock, service.state_lock`` is fine): holding it, a caller sees no call
+        # half-applied (tentative steps may be pending).
+        self.state = StateLock(config.worker_plan_timeout)
+        self.state_lock = self.lock = self.state.lock
         self.quotas: dict[str, int] = {}  # tenant -> block quota (create_server: the tokens file's quota_blocks)
         self.requests = RequestCache(request_cache_size or config.request_cache_entries, config.request_cache_bytes,
                                      config.request_cache_ttl)
@@ -136,12 +81,12 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self._stop = threading.Event()
         self._monitor: Optional[threading.Thread] = None
         self.metrics = ManagerMetrics(self)
-        self._metrics_server = None
+        self._metrics_server: Optional[MetricsServer] = None
         self.caches = WorkerCaches()  # the workers' cache ids and the epoch (manager/epochs.py)
         # Recovered state whose K/V lives on workers that have not registered again yet: steps that
         # move blocks are refused until they have, and health says so for the BlockManager service.
         self.awaiting_workers = False
-        self.durable = None  # the write-ahead log and snapshots of --state-dir (manager/recovery.py)
+        self.durable: Optional[Durability] = None  # the write-ahead log and snapshots of --state-dir
         if config.state_dir:
             from .recovery import open_state
             self.durable = open_state(self)  # recovers the state first; raises wal.CorruptState
@@ -153,15 +98,15 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return self.manager
 
     # ---- the one path every RPC takes -----------------------------------------------------------
-    def _call(self, method: str, request, context, work: Callable[[], object]):
+    def _call(self, method: str, request: Any, context: grpc.ServicerContext, work: Callable[[], object]) -> Any:
         try:
-            request_id = getattr(request, "request_id", "")
+            request_id: str = getattr(request, "request_id", "")
             if len(request_id) > self.config.max_id_len:
                 raise InvalidArgument(f"request_id {quote(request_id)} is {len(request_id)} characters; the limit "
                                       f"is {self.config.max_id_len} (max_id_len)")
             request_key = self._scope().key(request_id)  # a request id is its tenant's
-            print_ = fingerprint(method, request.SerializeToString(deterministic=True)) if request_id else None
-            with self._locks(method):
+            print_ = fingerprint(method, request.SerializeToString(deterministic=True)) if request_id else b""
+            with self.state.held(mutation=method not in _READS):
                 while True:
                     answer = self.requests.get(request_key, print_) if request_id else None
                     if answer is None:
@@ -172,9 +117,9 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                             self.requests.put(request_key, print_, answer)
                     if not isinstance(answer.error, Busy):
                         break
-                    self._wait_for_step(method, answer.error)  # then run it again (a retry: its first answer)
+                    self.state.wait_for_step(method, answer.error)  # then run it again (a retry: its first answer)
                 if method not in _READS:
-                    self._finished.notify_all()
+                    self.state.notify_finished()
                 if self.durable is not None:
                     self.durable.commit()  # in the write-ahead log before the answer leaves (--state-dir)
         except ManagerError as err:
@@ -183,56 +128,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         except Exception as exc:  # a bug: the manager rolled back; report it, keep serving
             log.exception("%s failed", method)
             answer = Answer(error=InvariantViolation(f"{method}: internal error: {exc!r}"))
-        return self._reply(answer, context)
-
-    @contextlib.contextmanager
-    def _locks(self, method: str):
-        """The state lock; a mutation also notes that its thread owns it (``_dispatch`` releases
-        it while the workers run a plan)."""
-        with self.state_lock:
-            if method in _READS:
-                yield
-                return
-            self._state_owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._state_owner = None
-
-    @contextlib.contextmanager
-    def _waiting_on_workers(self, method: str):
-        """Count a call that waits on the workers; refuse it (UNAVAILABLE, nothing applied) when a
-        dispatch has waited more than stall_after seconds and max_waiting calls already wait."""
-        with self._waiting_lock:
-            since = min(self._dispatches.values(), default=None)
-            if since is not None and self._waiting >= self.max_waiting:
-                waited = time.monotonic() - since
-                if waited > self.stall_after:
-                    raise Unavailable(
-                        f"{method}: a step has waited {waited:.2f}s on the workers and {self._waiting} calls wait on "
-                        "them; nothing was applied: retry later")
-            self._waiting += 1
-        try:
-            yield
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
-
-    def _wait_for_step(self, method: str, busy: Busy) -> None:
-        """Wait (the state lock released) until the tentative step that keeps a sequence of this
-        call busy has finished; UNAVAILABLE if that takes longer than a plan may."""
-        step = busy.step
-        limit = self.config.worker_plan_timeout + 1.0
-        started = time.monotonic()
-        try:
-            with self._waiting_on_workers(method):
-                while not step.finished:
-                    left = started + limit - time.monotonic()
-                    if left <= 0:
-                        raise Unavailable(f"{method}: {busy} after waiting {limit:.1f}s for it: retry later")
-                    self._finished.wait(left)
-        finally:
-            self._state_owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
+        return reply(answer, context)
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
@@ -255,7 +151,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         return tenancy.Scope(identity.tenant if identity is not None else "")
 
     @contextlib.contextmanager
-    def _quota(self, scope: tenancy.Scope):
+    def _quota(self, scope: tenancy.Scope) -> Iterator[None]:
         """Enforce the caller's block quota, if it has one, on the step run inside."""
         quota = self.quotas.get(scope.tenant)
         if quota is None or self.manager is None:
@@ -267,7 +163,7 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         finally:
             self.manager.admit = None
 
-    def _apply_as(self, op, encode: Callable[[object], object]) -> Answer:
+    def _apply_as(self, op: Operation, encode: Callable[[Any], Any]) -> Answer:
         """``_apply`` in the caller's tenant: its ids mapped to keys, the answer and errors mapped back."""
         scope = self._scope()
         op = scope.op(op)
@@ -280,12 +176,12 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
                 raise
             raise shown from None
 
-    def _apply(self, op, encode: Callable[[object], object]) -> Answer:
+    def _apply(self, op: Operation, encode: Callable[[Any], Any]) -> Answer:
         """Run one operation as a step of one; its answer is encoded and its size checked
         before the step commits (a too large one rolls it back)."""
-        replies = []
+        replies: list[Answer] = []
 
-        def check(result):
+        def check(result: StepResult) -> None:
             outcome = result.outcomes[0]
             if outcome.error is None:
                 replies.append(self._bounded(encode(outcome.result)))
@@ -293,58 +189,50 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
         self._manager().run(op, before_commit=check)
         return replies[0]
 
-    def _bounded(self, reply) -> Answer:
+    def _bounded(self, reply: Any) -> Answer:
         """The reply with its size, unless it is larger than max_reply_bytes: then OUT_OF_RANGE
         (the caller raises this before its step commits, so nothing is applied). The size is
         measured once here (``ByteSize`` walks the whole message) and kept for the request-id
         cache's byte bound."""
-        size = reply.ByteSize()
+        size: int = reply.ByteSize()
         if size > self.config.max_reply_bytes:
             raise OutOfRange(f"the answer would be {size} bytes, more than max_reply_bytes "
                              f"({self.config.max_reply_bytes}); nothing was applied: split the work over several calls")
         return Answer(response=reply, nbytes=size)
 
-    @staticmethod
-    def _reply(answer: Answer, context):
-        """The response, or the error as its status (the one table: ``kvpager/status.py``); no
-        room now carries the blocks needed and free as a google.rpc.ErrorInfo detail."""
-        if answer.error is not None:
-            context.abort_with_status(rpc_status.to_status(_status(answer.error)))
-        return answer.response
-
     # ---- RPCs ---------------------------------------------------------------------------------
-    def Allocate(self, request, context):
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         return self._call("Allocate", request, context,
                           lambda: self._apply_as(wire.allocate_op(request), wire.allocate_pb))
 
-    def Append(self, request, context):
+    def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:
         return self._call("Append", request, context,
                           lambda: self._apply_as(wire.append_op(request), wire.append_pb))
 
-    def Fork(self, request, context):
+    def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
         return self._call("Fork", request, context, lambda: self._apply_as(wire.fork_op(request), wire.fork_pb))
 
-    def Free(self, request, context):
+    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         return self._call("Free", request, context, lambda: self._apply_as(wire.free_op(request), wire.free_pb))
 
-    def SwapOut(self, request, context):
+    def SwapOut(self, request: pb.SwapOutRequest, context: grpc.ServicerContext) -> pb.SwapOutResponse:
         return self._call("SwapOut", request, context,
                           lambda: self._apply_as(wire.swap_out_op(request, self.config.max_step_operations),
                                                  wire.swap_out_pb))
 
-    def SwapIn(self, request, context):
+    def SwapIn(self, request: pb.SwapInRequest, context: grpc.ServicerContext) -> pb.SwapInResponse:
         return self._call("SwapIn", request, context,
                           lambda: self._apply_as(wire.swap_in_op(request, self.config.max_step_operations),
                                                  wire.swap_in_pb))
 
-    def Step(self, request, context):
+    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         def work() -> Answer:
             layout = wire.step_layout(request)
             scope = self._scope()
             ops = scope.ops(wire.step_ops(request, self.config.max_step_operations, self.config.max_step_forks))
-            replies = []
+            replies: list[Answer] = []
 
-            def encode(result):
+            def encode(result: StepResult) -> None:
                 replies.append(self._bounded(scope.response(wire.step_pb(ops, result), ops)))
 
             with self._quota(scope):
@@ -353,8 +241,9 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
         return self._call("Step", request, context, work)
 
-    def GetBlockTable(self, request, context):
-        def work():
+    def GetBlockTable(self, request: pb.GetBlockTableRequest,
+                      context: grpc.ServicerContext) -> pb.GetBlockTableResponse:
+        def work() -> pb.GetBlockTableResponse:
             scope = self._scope()
             key = scope.key(request.seq_id)
             try:
@@ -367,8 +256,8 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
         return self._call("GetBlockTable", request, context, work)
 
-    def GetStats(self, request, context):
-        def work():
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        def work() -> pb.GetStatsResponse:
             manager = self.manager
             if manager is None:  # the pools wait for the workers: what is known (block size, workers)
                 reply = pb.GetStatsResponse(block_size=self.config.block_size)
@@ -377,108 +266,26 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             reply.workers_registered = len(self.registry.workers())
             reply.workers_expected = self.registry.tensor_parallel_size or 0
             reply.epoch, reply.lost_sequences = self.caches.epoch, len(manager.lost) if manager is not None else 0
-            if manager is None:
-                return reply
             identity = current_identity()
-            if identity is not None:  # tokens: a scheduler sees its tenant, an admin every tenant
-                self._tenant_stats(reply, manager, identity)
+            if manager is not None and identity is not None:
+                # Tokens: a scheduler sees its tenant, an admin every tenant. O(sequences + their blocks).
+                admin = identity.role == "admin"
+                usage = tenancy.usage(manager, None if admin else identity.tenant)
+                wire.fill_tenant_stats(reply, usage, self.quotas, identity.tenant, admin)
             return reply
 
         return self._call("GetStats", request, context, work)
 
-    def _tenant_stats(self, reply: pb.GetStatsResponse, manager: BlockManager, identity) -> None:
-        """A scheduler's stats: its own tenant's sequences and usage (``tenant``) besides the pool
-        totals; an admin's: everything, and ``tenants``, one entry per tenant with live sequences
-        or a quota. O(sequences + their blocks)."""
-        def fill(m: pb.TenantStats, tenant: str, use: tenancy.Usage) -> None:
-            m.tenant = tenant
-            m.gpu_blocks, m.cpu_blocks = use.gpu_blocks, use.cpu_blocks
-            m.running_sequences, m.swapped_sequences = use.running_sequences, use.swapped_sequences
-            quota = self.quotas.get(tenant)
-            m.has_quota = quota is not None
-            m.quota_blocks = quota or 0
-
-        if identity.role == "admin":
-            usage = tenancy.usage(manager)
-            for tenant in sorted(set(usage) | set(self.quotas)):
-                fill(reply.tenants.add(), tenant, usage.get(tenant, tenancy.Usage()))
-            mine = usage.get(identity.tenant, tenancy.Usage())
-        else:
-            mine = tenancy.usage(manager, identity.tenant).get(identity.tenant, tenancy.Usage())
-            reply.running_sequences, reply.swapped_sequences = mine.running_sequences, mine.swapped_sequences
-        fill(reply.tenant, identity.tenant, mine)
-
-    def Ping(self, request, context):
+    def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
 
-    # ---- workers ------------------------------------------------------------------------------
-    def RegisterWorker(self, request, context):
+    # ---- workers (manager/registration.py) ----------------------------------------------------
+    def RegisterWorker(self, request: pb.RegisterWorkerRequest,
+                       context: grpc.ServicerContext) -> pb.RegisterWorkerResponse:
         return self._call("RegisterWorker", request, context, lambda: self._register(request))
 
-    def Heartbeat(self, request, context):
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))
-
-    def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
-        try:
-            return self._admit_worker(request)
-        except ManagerError as err:  # one line for the operator; the worker gets the status
-            log.warning("refused the worker at %s (rank %d): %s", quote(request.address), request.rank, err)
-            raise
-
-    def _admit_worker(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
-        self._until_no_tentative_step("RegisterWorker")
-        if self.manager is not None:  # checked before the registry changes: a refusal leaves no trace
-            gpu, cpu = self.manager.gpu.num_blocks, self.manager.cpu.num_blocks
-            if request.num_gpu_blocks < gpu or request.num_cpu_blocks < cpu:
-                raise FailedPrecondition(
-                    f"register worker: capacity {request.num_gpu_blocks} GPU / {request.num_cpu_blocks} CPU blocks is "
-                    f"below the manager's pools ({gpu} / {cpu}): give the workers more (--num-gpu-blocks, "
-                    "--num-cpu-blocks) or the manager less")
-        replacing = request.rank in self.registry.ranks_seen
-        record = self.registry.register(request)
-        if self.manager is None and self.registry.complete():
-            gpu, cpu = self.registry.capacity()
-            self.manager = BlockManager(dataclasses.replace(self.config, num_gpu_blocks=gpu, num_cpu_blocks=cpu))
-            log.info("pools sized from the workers: %d GPU and %d CPU blocks", gpu, cpu)
-        cache_lost = self.caches.register(record.rank, request.cache_id)  # manager/epochs.py
-        if self.durable is not None and request.cache_id:
-            self.durable.event("worker_cache", record.rank, request.cache_id)
-        if self.manager is not None:
-            self.manager.dispatch = self._dispatch
-            if cache_lost:
-                lost = self.manager.lose_all(self.caches.epoch)
-                log.warning("rank %d came back with another cache (a replaced worker): epoch %d, %d sequences lost "
-                            "(DATA_LOSS until freed), prefix cache cleared", record.rank, self.caches.epoch, lost)
-            elif replacing and not request.cache_id:
-                # The replaced worker's cache contents are gone: no prefix may be served from them.
-                # (Running sequences lost their K/V on that rank; their scheduler must recompute them.)
-                self.manager.gpu.forget_contents()
-                if self.durable is not None:
-                    self.durable.event("forget_gpu_contents")
-                log.warning("rank %d replaced: prefix cache cleared", record.rank)
-        if self.registry.complete():
-            self.awaiting_workers = False
-        log.info("registered %s (rank %d of %d) at %s", record.worker_id, record.rank,
-                 self.registry.tensor_parallel_size, record.address)
-        self._start_monitor()
-        self._update_health()
-        return pb.RegisterWorkerResponse(
-            worker_id=record.worker_id, heartbeat_interval_s=self.registry.heartbeat_interval,
-            num_gpu_blocks=self.manager.gpu.num_blocks if self.manager else 0,
-            num_cpu_blocks=self.manager.cpu.num_blocks if self.manager else 0)
-
-    def _until_no_tentative_step(self, method: str) -> None:
-        """Wait until no step waits on the workers (a registration may forget the caches' contents
-        or lose every sequence, which no pending step could be undone across)."""
-        manager = self.manager
-        if manager is None or not manager.tentative:
-            return
-        limit = self.config.worker_plan_timeout + 1.0
-        done = self._finished.wait_for(lambda: not manager.tentative, timeout=limit)
-        self._state_owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
-        if not done:
-            raise Unavailable(f"{method}: {len(manager.tentative)} steps still wait on the workers after "
-                              f"{limit:.1f}s; try again")
 
     def _dispatch(self, plan: ExecutionPlan) -> None:
         """Send a step's plan to the workers, before the step commits (``BlockManager.step``, where
@@ -488,64 +295,20 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
             return  # nothing to move: no worker needed
         started = time.perf_counter()
         message = wire.plan_pb(plan)
-        me = threading.get_ident()
-        release = self._state_owner == me
-        with self._waiting_on_workers(f"step {plan.step_id}"):
-            with self._waiting_lock:
-                self._dispatches[me] = time.monotonic()
-            if release:
-                self._state_owner = None
-                self.state_lock.release()
-            try:
+        try:
+            with self.state.released_for_workers(f"step {plan.step_id}"):
                 sent = self.registry.execute(message)
-            finally:
-                if release:
-                    self.state_lock.acquire()
-                    self._state_owner = me
-                with self._waiting_lock:
-                    del self._dispatches[me]
-                self._update_health()
+        finally:
+            self._update_health()
         if sent:
             bytes_per_block = sum(w.block_bytes for w in self.registry.workers())
             self.metrics.observe_dispatch(plan, time.perf_counter() - started, bytes_per_block)
 
-    # ---- metrics ------------------------------------------------------------------------------
-    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0):
+    # ---- metrics and shutdown -----------------------------------------------------------------
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
         """Serve /metrics and /sd/workers (Prometheus HTTP service discovery) on host:port."""
-        from kvpager.metrics_http import MetricsServer
-
         self._metrics_server = MetricsServer(self.metrics.registry, host, port, {"/sd/workers": self.worker_targets})
         return self._metrics_server
-
-    def worker_targets(self) -> list[dict]:
-        """The registered workers' metrics endpoints, as a Prometheus HTTP SD document."""
-        return [{"targets": [w.metrics_address], "labels": {"rank": str(w.rank), "worker_id": w.worker_id}}
-                for w in self.registry.workers() if w.metrics_address]
-
-    def _start_monitor(self) -> None:
-        if self._monitor is None:
-            self._monitor = threading.Thread(target=self._watch_workers, name="kvpager-worker-monitor", daemon=True)
-            self._monitor.start()
-
-    def _watch_workers(self) -> None:
-        while not self._stop.wait(self.registry.heartbeat_interval / 2):
-            for record in self.registry.expire():
-                log.warning("worker %s (rank %d) at %s missed its heartbeats; dropped",
-                            record.worker_id, record.rank, record.address)
-            self._update_health()
-
-    def _update_health(self) -> None:
-        if self.health is None:
-            return
-        # "": the process can serve (NOT_SERVING once a rank is known dead or missing);
-        # the BlockManager service: it can serve steps, so also NOT_SERVING while no pool exists
-        # and, after a restart, until the workers holding the recovered state registered again.
-        # (Not "" for the pool: compose starts the workers, which size the pool, once "" is SERVING.)
-        ok = not self.registry.expected or self.registry.complete()
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-        self.health.set("", serving if ok else not_serving)
-        ready = ok and self.manager is not None and not self.awaiting_workers
-        self.health.set(SERVICE_NAME, serving if ready else not_serving)
 
     def close(self) -> None:
         """Stop watching workers and close their channels (the server is stopped by its owner)."""
@@ -560,8 +323,9 @@ class BlockManagerService(pb_grpc.BlockManagerServicer):
 
 
 def create_server(manager: BlockManager | ManagerConfig | None = None, address: str = "127.0.0.1:0",
-                  max_workers: int = 16, *, tokens=None, tls=None, worker_tls=None, worker_token: Optional[str] = None,
-                  quotas: Optional[dict[str, int]] = None):
+                  max_workers: int = 16, *, tokens: Optional[TokenTable] = None, tls: Optional[TLS] = None,
+                  worker_tls: Optional[TLS] = None, worker_token: Optional[str] = None,
+                  quotas: Optional[dict[str, int]] = None) -> tuple[grpc.Server, int, BlockManagerService, HealthService]:
     """Build (not start) a server; returns (server, port, service, health_servicer).
     Call ``service.close()`` after stopping the server.
 
@@ -572,7 +336,6 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
     channels to the workers use ``worker_tls`` (its ``ca`` verifies them, its certificate is the
     manager's client certificate) and send ``worker_token``. ``quotas`` (tenant -> blocks) adds to
     the tokens' ``quota_blocks`` (docs/security.md, "Tenants")."""
-    from kvpager import auth
     health_servicer = HealthService()
     if isinstance(manager, BlockManager):
         service = BlockManagerService(manager.config, manager, health_servicer)
@@ -586,12 +349,12 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
                          options=[("grpc.so_reuseport", 0)])
     health_servicer.epoch = lambda: service.caches.epoch
     service.quotas = {**(tokens.quotas() if tokens is not None else {}), **(quotas or {})}
-    service.max_waiting = max(1, max_workers // 2)
+    service.state.max_waiting = max(1, max_workers // 2)
     if worker_tls is not None or worker_token:
         service.registry.connect = lambda target: auth.channel(target, worker_tls, worker_token)
     pb_grpc.add_BlockManagerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    service._update_health()
+    service._update_health()  # its first statuses, before the server starts
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
     port = auth.add_port(server, address, tls)

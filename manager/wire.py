@@ -5,6 +5,8 @@ The only module of the manager that knows the wire format (with service.py, whic
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2
 
@@ -27,6 +29,7 @@ from .plan import (
     TableLayout,
 )
 from .sequence import GPU, Sequence
+from .tenancy import Usage
 from kvpager.status import number_of
 
 
@@ -268,3 +271,25 @@ def stats_pb(s: ManagerStats) -> pb.GetStatsResponse:
         cow_copies=s.cow_copies, blocks_swapped_out=s.blocks_swapped_out, blocks_swapped_in=s.blocks_swapped_in,
         evictions=s.evictions, watermark_blocks=s.watermark_blocks, steps=s.steps,
     )
+
+
+def fill_tenant_stats(reply: pb.GetStatsResponse, usage: Mapping[str, Usage], quotas: Mapping[str, int],
+                      tenant: str, admin: bool) -> None:
+    """A scheduler's stats: its own tenant's sequences and usage (``tenant``) besides the pool
+    totals; an admin's: everything, and ``tenants``, one entry per tenant with live sequences
+    or a quota (``usage`` then holds every tenant). O(tenants)."""
+    def fill(m: pb.TenantStats, name: str, use: Usage) -> None:
+        m.tenant = name
+        m.gpu_blocks, m.cpu_blocks = use.gpu_blocks, use.cpu_blocks
+        m.running_sequences, m.swapped_sequences = use.running_sequences, use.swapped_sequences
+        quota = quotas.get(name)
+        m.has_quota = quota is not None
+        m.quota_blocks = quota or 0
+
+    mine = usage.get(tenant, Usage())
+    if admin:
+        for name in sorted(set(usage) | set(quotas)):
+            fill(reply.tenants.add(), name, usage.get(name, Usage()))
+    else:
+        reply.running_sequences, reply.swapped_sequences = mine.running_sequences, mine.swapped_sequences
+    fill(reply.tenant, tenant, mine)

@@ -6,7 +6,8 @@ import random
 import threading
 
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager import errors
+from kvpager.manager import ManagerConfig
 
 from ..conftest import running_server
 

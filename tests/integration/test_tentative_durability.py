@@ -195,7 +195,7 @@ def test_a_call_that_waited_for_a_busy_sequence_still_releases_the_lock_for_its_
         assert worker.entered.wait(10)
         out = threading.Thread(target=lambda: bm.swap_out(["a2"]))   # busy: waits for the copy-on-write
         out.start()
-        while service._waiting < 2:   # the copy-on-write's dispatch and the swap-out waiting for it
+        while service.state.waiting < 2:   # the copy-on-write's dispatch and the swap-out waiting for it
             threading.Event().wait(0.01)
         worker.gate.set()             # the copy-on-write commits; the swap-out sends its plan, which waits
         cow.join(10)
