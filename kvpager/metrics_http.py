@@ -5,6 +5,14 @@ so several of them can live in one process (tests, the demo) without their serie
 The manager adds ``/sd/workers``, a Prometheus HTTP service-discovery document listing the
 registered workers' metrics endpoints. Needs only the standard library and prometheus-client.
 
+The page is prometheus-client's own exposition (``choose_encoder``: text or OpenMetrics, as the
+scraper asks), without ``*_created`` series: loading this module turns them off for the process
+(``disable_created_metrics``; prometheus-client has no per-registry switch), since no kvpager
+dashboard or rule reads them and every counter and histogram would otherwise carry one more.
+The server is ours, not prometheus-client's ``start_http_server``: that has no bearer-token
+check and no JSON routes, and its TLS handshake runs on the accepting thread (one silent client
+would stall every scrape), where ours runs it on the request's thread with a timeout.
+
 Secured (docs/security.md): with ``tls`` (the process's gRPC certificate and key, or an
 ``ssl.SSLContext``) it serves HTTPS only, and with ``token`` every path needs
 ``Authorization: Bearer TOKEN`` (401 otherwise). ``check_bind`` is the rule the command lines
@@ -24,9 +32,11 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional, Union
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.parser import text_string_to_metric_families
+
+disable_created_metrics()
 
 JsonRoute = Callable[[], object]  # returns a JSON-serializable document
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that opens a connection and says nothing holds one thread this long

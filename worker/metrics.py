@@ -3,9 +3,9 @@
 Each worker owns its own registry, never prometheus-client's global one: several workers can
 live in one process (tests, the in-process demo) and their series must not mix.
 
-What the worker's state already says (cache sizes, the allocator's device memory, who the
-worker is) is read at scrape time by a collector instead of being kept up to date by hand;
-what happens (plans, steps, bytes moved, durations) is counted where it happens.
+What the worker's state already says is set once (cache sizes, who the worker is) or read at
+scrape time (the allocator's device memory: ``Gauge.set_function``) instead of being kept up to
+date by hand; what happens (plans, steps, bytes moved, durations) is counted where it happens.
 
 Durations of device work are the subtle part. On the CPU a plan or an attention call has
 finished when it returns, so it is timed with ``perf_counter``. On CUDA it has only been
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator, Optional, Union
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client.core import Metric
 
 from .kv_cache import KVCache
 
@@ -235,10 +235,24 @@ class WorkerMetrics:
         self.info = info
         self.clock = DeviceClock(cache.device)
         self.registry = r = CollectorRegistry()
-        # Registered first: its collect() also polls finished device timings, so the
+        # Registered first: at each scrape it polls the finished device timings, so the
         # histograms collected after it in the same scrape already hold them.
-        r.register(_StateCollector(self))
+        r.register(_PollAtScrape(self.poll))
         ProcessCollector(registry=r)
+        self._info = Info("kvpager_worker", "Who this worker is; constant 1.", registry=r)
+        self.set_info(info)
+        blocks = Gauge("kvpager_worker_cache_blocks", "Blocks this worker's cache tensors hold.", ["tier"], registry=r)
+        nbytes = Gauge("kvpager_worker_cache_bytes", "Bytes of its cache tensors (the device cache and the pinned "
+                       "CPU swap space).", ["tier"], registry=r)
+        for tier, tensor in (("gpu", cache.blocks), ("cpu", cache.swap_space)):
+            blocks.labels(tier).set(tensor.shape[0])
+            nbytes.labels(tier).set(tensor.nbytes)
+        on_cuda = cache.device.type == "cuda"
+        Gauge("kvpager_worker_device_memory_allocated_bytes", "Device memory held by live tensors (torch's CUDA "
+              "allocator; 0 on a CPU worker).", registry=r).set_function(
+            lambda: torch.cuda.memory_allocated(cache.device) if on_cuda else 0)
+        Gauge("kvpager_worker_device_memory_reserved_bytes", "Device memory the allocator reserved (0 on a CPU "
+              "worker).", registry=r).set_function(lambda: torch.cuda.memory_reserved(cache.device) if on_cuda else 0)
         self.plans = Counter("kvpager_worker_plans_total", "Plans executed.", registry=r)
         self.plan_duration = Histogram(
             "kvpager_worker_plan_duration_seconds",
@@ -270,6 +284,7 @@ class WorkerMetrics:
 
     def set_info(self, info: WorkerInfo) -> None:
         self.info = info
+        self._info.info(info.labels())
 
     def poll(self) -> None:
         """Observe the device timings that have finished (called at each plan and step)."""
@@ -314,38 +329,15 @@ class WorkerMetrics:
             self.idle.inc(timing.gap)
 
 
-class _StateCollector:
-    """Gauges and the info metric, read from the worker's state at scrape time."""
+class _PollAtScrape:
+    """Exports nothing: at each scrape it observes the device timings that have finished."""
 
-    def __init__(self, metrics: WorkerMetrics) -> None:
-        self._metrics = metrics
+    def __init__(self, poll: Callable[[], None]) -> None:
+        self._poll = poll
 
-    def describe(self) -> Iterator[Metric]:
-        return self._families(describe_only=True)
+    def describe(self) -> list[Metric]:
+        return []
 
-    def collect(self) -> Iterator[Metric]:
-        self._metrics.poll()
-        return self._families(describe_only=False)
-
-    def _families(self, describe_only: bool) -> Iterator[Metric]:
-        m = self._metrics
-        cache = m.cache
-        blocks = GaugeMetricFamily("kvpager_worker_cache_blocks", "Blocks this worker's cache tensors hold.",
-                                   labels=["tier"])
-        nbytes = GaugeMetricFamily("kvpager_worker_cache_bytes", "Bytes of its cache tensors (the device cache "
-                                   "and the pinned CPU swap space).", labels=["tier"])
-        allocated = GaugeMetricFamily("kvpager_worker_device_memory_allocated_bytes", "Device memory held by "
-                                      "live tensors (torch's CUDA allocator; 0 on a CPU worker).")
-        reserved = GaugeMetricFamily("kvpager_worker_device_memory_reserved_bytes", "Device memory the "
-                                     "allocator reserved (0 on a CPU worker).")
-        info = InfoMetricFamily("kvpager_worker", "Who this worker is; constant 1.")
-        if not describe_only:
-            blocks.add_metric(["gpu"], cache.num_blocks)
-            blocks.add_metric(["cpu"], cache.num_swap_blocks)
-            nbytes.add_metric(["gpu"], cache.blocks.nbytes)
-            nbytes.add_metric(["cpu"], cache.swap_space.nbytes)
-            on_cuda = cache.device.type == "cuda"
-            allocated.add_metric([], torch.cuda.memory_allocated(cache.device) if on_cuda else 0)
-            reserved.add_metric([], torch.cuda.memory_reserved(cache.device) if on_cuda else 0)
-            info.add_metric([], m.info.labels())
-        yield from (info, blocks, nbytes, allocated, reserved)
+    def collect(self) -> list[Metric]:
+        self._poll()
+        return []

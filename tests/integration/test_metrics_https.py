@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvpager import auth
 from kvpager.metrics_http import MetricsServer, check_bind, fetch, scrape
@@ -54,6 +54,22 @@ def test_https_with_the_ca(https, pki):
         assert reply.status == 200 and b"kvpager_test_scrapes_total 3.0" in reply.read()
     assert scrape(f"{https.url}/metrics", ca=pki["ca"])[("kvpager_test_scrapes_total", ())] == 3
     assert json.loads(fetch(f"{https.url}/sd/workers", ca=pki["ca"])) == [{"targets": ["a:1"]}]
+
+
+def test_no_created_series_in_either_format():
+    # prometheus-client would add a *_created sample beside each counter and histogram.
+    reg = registry()
+    Histogram("kvpager_test_seconds", "a histogram", registry=reg).observe(0.5)
+    server = MetricsServer(reg, "127.0.0.1", 0)
+    try:
+        for accept in ("text/plain", "application/openmetrics-text; version=1.0.0"):
+            request = urllib.request.Request(f"{server.url}/metrics", headers={"Accept": accept})
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                page = reply.read().decode()
+            assert "kvpager_test_scrapes_total 3.0" in page and "kvpager_test_seconds_count 1.0" in page, page
+            assert "_created" not in page, (accept, page)
+    finally:
+        server.close()
 
 
 def test_plaintext_and_untrusted_clients_are_refused(https, pki):

@@ -109,6 +109,7 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     assert torch.equal(worker.model.forward_paged(decode, worker.cache.layer).cpu(), logits)
 
     m = scrape_families(worker.metrics_address)
+    assert not [name for name in m if name.endswith("_created")], "kvpager.metrics_http turns _created series off"
     assert value(m, "kvpager_worker_plans_total") == 3
     for direction, blocks in moved.items():
         assert value(m, "kvpager_worker_moved_blocks_total", direction=direction) == blocks
