@@ -33,8 +33,9 @@ JSON. For kvpager also:
 - where each scheduler iteration goes: the Step RPC round trip as the scheduler measures it
   (``stats.step_latencies``; it includes the manager's own work and its dispatch of the step's
   swap/copy plan to the worker, both also read from the manager's in-process metrics), the model
-  step (the runner call, timed by a wrapper: Ray call, forward, logits back to the driver), and
-  the rest, scheduling in Python (building operations and the StepInput, sampling, callbacks);
+  step (the runner call: Ray call, forward, logits back to the driver, timed by the scheduler's
+  own ``on_stage`` hook: the benchmark drives the production ``Scheduler`` unchanged), and the
+  rest, scheduling in Python (building operations and the StepInput, sampling, callbacks);
 - decode steps at batch >= ``--roofline-min-batch`` (64) against the HBM roofline: bytes a
   decode step must read (the weights, lm_head included, + K and V of every context token of the
   batch) over a copy ceiling measured in the same run (a device-to-device copy of 2 GiB timed with
@@ -83,11 +84,14 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+
+from kvpager.commands.progress import Progress  # noqa: E402 (after the path above)
+from kvpager.numeric import ceil_div, percentile  # noqa: E402
 
 BLOCK_SIZE = 16
 SYSTEMS = ("kvpager", "transformers")
@@ -119,11 +123,9 @@ def log(msg: str) -> None:
 
 
 def pct(values: list[float], q: float) -> Optional[float]:
-    """Nearest-rank percentile (q in [0, 1]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+    """The ``q`` quantile (0 < q < 1) of ``values`` as ``kvpager.numeric.percentile`` interpolates
+    it; None for no values."""
+    return percentile(values, q * 100) if values else None
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -334,22 +336,6 @@ def _scaled(x: Optional[float], k: float) -> Optional[float]:
     return None if x is None else x * k
 
 
-class Progress:
-    """A line on stderr every 10% of the requests or every 15 s, whichever comes first."""
-
-    def __init__(self, name: str, total: int) -> None:
-        self.name, self.total = name, total
-        self.started = self.last = time.perf_counter()
-        self.decile = 0
-
-    def update(self, done: int, extra: str = "") -> None:
-        now = time.perf_counter()
-        decile = 10 * done // max(1, self.total)
-        if decile > self.decile or now - self.last > 15:
-            self.decile, self.last = decile, now
-            log(f"{self.name}: {done}/{self.total} requests done, {now - self.started:.0f} s {extra}")
-
-
 def copy_ceiling(torch, device) -> float:
     """Device copy ceiling, bytes/s (read + write bytes / time), as benchmarks/kernels.py measures it."""
     if device.type == "cuda":
@@ -382,43 +368,30 @@ def copy_ceiling(torch, device) -> float:
 
 
 # ---- kvpager ----------------------------------------------------------------------------------------------
-class TimedRunner:
-    """The scheduler's runner, timed: each call's start, duration and batch. With ``submit``
-    (overlap) a call's duration runs from its submission to its result, filled in then."""
+class ModelStepTimes:
+    """The scheduler's model steps as its ``on_stage`` hook reports them (``kvpager.scheduler``'s
+    ``StageCallback``): each step's start, duration and batch, and the time the scheduler waited
+    for steps. A submitted step (overlap) runs from its "submit" to the end of its "wait"."""
 
-    def __init__(self, runner: Callable) -> None:
-        self.runner = runner
+    def __init__(self) -> None:
         self.calls: list[list] = []  # [start, s, decode, seqs, tokens, ctx, step id]
         self.blocked_s = 0.0         # time the scheduler spent waiting for steps, all calls together
-        if hasattr(runner, "submit"):
-            self.submit = self._submit
-        self.feeds_back = getattr(runner, "feeds_back", False)   # the scheduler may feed tokens on the worker
+        self._submitted: dict[int, list] = {}   # id of a submitted StepInput -> its call, until its wait
 
-    def __call__(self, step):
-        started = time.perf_counter()
-        out = self.runner(step)   # rank 0's logits, on the host: the step has run when this returns
-        took = time.perf_counter() - started
-        self.blocked_s += took
-        self.calls.append([started, took, step.decode_only, step.num_seqs, len(step.token_ids),
-                           sum(step.context_lens), step.step_id])
-        return out
-
-    def _submit(self, step):
-        started = time.perf_counter()
-        wait = self.runner.submit(step)
-        call = [started, 0.0, step.decode_only, step.num_seqs, len(step.token_ids), sum(step.context_lens),
-                step.step_id]
-        self.calls.append(call)
-
-        def result():
-            waiting = time.perf_counter()
-            out = wait()
-            done = time.perf_counter()
-            call[1] = done - started
-            self.blocked_s += done - waiting
-            return out
-        result.prefetch = getattr(wait, "prefetch", lambda: None)   # the scheduler asks early (overlap)
-        return result
+    def __call__(self, stage: str, seconds: float, step) -> None:
+        now = time.perf_counter()
+        if stage in ("model", "submit"):
+            call = [now - seconds, seconds, step.decode_only, step.num_seqs, len(step.token_ids),
+                    sum(step.context_lens), step.step_id]
+            self.calls.append(call)
+            if stage == "model":
+                self.blocked_s += seconds
+            else:
+                self._submitted[id(step)] = call
+        elif stage == "wait":
+            call = self._submitted.pop(id(step))
+            call[1] = now - call[0]
+            self.blocked_s += seconds
 
 
 def _histogram_sums(registry, name: str, labels: Optional[dict] = None) -> tuple[float, float]:
@@ -492,15 +465,15 @@ def run_kvpager(spec: dict) -> dict:
             result["worker_memory"] = f"unavailable: {exc}"
         client = system.client
 
-        def new_scheduler(runner, **kw) -> Scheduler:
-            return Scheduler(client, runner, BLOCK_SIZE, max_batch_tokens=args.max_batch_tokens,
+        def new_scheduler(**kw) -> Scheduler:
+            return Scheduler(client, system.runner, BLOCK_SIZE, max_batch_tokens=args.max_batch_tokens,
                              max_model_len=getattr(model, "max_model_len", None), overlap=not args.no_overlap, **kw)
 
         # Warm-up (untimed): kernels' first launches, allocator, Ray's paths.
         if args.warmup_requests:
             rng = random.Random(12345)
             started = time.perf_counter()
-            warm = new_scheduler(system.runner)
+            warm = new_scheduler()
             warm_requests = [Request(f"warmup-{i}", [rng.randrange(facts.vocab_size) for _ in range(64 + 16 * i)],
                                      SamplingParams(max_new_tokens=8)) for i in range(args.warmup_requests)]
             _drive(warm, warm_requests, [0.0] * len(warm_requests), args.timeout, None)
@@ -516,12 +489,12 @@ def run_kvpager(spec: dict) -> dict:
             times[request_id].append(now)
             tokens[request_id].append(token)
 
-        runner = TimedRunner(system.runner)
-        progress = Progress("kvpager", len(ids))
+        model_steps = ModelStepTimes()
+        progress = Progress(len(ids), "requests done", label="[serving] kvpager: ")
         def on_step(s: Scheduler) -> None:
-            progress.update(s.stats.requests_finished, f"(running {len(s.running)}, swapped {len(s.swapped)})")
+            progress.update(s.stats.requests_finished, f"running {len(s.running)}, swapped {len(s.swapped)}")
 
-        sched = new_scheduler(runner, on_token=on_token, on_step=on_step)
+        sched = new_scheduler(on_token=on_token, on_step=on_step, on_stage=model_steps)
         requests = [Request(rid, list(p), SamplingParams(max_new_tokens=o, n=1))
                     for rid, p, o in zip(ids, wl["prompts"], wl["output_lens"])]
         registry = system.service.metrics.registry
@@ -530,7 +503,8 @@ def run_kvpager(spec: dict) -> dict:
         rpc0 = _histogram_sums(registry, "kvpager_rpc_duration_seconds", {"method": "Step"})
         worker0 = [_scrape_worker(a) for a in system.worker_metrics]
 
-        iterations, arrivals, error = _drive(sched, requests, wl["arrivals"], args.timeout, runner)
+        iterations, arrivals, error = _drive(sched, requests, wl["arrivals"], args.timeout, model_steps)
+        progress.close()
         after_stats = client.get_stats()
         disp1 = _histogram_sums(registry, "kvpager_plan_dispatch_duration_seconds")
         rpc1 = _histogram_sums(registry, "kvpager_rpc_duration_seconds", {"method": "Step"})
@@ -599,10 +573,10 @@ def _worker_memory(runner) -> list[dict]:
             for s in stats]
 
 
-def _drive(sched, requests, offsets: list[float], timeout: float, runner: Optional[TimedRunner]):
+def _drive(sched, requests, offsets: list[float], timeout: float, model_steps: Optional[ModelStepTimes]):
     """Serve ``requests`` arriving ``offsets`` seconds after the start; returns (iterations,
-    arrival times, error or None). Each iteration: its wall time, its Step RPCs' time, and its
-    runner call (if any)."""
+    arrival times, error or None). Each iteration: its wall time, its Step RPCs' time, and the
+    model step it started (if any), as ``model_steps`` (the scheduler's ``on_stage``) saw it."""
     order = sorted(range(len(requests)), key=lambda i: offsets[i])
     pending = [(offsets[i], requests[i]) for i in order]
     arrivals: dict[str, float] = {}
@@ -626,15 +600,15 @@ def _drive(sched, requests, offsets: list[float], timeout: float, runner: Option
                 time.sleep(min(0.05, max(0.0, start + pending[nxt][0] - now)))
                 continue
             n_lat = len(lat)
-            n_calls = len(runner.calls) if runner else 0
-            blocked = runner.blocked_s if runner else 0.0
+            n_calls = len(model_steps.calls) if model_steps else 0
+            blocked = model_steps.blocked_s if model_steps else 0.0
             t0 = time.perf_counter()
             progressed = sched.step()
             wall = time.perf_counter() - t0
-            if runner is not None:   # the call this iteration started (its duration may come later: overlap)
-                call = runner.calls[n_calls] if len(runner.calls) > n_calls else None
+            if model_steps is not None:   # the step this iteration started (its duration may come later: overlap)
+                call = model_steps.calls[n_calls] if len(model_steps.calls) > n_calls else None
                 iterations.append(dict(wall=wall, rpc=sum(lat[n_lat:]), rpcs=len(lat) - n_lat,
-                                       blocked=runner.blocked_s - blocked, call=call))
+                                       blocked=model_steps.blocked_s - blocked, call=call))
             idle = 0 if progressed else idle + 1
             if idle > 100:
                 raise RuntimeError("no progress in 100 iterations: the KV pool is too small for the requests left")
@@ -958,7 +932,7 @@ def _hf_serve_once(model, impl: str, cb_cls, cb_kwargs: dict, ids: list[str], pr
     if hints is not None:
         cm_kwargs["workload_hints"] = hints
     outputs: dict[str, dict] = {}
-    progress = None if quiet else Progress("transformers", len(ids))
+    progress = Progress(len(ids), "requests done", label="[serving] transformers: ", quiet=quiet)
     error = None
     info: dict[str, Any] = {}
     with model.continuous_batching_context_manager(**cm_kwargs) as manager:
@@ -994,14 +968,15 @@ def _hf_serve_once(model, impl: str, cb_cls, cb_kwargs: dict, ids: list[str], pr
                 outputs[rid] = dict(arrival=arrival, times=list(result.timestamps or []),
                                     tokens=list(result.generated_tokens),
                                     error=None if result.error is None else str(result.error))
-                if progress:
-                    progress.update(len(outputs))
+                progress.update(len(outputs))
         except Exception as exc:  # noqa: BLE001 - reported with what finished
             error = f"{type(exc).__name__}: {exc}"
             if quiet:
                 raise
             log(f"transformers: the run stopped: {error}")
             traceback.print_exc()
+        finally:
+            progress.close()
     cfg = manager.continuous_batching_config
     info["cb_config"] = {k: _jsonable(v) for k, v in vars(cfg).items()} if hasattr(cfg, "__dict__") else str(cfg)
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
@@ -1039,7 +1014,7 @@ def _hf_generate_sequential(model, ids, prompts, output_lens, offsets, timeout: 
 
     outputs: dict[str, dict] = {}
     start = time.perf_counter()
-    progress = Progress("transformers (sequential generate)", len(ids))
+    progress = Progress(len(ids), "requests done", label="[serving] transformers (sequential generate): ")
     error = None
     try:
         for i in sorted(range(len(ids)), key=lambda i: offsets[i]):
@@ -1058,6 +1033,7 @@ def _hf_generate_sequential(model, ids, prompts, output_lens, offsets, timeout: 
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         log(f"transformers: the run stopped: {error}")
+    progress.close()
     return dict(outputs=outputs, start=start, error=error)
 
 
@@ -1399,7 +1375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     elem = 2 if dtype != "float32" else 4
     per_token = facts.kv_bytes_per_token(elem)
     hf_block = args.hf_block_size or 256
-    need = sum(-(-(len(p) + o) // hf_block) * hf_block for p, o in zip(workload.prompts, workload.output_lens))
+    need = sum(ceil_div(len(p) + o, hf_block) * hf_block for p, o in zip(workload.prompts, workload.output_lens))
     if args.kv_gib is not None:
         tokens, how = int(args.kv_gib * (1 << 30)) // per_token, "--kv-gib"
     elif cuda and (mem := device_memory()) is not None:

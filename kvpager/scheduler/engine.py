@@ -53,6 +53,7 @@ import torch
 
 from kvpager import client as C
 from kvpager import errors
+from kvpager.numeric import ceil_div
 from kvpager.step import StepInput, WorkerDied
 from kvpager.v1 import block_manager_pb2 as pb
 
@@ -65,6 +66,13 @@ from .request import Group, Request, RequestOutput, SeqState, sample
 Runner = Callable[[StepInput], torch.Tensor]
 # Called for every sampled token: (request id, sample index, token id, finish reason or "").
 TokenCallback = Callable[[str, int, int, str], None]
+# Called as each timed stage of an iteration ends: (stage, seconds it took, the step it ran or None).
+# Stages: "step_rpc" (a Step RPC's round trip, retries included; no step), "model" (a runner call
+# that computed the step and returned its rows), "submit" (handing the step to a runner that
+# computes it while the scheduler goes on: overlap), "wait" (waiting for a submitted step's rows).
+# A submitted step's model time runs from its "submit" to the end of its "wait". For benchmarks
+# and profilers (benchmarks/serving.py); the scheduler reads no clock for it when it is None.
+StageCallback = Callable[[str, float, Optional[StepInput]], None]
 
 
 @dataclass(slots=True)
@@ -73,8 +81,8 @@ class _InFlight:
     wait: Callable[[], torch.Tensor]          # returns the step's rows
     computed: list[tuple[SeqState, int]]      # (sequence, its context length after the step)
     greedy: bool
+    step: StepInput                           # what the workers compute (its step_id: the manager's id)
     seq_ids: frozenset[str] = frozenset()     # of ``computed``: O(1) membership
-    step_id: int = 0                          # the manager's id of the step
 
 
 @dataclass(slots=True)
@@ -100,13 +108,15 @@ class Scheduler:
                  max_batch_tokens: int = 4096, on_step: Optional[Callable[["Scheduler"], None]] = None,
                  recover: Optional[Callable[[], Runner]] = None, recover_timeout: float = 60.0,
                  on_token: Optional[TokenCallback] = None, max_model_len: Optional[int] = None,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, on_stage: Optional[StageCallback] = None) -> None:
         """``on_token``: streaming, called for each token as it is sampled; ``max_model_len``: the
         longest sequence (prompt + new tokens) the model serves; longer requests are refused;
         ``overlap``: run each Step RPC while the previous step computes (module docstring),
-        where the runner can (``submit``)."""
+        where the runner can (``submit``); ``on_stage``: told how long each stage of an
+        iteration took (``StageCallback``)."""
         self.client = client
         self.on_token = on_token
+        self.on_stage = on_stage
         self.max_model_len = max_model_len
         self.runner = runner
         self.overlap = overlap
@@ -189,24 +199,25 @@ class Scheduler:
         if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
             tokens = [] if in_flight else [s.next_token for s in decoding]
             add(C.append_batch_op([s.seq_id for s in decoding], tokens), self._appended)
-        room = self._available - self._reserve - self._append_need()
+        room = self._room()
         while self.swapped and not in_flight and self._blocks(self.swapped[0]) <= room:
             group = self.swapped.popleft()
             self._in_flight.append(group)
             room -= self._blocks(group)
-            add(C.swap_in_op([s.seq_id for s in group.unfinished()]), self._swapped_in(group))
+            add(C.swap_in_op([s.seq_id for s in group.unfinished()]), self._placed(group, self.swapped))
         budget = self.max_batch_tokens
         while self.waiting and not self.swapped:
             group = self.waiting[0]
             prompt, n = group.request.prompt, group.request.params.n
-            need = -(-len(prompt) // self.block_size) + (n - 1)
+            need = ceil_div(len(prompt), self.block_size) + (n - 1)
             if need > room or (len(prompt) > budget and budget < self.max_batch_tokens):
                 break
             self.waiting.popleft()
             self._in_flight.append(group)
             room, budget = room - need, budget - len(prompt)
             parent = group.seqs[0]
-            add(C.allocate_op(parent.seq_id, prompt, namespace=group.request.namespace), self._admitted(group))
+            add(C.allocate_op(parent.seq_id, prompt, namespace=group.request.namespace),
+                self._placed(group, self.waiting))
             for child in group.seqs[1:]:
                 add(C.fork_op(parent.seq_id, child.seq_id), None)
 
@@ -232,8 +243,7 @@ class Scheduler:
         if not self._launch(reply, feed):
             return self._settle()
         while len(self._steps_in_flight) > self.PIPELINE_DEPTH:
-            oldest = self._steps_in_flight.popleft()
-            self._take(oldest.computed, oldest.greedy, oldest.wait())
+            self._take_oldest()
         return True
 
     def _may_feed(self) -> bool:
@@ -248,7 +258,7 @@ class Scheduler:
         swapped group has room to come back in this step, and no running group has forked samples
         whose appends may copy on write); preemption settles on its own (``_preempt_if_short``).
         A swapped group that does not fit yet waits while steps overlap. O(running groups)."""
-        if self.swapped and self._blocks(self.swapped[0]) <= self._available - self._reserve - self._append_need():
+        if self.swapped and self._blocks(self.swapped[0]) <= self._room():
             return False
         return all(len(group.seqs) == 1 for group in self.running)
 
@@ -281,15 +291,21 @@ class Scheduler:
             feed = None
             token_ids, positions, computed, rows = self._inputs(reply, None)
         step = StepInput.from_step_reply(reply, token_ids, positions, greedy=greedy, feedback_rows=rows,
-                                         feedback_step=feed.step_id if rows is not None else 0)
+                                         feedback_step=feed.step.step_id if rows is not None else 0)
         self.stats.tokens_computed += len(token_ids)
         self.stats.fed_steps += rows is not None
         submit = getattr(self.runner, "submit", None) if self.overlap else None
+        started = time.perf_counter() if self.on_stage is not None else 0.0
         if submit is None:
-            self._take(computed, greedy, self.runner(step))
+            rows_out = self.runner(step)
+            if self.on_stage is not None:
+                self.on_stage("model", time.perf_counter() - started, step)
+            self._take(computed, greedy, rows_out)
         else:
-            self._steps_in_flight.append(_InFlight(submit(step), computed, greedy,
-                                            frozenset(s.seq_id for s, _ in computed), reply.step_id))
+            self._steps_in_flight.append(_InFlight(submit(step), computed, greedy, step,
+                                                   frozenset(s.seq_id for s, _ in computed)))
+            if self.on_stage is not None:
+                self.on_stage("submit", time.perf_counter() - started, step)
         return True
 
     def _inputs(self, reply: pb.StepResponse, feed: Optional[_InFlight]):
@@ -345,9 +361,19 @@ class Scheduler:
         if not self._steps_in_flight:
             return False
         while self._steps_in_flight:
-            pending = self._steps_in_flight.popleft()
-            self._take(pending.computed, pending.greedy, pending.wait())
+            self._take_oldest()
         return True
+
+    def _take_oldest(self) -> None:
+        """Wait for the oldest step in flight and take its tokens."""
+        pending = self._steps_in_flight.popleft()
+        if self.on_stage is None:
+            rows = pending.wait()
+        else:
+            started = time.perf_counter()
+            rows = pending.wait()
+            self.on_stage("wait", time.perf_counter() - started, pending.step)
+        self._take(pending.computed, pending.greedy, rows)
 
     def _take(self, computed: list[tuple[SeqState, int]], greedy: bool, rows: torch.Tensor) -> None:
         """Emit each computed sequence's token(s). O(S) (greedy ids leave the tensor in one call)."""
@@ -373,22 +399,14 @@ class Scheduler:
         if err is not None:
             raise err
 
-    def _admitted(self, group: Group):
+    def _placed(self, group: Group, retry: deque[Group]):
+        """The handler of a group's admission or swap-in: running once the manager placed it; back
+        at the front of ``retry`` (the waiting or the swapped queue) when it found no room."""
         def handle(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
             if err is None:
                 self.running.append(group)
             elif isinstance(err, errors.ResourceExhausted):
-                self.waiting.appendleft(group)  # try again when room returns
-            else:
-                raise err
-        return handle
-
-    def _swapped_in(self, group: Group):
-        def handle(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
-            if err is None:
-                self.running.append(group)
-            elif isinstance(err, errors.ResourceExhausted):
-                self.swapped.appendleft(group)
+                retry.appendleft(group)  # try again when room returns
             else:
                 raise err
         return handle
@@ -448,9 +466,9 @@ class Scheduler:
 
     # ---- preemption ------------------------------------------------------------------------------------
     def _preempt_if_short(self) -> None:
-        while self._append_need() > self._available and len(self.running) > 1:
+        while self._short():
             self._settle()   # a swap-out must not reach the workers ahead of the step in flight
-            if not (self._append_need() > self._available and len(self.running) > 1):
+            if not self._short():
                 break
             victim = self.running.pop()
             live = victim.unfinished()
@@ -469,6 +487,17 @@ class Scheduler:
                 self.stats.restarts += 1
             else:
                 raise err
+
+    def _short(self) -> bool:
+        """The running groups' next appends may not fit, and one of them can make room by leaving."""
+        return self._append_need() > self._available and len(self.running) > 1
+
+    def _room(self) -> int:
+        """GPU blocks this step may still give to swap-ins and admissions: those free or evictable
+        above the manager's watermark reserve (its admission check, ``manager/state.py`` ``_admit``,
+        mirrored so that a step asks only for what it will be given), after the running groups'
+        next appends. The one place the scheduler applies the watermark. O(running groups)."""
+        return self._available - self._reserve - self._append_need()
 
     def _append_need(self) -> int:
         """Blocks the next appends may take: a new block at each block boundary, and a
@@ -491,7 +520,7 @@ class Scheduler:
         token. Samples forked from one prompt share its full blocks: counted once."""
         B = self.block_size
         shared = len(group.request.prompt) // B if len(group.seqs) > 1 else 0
-        return shared + sum(-(-(s.num_cached + 1) // B) - shared for s in group.unfinished())
+        return shared + sum(ceil_div(s.num_cached + 1, B) - shared for s in group.unfinished())
 
     # ---- plumbing ---------------------------------------------------------------------------------------
     def _step(self, ops: list[pb.Operation]) -> pb.StepResponse:
@@ -500,7 +529,10 @@ class Scheduler:
         self.stats.overlapped_steps += bool(self._steps_in_flight)
         started = time.perf_counter()
         reply = self._send_step(ops)
-        self.stats.step_latencies.append(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self.stats.step_latencies.append(took)
+        if self.on_stage is not None:
+            self.on_stage("step_rpc", took, None)
         self.stats.steps += 1
         self._available = reply.gpu_blocks_available
         if self.on_step is not None:

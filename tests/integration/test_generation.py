@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager import errors
+from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
 from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
@@ -100,7 +101,7 @@ def test_generation_with_an_fp8_cache_matches_the_contiguous_cache_of_the_same_v
                                           manager_address=client.target))
         worker.start()
         try:
-            assert worker.cache.gpu.dtype == torch.float8_e4m3fn
+            assert worker.cache.blocks.dtype == torch.float8_e4m3fn
             fp32_block = CacheSpec(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, BLOCK, torch.float32)
             assert worker.memory_stats().block_bytes * 4 == fp32_block.block_bytes
             scheduler, stats = check_against_reference(client, service, worker.execute_model, make_requests(30, 2),
@@ -114,7 +115,7 @@ def test_worker_rejects_a_bad_plan_whole():
     worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=8, num_cpu_blocks=4))
     worker.start()
     try:
-        before = worker.cache.gpu.clone()
+        before = worker.cache.blocks.clone()
         with grpc.insecure_channel(worker.address) as channel:
             stub = worker_pb2_grpc.CacheWorkerStub(channel)
             plan = plan_pb2.ExecutionPlan(step_id=7, blocks_to_copy=plan_pb2.BlockMapping(src=[0], dst=[8]))
@@ -122,7 +123,7 @@ def test_worker_rejects_a_bad_plan_whole():
                 stub.ExecutePlan(worker_pb2.ExecutePlanRequest(plan=plan))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in info.value.details()
             assert stub.GetMemoryStats(worker_pb2.GetMemoryStatsRequest()).plans_executed == 0
-        assert worker.cache.gpu.equal(before)
+        assert worker.cache.blocks.equal(before)
     finally:
         worker.stop()
 
