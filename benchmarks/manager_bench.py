@@ -54,7 +54,6 @@ import dataclasses
 import gc
 import io
 import json
-import math
 import os
 import platform
 import pstats
@@ -78,6 +77,7 @@ from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager import wire
 from kvpager.manager.operations import AllocateOp, AppendBatchOp
 from kvpager.manager.service import create_server
+from kvpager.numeric import ceil_div, percentile
 from kvpager.v1 import block_manager_pb2 as pb
 
 BLOCK_SIZE = 16
@@ -95,16 +95,10 @@ perf_ns = time.perf_counter_ns
 
 
 # ---- statistics ---------------------------------------------------------------------------------
-def percentile(sorted_ns: list[int], q: float) -> float:
-    """Nearest-rank percentile of sorted nanosecond samples, in microseconds."""
-    rank = max(1, math.ceil(q / 100 * len(sorted_ns)))
-    return sorted_ns[rank - 1] / 1000
-
-
 def summarize(samples_ns: list[int]) -> dict:
-    s = sorted(samples_ns)
-    return {"p50_us": percentile(s, 50), "p99_us": percentile(s, 99), "max_us": s[-1] / 1000,
-            "mean_us": statistics.fmean(s) / 1000, "n": len(s)}
+    """p50, p99, largest and mean of nanosecond samples, in microseconds."""
+    return {"p50_us": percentile(samples_ns, 50) / 1000, "p99_us": percentile(samples_ns, 99) / 1000,
+            "max_us": max(samples_ns) / 1000, "mean_us": statistics.fmean(samples_ns) / 1000, "n": len(samples_ns)}
 
 
 def prompt(tag: int, length: int) -> list[int]:
@@ -402,7 +396,7 @@ class DecodeBatches:
 
     def pool_blocks(self) -> int:
         longest = GRPC_PROMPT + GRPC_RESET_EVERY + 1
-        return sum(self.sizes) * (-(-longest // BLOCK_SIZE) + 1) + HEADROOM_BLOCKS // 5
+        return sum(self.sizes) * (ceil_div(longest, BLOCK_SIZE) + 1) + HEADROOM_BLOCKS // 5
 
     def allocate_steps(self, free_first: bool) -> list[pb.StepRequest]:
         ops = []
@@ -481,7 +475,7 @@ def run_grpc(sizes: tuple[int, ...], reps: int, warmup: int, mode: str, seed: in
         s.update(sizes_bytes[f"step{n}"])
         rows = [row[1:] for row in server_rows if row[0] == n]  # warm-up rounds included: p50 only
         if rows:
-            s["server_p50_us"] = {name: percentile(sorted(column), 50)
+            s["server_p50_us"] = {name: percentile(column, 50) / 1000
                                   for name, column in zip(SERVER_STAGES, zip(*rows))}
         results[f"step{n}"] = s
     return results
@@ -557,10 +551,10 @@ def run_breakdown(sizes: tuple[int, ...], reps: int) -> dict:
         path.next_round()
     out = {}
     for n in sizes:
-        p50 = {name: percentile(sorted(col), 50) for name, col in zip(STAGES, stages[n])}
-        totals = sorted(sum(parts) for parts in zip(*stages[n]))
-        out[f"step{n}"] = {"stages_p50_us": p50, "total_p50_us": percentile(totals, 50),
-                           "client_build_request_p50_us": percentile(sorted(build[n]), 50)}
+        p50 = {name: percentile(col, 50) / 1000 for name, col in zip(STAGES, stages[n])}
+        totals = [sum(parts) for parts in zip(*stages[n])]
+        out[f"step{n}"] = {"stages_p50_us": p50, "total_p50_us": percentile(totals, 50) / 1000,
+                           "client_build_request_p50_us": percentile(build[n], 50) / 1000}
     return out
 
 

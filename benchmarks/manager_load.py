@@ -25,7 +25,6 @@ freed and that the manager's invariants hold (exit status 1 otherwise).
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -33,9 +32,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvpager import client as C
+from kvpager.commands.progress import Progress
 from kvpager.manager.config import ManagerConfig
 from kvpager.errors import ManagerError, ResourceExhausted
 from kvpager.manager.service import create_server
+from kvpager.numeric import ceil_div, percentile
 from kvpager.v1 import block_manager_pb2 as pb
 
 VOCAB = 32000
@@ -84,36 +85,6 @@ def make_workload(num: int, rng: random.Random) -> list[Group]:
     return groups
 
 
-class Progress:
-    """A \\r-updated bar on a terminal; otherwise a line every ~10%."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.last, self.next_pct = 0.0, 10
-
-    def update(self, done: int, running: int, swapped: int, util: float) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * done // self.total
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} done  "
-                f"running {running}  swapped {swapped}  util {util:.0%}")
-        if self.tty:
-            now = time.monotonic()
-            if now - self.last >= 0.1 or done == self.total:
-                self.last = now
-                sys.stderr.write("\r" + line)
-                sys.stderr.flush()
-        elif done * 100 >= self.next_pct * self.total:
-            self.next_pct = 100 * done // self.total // 10 * 10 + 10
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 class Scheduler:
     def __init__(self, client: C.BlockManagerClient, groups: list[Group], rng: random.Random) -> None:
         self.client, self.rng = client, rng
@@ -142,7 +113,7 @@ class Scheduler:
     def _blocks(self, g: Group) -> int:
         """GPU blocks the group holds: its full prompt blocks are shared by all its samples."""
         full = len(g.prompt) // self.B
-        return full + sum(math.ceil(s.num_tokens / self.B) - full for s in g.seqs)
+        return full + sum(ceil_div(s.num_tokens, self.B) - full for s in g.seqs)
 
     def _growth(self) -> int:
         """Blocks the running sequences' next appends may take (a new block or a CoW copy)."""
@@ -161,8 +132,8 @@ class Scheduler:
             self.util.append(stats.gpu_utilization)
             self.frag.append(stats.internal_fragmentation)
             self.iterations += 1
-            progress.update(self.done, sum(len(g.seqs) for g in self.running), len(self.swapped),
-                            stats.gpu_utilization)
+            progress.update(self.done, f"running {sum(len(g.seqs) for g in self.running)}  swapped "
+                                       f"{len(self.swapped)}  util {stats.gpu_utilization:.0%}")
             if self.iterations > 100 * self.total + 10_000:
                 raise RuntimeError("no progress: the GPU pool is too small for the workload")
 
@@ -183,7 +154,7 @@ class Scheduler:
         if len(groups) == len(self.swapped):
             seqs = sum(len(g.out_lens) for g in self.running)
             for g in self.waiting[:MAX_ADMIT_PER_STEP]:
-                need = math.ceil(len(g.prompt) / self.B)  # less when its prefix is cached
+                need = ceil_div(len(g.prompt), self.B)  # less when its prefix is cached
                 if need > budget + g.system_len // self.B or seqs + len(g.out_lens) > MAX_RUNNING_SEQS:
                     break
                 budget, seqs = budget - need, seqs + len(g.out_lens)
@@ -275,11 +246,6 @@ class Scheduler:
         self.swapped.sort(key=lambda g: g.order)
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1))]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/manager_load.py", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300, help="requests to serve (default 300)")
@@ -296,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = ManagerConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=CPU_BLOCKS)
     server, port, service, _ = create_server(config, "127.0.0.1:0")
     server.start()
-    progress = Progress(args.requests, not args.quiet)
+    progress = Progress(args.requests, quiet=args.quiet)
     try:
         with C.BlockManagerClient(f"127.0.0.1:{port}") as client:
             client.wait_ready()

@@ -53,6 +53,7 @@ from typing import Callable, Iterator, Optional
 
 from kvpager import client as C
 from kvpager.manager import ManagerConfig
+from kvpager.numeric import ceil_div, percentile
 from kvpager.step import StepInput
 from kvpager.v1 import block_manager_pb2 as pb
 
@@ -66,7 +67,7 @@ perf_ns = time.perf_counter_ns
 
 
 # ---- statistics: manager_bench's (this script's folder is on sys.path when it runs) -------------------
-from manager_bench import machine, manager_process, percentile, summarize  # noqa: E402
+from manager_bench import machine, manager_process, summarize  # noqa: E402
 
 
 # ---- the decode batch -----------------------------------------------------------------------------
@@ -87,7 +88,7 @@ class Batch:
 
     def pool_blocks(self, growth: int) -> int:
         """GPU blocks that hold every sequence grown by ``growth`` tokens, plus slack."""
-        return sum(-(-(len(p) + growth) // BLOCK_SIZE) + 1 for p in self.prompts) + 1024
+        return sum(ceil_div(len(p) + growth, BLOCK_SIZE) + 1 for p in self.prompts) + 1024
 
     def setup_requests(self, free_first: bool) -> list[pb.StepRequest]:
         """Steps that (free and) allocate every sequence with its prompt, a few per Step."""
@@ -246,8 +247,8 @@ def stages(batch: Batch, layout: str, reps: int) -> dict[str, float]:
         t.append(perf_ns())
         batch.lengths = [n + 1 for n in batch.lengths]
         rows.append([b - a for a, b in zip(t, t[1:])])
-    out = {name: percentile(sorted(column), 50) for name, column in zip(STAGES, zip(*rows))}
-    out["sum of the stages"] = percentile(sorted(map(sum, rows)), 50)
+    out = {name: percentile(column, 50) / 1000 for name, column in zip(STAGES, zip(*rows))}
+    out["sum of the stages"] = percentile([sum(row) for row in rows], 50) / 1000
     return out
 
 
