@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -12,6 +13,9 @@ from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 
 from .block_plan import BlockMoves, BlockPlan
 from .kv_cache import PlanExpired, PlanRejected
+
+if TYPE_CHECKING:
+    from .cache_worker import CacheWorker
 
 
 def block_plan(plan: plan_pb2.ExecutionPlan) -> BlockPlan:
@@ -27,10 +31,11 @@ def _moves(mapping: plan_pb2.BlockMapping) -> BlockMoves:
 class CacheWorkerService(worker_pb2_grpc.CacheWorkerServicer):
     """Thin: decodes the plan and hands it to the worker, which serializes it with model steps."""
 
-    def __init__(self, worker) -> None:
+    def __init__(self, worker: "CacheWorker") -> None:
         self.worker = worker
 
-    def ExecutePlan(self, request, context):
+    def ExecutePlan(self, request: worker_pb2.ExecutePlanRequest,
+                    context: grpc.ServicerContext) -> worker_pb2.ExecutePlanResponse:
         plan = request.plan
         started = time.perf_counter()
         try:
@@ -42,5 +47,6 @@ class CacheWorkerService(worker_pb2_grpc.CacheWorkerServicer):
         return worker_pb2.ExecutePlanResponse(step_id=plan.step_id,
                                               elapsed_ms=(time.perf_counter() - started) * 1e3)
 
-    def GetMemoryStats(self, request, context):
+    def GetMemoryStats(self, request: worker_pb2.GetMemoryStatsRequest,
+                       context: grpc.ServicerContext) -> worker_pb2.WorkerMemoryStats:
         return worker_pb2.WorkerMemoryStats(**dataclasses.asdict(self.worker.memory_stats()))
