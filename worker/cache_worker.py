@@ -323,7 +323,7 @@ class CacheWorker:
             else:
                 metrics.poll()
                 self.cache.execute(plan, time_part=metrics.time_plan_part)
-                metrics.observe_plan(len(plan.swap_out), len(plan.swap_in), len(plan.copy))
+                metrics.observe_plan(plan)
             counts = self._plan_counts
             counts.plans_executed += 1
             counts.blocks_swapped_out += len(plan.swap_out)

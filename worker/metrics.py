@@ -30,6 +30,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import Metric
 
+from .block_plan import BlockPlan
 from .kv_cache import KVCache
 
 # The parts of a plan, in the order the cache runs them, and the copy direction of each.
@@ -301,11 +302,12 @@ class WorkerMetrics:
             yield
         span.submit()
 
-    def observe_plan(self, swap_out: int, swap_in: int, copy: int) -> None:
-        """Count one executed plan that moved these numbers of blocks."""
+    def observe_plan(self, plan: BlockPlan) -> None:
+        """Count one executed plan and the blocks it moved."""
         self.plans.inc()
         block_bytes = self.cache.spec.block_bytes
-        for kind, blocks in (("swap_out", swap_out), ("swap_in", swap_in), ("copy", copy)):
+        for kind, moves in (("swap_out", plan.swap_out), ("swap_in", plan.swap_in), ("copy", plan.copy)):
+            blocks = len(moves)
             if blocks:
                 self.moved_blocks.labels(DIRECTIONS[kind]).inc(blocks)
                 self.moved_bytes.labels(DIRECTIONS[kind]).inc(blocks * block_bytes)
