@@ -45,7 +45,7 @@ def status_of(err: BaseException) -> str:
     """The status name ``err`` is answered with: by its class (its nearest listed base), or the
     status it arrived with (an error the client made from an answer). O(depth of its class)."""
     for cls in type(err).__mro__:
-        name = STATUS.get(cls)  # type: ignore[call-overload]
+        name = STATUS.get(cls)
         if name is not None:
             return name
     return getattr(err, "code", None) or "UNKNOWN"

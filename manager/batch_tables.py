@@ -77,7 +77,7 @@ def packed_padded(seqs: list[Sequence], lengths: list[int], width: int) -> bytes
     """Row-major ``[len(seqs), width]`` little-endian int32 table, rows padded with block 0 (the
     bytes of ``_padded``'s list). O(rows) Python steps, the rest C-level copies."""
     zeros = memoryview(bytes(4 * width))  # slices of it are views: no copy until the join
-    parts: list = []
+    parts: list[bytes | memoryview] = []
     for seq, length in zip(seqs, lengths):
         kept = seq.packed_table  # packed_table's check, inline: this loop runs for every row of every step
         parts.append(kept[1] if kept is not None and kept[0] == seq.block_ids else packed_table(seq))

@@ -24,7 +24,7 @@ Cost of each operation, independent of how many sequences are live (B = block si
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq, TypeVar
 
 from .config import ManagerConfig
 from kvpager.errors import (
@@ -46,6 +46,7 @@ from .plan import (
     FreeResult,
     ManagerStats,
     OperationOutcome,
+    Result,
     StepResult,
     SwapResult,
     TableLayout,
@@ -55,17 +56,19 @@ from .tentative import TentativeStep, counter_delta
 from .sequence import GPU, Sequence
 from .batch_tables import batch_tables
 from kvpager.status import status_of
-from .counts import Counters, OperationCounts  # noqa: F401  (re-exported: recovery, metrics)
 from .invariants import check_manager
 from .sequence_ops import SequenceOperations
-from .state import MAX_SEQ_ID_LEN, StepState  # noqa: F401  (MAX_SEQ_ID_LEN re-exported)
+from .state import MAX_SEQ_ID_LEN, StepState
 from .swap_ops import SwapOperations
+
+__all__ = ["MAX_SEQ_ID_LEN", "BlockManager"]  # MAX_SEQ_ID_LEN: re-exported for callers that bound ids
 
 
 class BlockManager(SequenceOperations, SwapOperations):
     def __init__(self, config: ManagerConfig | None = None) -> None:
         super().__init__(config)
-        self._apply: dict[type, Callable[[Any], Any]] = {
+        # Operation type -> its handler (each takes its own type of operation: hence Any).
+        self._apply: dict[type[Operation], Callable[[Any], Result]] = {
             AllocateOp: self._allocate,
             AppendOp: self._append,
             AppendBatchOp: self._append_batch,
@@ -79,28 +82,30 @@ class BlockManager(SequenceOperations, SwapOperations):
     # ---- public operations ----------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0,
                  namespace: str = "") -> AllocateResult:
-        return self.run(AllocateOp(seq_id, token_ids, num_tokens, namespace))
+        return _expect(self.run(AllocateOp(seq_id, token_ids, num_tokens, namespace)), AllocateResult)
 
     def append(self, seq_id: str, token_ids: Optional[Seq[int]] = None, num_tokens: int = 0) -> AppendResult:
-        return self.run(AppendOp(seq_id, token_ids, num_tokens))
+        return _expect(self.run(AppendOp(seq_id, token_ids, num_tokens)), AppendResult)
 
     def fork(self, parent_seq_id: str, child_seq_id: str) -> ForkResult:
-        return self.run(ForkOp(parent_seq_id, child_seq_id))
+        return _expect(self.run(ForkOp(parent_seq_id, child_seq_id)), ForkResult)
 
     def free(self, seq_id: str) -> FreeResult:
-        return self.run(FreeOp(seq_id))
+        return _expect(self.run(FreeOp(seq_id)), FreeResult)
 
     def swap_out(self, seq_ids: Seq[str]) -> SwapResult:
-        return self.run(SwapOutOp(list(seq_ids)))
+        return _expect(self.run(SwapOutOp(list(seq_ids))), SwapResult)
 
     def swap_in(self, seq_ids: Seq[str]) -> SwapResult:
-        return self.run(SwapInOp(list(seq_ids)))
+        return _expect(self.run(SwapInOp(list(seq_ids))), SwapResult)
 
-    def run(self, op: Operation, before_commit: Optional[Callable[[StepResult], None]] = None):
+    def run(self, op: Operation, before_commit: Optional[Callable[[StepResult], None]] = None) -> Result:
         """Apply one operation on its own: a step of one, whose error is raised."""
         outcome = self.step([op], batch=False, before_commit=before_commit).outcomes[0]
         if outcome.error is not None:
             raise outcome.error
+        if outcome.result is None:
+            raise InvariantViolation(f"{type(op).__name__}: an outcome with neither a result nor an error")
         return outcome.result
 
     def step(self, ops: Seq[Operation], all_or_nothing: bool = False, batch: bool = True,
@@ -125,7 +130,17 @@ class BlockManager(SequenceOperations, SwapOperations):
         when ``dispatch`` returns or raises. ``hold_open`` (log replay) makes such a step
         tentative without dispatching it: ``finish_tentative`` ends it. A step naming a sequence
         that a tentative step keeps busy raises ``Busy`` before anything is applied.
+
+        With ``step_log`` set (the write-ahead log), the step runs through it.
         """
+        if self.step_log is not None:
+            return self.step_log(self._apply_step, ops, all_or_nothing, batch, before_commit, layout, hold_open)
+        return self._apply_step(ops, all_or_nothing, batch, before_commit, layout, hold_open)
+
+    def _apply_step(self, ops: Seq[Operation], all_or_nothing: bool, batch: bool,
+                    before_commit: Optional[Callable[[StepResult], None]], layout: TableLayout,
+                    hold_open: bool) -> StepResult:
+        """``step``, unlogged."""
         if self.tentative:
             busy = self.tentative.busy_with(ops)
             if busy is not None:
@@ -148,7 +163,7 @@ class BlockManager(SequenceOperations, SwapOperations):
             for i, op in enumerate(ops):
                 mark, charged = journal.mark(), state.reply_bytes
                 try:
-                    result = self._run(op)
+                    done = self._run(op)
                 except InvariantViolation:
                     raise
                 except ManagerError as err:
@@ -159,7 +174,7 @@ class BlockManager(SequenceOperations, SwapOperations):
                         failed_at = i
                         break
                 else:
-                    outcomes.append(OperationOutcome(result=result))
+                    outcomes.append(OperationOutcome(result=done))
             if failed_at is not None:
                 journal.rollback()
                 self.counters = saved
@@ -249,7 +264,7 @@ class BlockManager(SequenceOperations, SwapOperations):
         )
 
     # ---- running operations ---------------------------------------------------------------
-    def _run(self, op: Operation):
+    def _run(self, op: Operation) -> Result:
         handler = self._apply.get(type(op))
         if handler is None:
             raise InvalidArgument(f"unknown operation {type(op).__name__}")
@@ -289,3 +304,13 @@ class BlockManager(SequenceOperations, SwapOperations):
     def check_invariants(self) -> None:
         """Raise InvariantViolation unless the state is consistent (``manager/invariants.py``)."""
         check_manager(self)
+
+
+R = TypeVar("R", bound=Result)
+
+
+def _expect(result: Result, kind: type[R]) -> R:
+    """``result`` as the kind its operation answers (an InvariantViolation if it is not). O(1)."""
+    if not isinstance(result, kind):
+        raise InvariantViolation(f"expected a {kind.__name__}, got {type(result).__name__}")
+    return result

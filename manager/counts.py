@@ -47,8 +47,8 @@ class OperationCounts:
     """Operations applied, and refused or rolled back by status code, by kind (for metrics).
     Unlike Counters these count every attempt, so a rolled-back step counts as failures."""
 
-    applied: Counter = field(default_factory=Counter)   # kind -> count
-    failed: Counter = field(default_factory=Counter)    # (kind, status code name) -> count
+    applied: Counter[str] = field(default_factory=Counter)              # kind -> count
+    failed: Counter[tuple[str, str]] = field(default_factory=Counter)   # (kind, status code name) -> count
 
     def record(self, ops: Seq[Operation], outcomes: Seq[OperationOutcome], committed: bool,
                error: Optional[ManagerError] = None) -> None:

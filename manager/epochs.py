@@ -15,6 +15,8 @@ clears the prefix cache, as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class WorkerCaches:
     def __init__(self) -> None:
@@ -32,9 +34,9 @@ class WorkerCaches:
         self.ranks[rank] = (cache_id, self.epoch)
         return lost
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "ranks": dict(self.ranks)}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         self.epoch = state["epoch"]
         self.ranks = dict(state["ranks"])

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grpc_health.v1 import health
+import grpc
+from grpc_health.v1 import health, health_pb2
 
 EPOCH_METADATA = "kvpager-epoch"
 
 
-class HealthService(health.HealthServicer):
+class HealthService(health.HealthServicer):  # type: ignore[misc]  # grpc_health ships no types
     def __init__(self) -> None:
         super().__init__()
         self.epoch: Callable[[], int] = lambda: 0   # the service sets it once its caches exist
 
-    def Check(self, request, context):  # noqa: N802 - the gRPC method's name
+    def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 - the gRPC method's name
+              context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
         context.send_initial_metadata(((EPOCH_METADATA, str(self.epoch())),))
         return super().Check(request, context)

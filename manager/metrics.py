@@ -10,17 +10,20 @@ the workers, and the bytes swaps moved (blocks times each worker rank's block si
 from __future__ import annotations
 
 import time
-from typing import ContextManager, Iterator, Optional, Protocol
+from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
 import grpc
+from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvpager import package_version
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .plan import ExecutionPlan
+from .wal import StateDir
 from .workers import WorkerRegistry
 
 TIERS = ("gpu", "cpu")
@@ -38,7 +41,7 @@ class Served(Protocol):
     registry: WorkerRegistry
 
     @property
-    def state_lock(self) -> ContextManager: ...
+    def state_lock(self) -> ContextManager[bool]: ...
 
 
 class ManagerMetrics:
@@ -73,7 +76,7 @@ class ManagerMetrics:
                                        buckets=RPC_BUCKETS, registry=self.registry)
         self.registry.register(ManagerStateCollector(service))
 
-    def watch_state_dir(self, state_dir) -> None:
+    def watch_state_dir(self, state_dir: StateDir) -> None:
         """Observe the log's appends and snapshots (a ``wal.StateDir``)."""
         def appended(nbytes: int, seconds: float) -> None:
             self.wal_appends.observe(seconds)
@@ -99,7 +102,7 @@ class ManagerStateCollector(Collector):
     def __init__(self, service: Served) -> None:
         self.service = service
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         service = self.service
         with service.state_lock:  # not service.lock: a scrape never waits behind a dispatch
             manager = service.manager
@@ -167,20 +170,21 @@ class ManagerStateCollector(Collector):
         yield swapped
 
 
-class RpcMetricsInterceptor(grpc.ServerInterceptor):
+class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
     """Times every unary RPC and counts it by its final status code."""
 
     def __init__(self, metrics: ManagerMetrics) -> None:
         self.metrics = metrics
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Optional[grpc.RpcMethodHandler]],
+                          handler_call_details: grpc.HandlerCallDetails) -> Optional[grpc.RpcMethodHandler]:
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
         behavior, observe = handler.unary_unary, self.metrics.observe_rpc
 
-        def timed(request, context):
+        def timed(request: Message, context: grpc.ServicerContext) -> Message:
             started = time.perf_counter()
             code = "OK"
             try:

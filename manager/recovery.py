@@ -27,96 +27,50 @@ import dataclasses
 import logging
 import os
 import time
-from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence as Seq
 
-from .block_manager import BlockManager, Counters
-from .block_pool import BlockPool
-from .config import ManagerConfig
 from kvpager.errors import Busy, ManagerError, Unavailable
-from .request_cache import RequestCache
-from .sequence import Sequence
 from kvpager.status import error_for, status_of
+from .block_manager import BlockManager
+from .config import ManagerConfig
+from .epochs import WorkerCaches
+from .metrics import ManagerMetrics
+from .operations import Operation
+from .plan import ExecutionPlan, StepResult, TableLayout
+from .request_cache import Answer, RequestCache
+from .snapshot import config_from, manager_state, restore_manager
+from .state import StepFn
 from .wal import CorruptState, StateDir
 
 log = logging.getLogger("kvpager.manager")
 
 EXIT_LOG_FAILED = 75  # the process exits with this when the log cannot be written (nothing unlogged is answered)
+Decision = Optional[tuple[str, str]]  # an admission check's outcome: None (admitted) or (status, message)
 
 
-# ---- the state as plain data --------------------------------------------------------------------
-def _pool_state(pool: BlockPool) -> dict:
-    if pool.num_held:
-        raise RuntimeError("snapshot inside a step")
-    return {
-        "num_blocks": pool.num_blocks,
-        "blocks": [(b.state, b.ref_count, b.block_hash, b.num_filled) for b in pool.blocks],
-        "free": pool.free_order(),
-        "lru": pool.lru_order(),
-        "hash_to_block": pool.cache.hashes(),
-        "num_used": pool.num_used,
-        "filled_slots": pool.filled_slots,
-        "evictions": pool.evictions,
-    }
-
-
-def _restore_pool(pool: BlockPool, state: dict) -> None:
-    if state["num_blocks"] != pool.num_blocks:
-        raise CorruptState(f"the {pool.name} pool has {pool.num_blocks} blocks; the snapshot has {state['num_blocks']}")
-    for block, (st, refs, h, filled) in zip(pool.blocks, state["blocks"]):
-        block.state, block.ref_count, block.block_hash, block.num_filled = st, refs, h, filled
-    pool.load(state["free"], state["lru"], state["hash_to_block"])
-    pool.num_used, pool.filled_slots, pool.evictions = state["num_used"], state["filled_slots"], state["evictions"]
-
-
-def manager_state(m: BlockManager) -> dict:
-    """The whole BlockManager state as plain data (also what tests compare)."""
-    return {
-        "config": dataclasses.asdict(m.config),
-        "steps": m.steps,
-        "counters": dataclasses.asdict(m.counters),
-        "op_counts": (dict(m.op_counts.applied), dict(m.op_counts.failed)),
-        "gpu": _pool_state(m.gpu),
-        "cpu": _pool_state(m.cpu),
-        "seqs": [(s.seq_id, list(s.block_ids), s.num_tokens, s.tier, s.namespace, s.last_hash,
-                  None if s.pending_tokens is None else list(s.pending_tokens)) for s in m.seqs.values()],
-        "lost": dict(m.lost),
-    }
-
-
-def restore_manager(state: dict, config: ManagerConfig) -> BlockManager:
-    m = BlockManager(config)
-    m.steps = state["steps"]
-    m.counters = Counters(**state["counters"])
-    applied, failed = state["op_counts"]
-    m.op_counts.applied, m.op_counts.failed = Counter(applied), Counter(failed)
-    _restore_pool(m.gpu, state["gpu"])
-    _restore_pool(m.cpu, state["cpu"])
-    for seq_id, table, n, tier, namespace, last_hash, pending in state["seqs"]:
-        m.seqs.add_silently(Sequence(seq_id, table, n, tier, namespace, last_hash, pending))
-    m.lost = dict(state.get("lost", {}))
-    return m
-
-
-
-
-def _config(d: dict) -> ManagerConfig:
-    known = {f.name for f in dataclasses.fields(ManagerConfig)}
-    return ManagerConfig(**{k: v for k, v in d.items() if k in known})
-
-
-def _plain(op) -> Any:
+def _plain(op: Operation) -> Operation:
     """The operation with its sequences as lists (the service builds them over protobuf containers)."""
-    changes = {}
-    for f in dataclasses.fields(op):
-        v = getattr(op, f.name)
-        if v is not None and not isinstance(v, (str, int, bytes, list)):
-            changes[f.name] = list(v)
-    return dataclasses.replace(op, **changes) if changes else op
+    fields = {f.name: getattr(op, f.name) for f in dataclasses.fields(op)}
+    changes = {name: list(v) for name, v in fields.items()
+               if v is not None and not isinstance(v, (str, int, bytes, list))}
+    return type(op)(**{**fields, **changes}) if changes else op
 
 
-def _codes(result) -> list:
+def _codes(result: StepResult) -> list[Optional[str]]:
     return [None if o.error is None else status_of(o.error) for o in result.outcomes]
+
+
+class Logged(Protocol):
+    """What Durability reads and sets of the service that owns it (``BlockManagerService``)."""
+
+    config: ManagerConfig
+    manager: Optional[BlockManager]
+    requests: RequestCache
+    caches: WorkerCaches
+    metrics: ManagerMetrics
+    awaiting_workers: bool
+
+    def _dispatch(self, plan: ExecutionPlan) -> None: ...
 
 
 # ---- the service's side -------------------------------------------------------------------------
@@ -124,89 +78,92 @@ class Durability:
     """Logs what the service applies and recovers it at start. Every method runs under the
     service's state lock."""
 
-    def __init__(self, service, state_dir: StateDir) -> None:
+    def __init__(self, service: Logged, state_dir: StateDir) -> None:
         self.service = service
         self.dir = state_dir
-        self._pending: list[tuple] = []   # what the current call changed: ("step", ...), ("event", ...)
-        self._request: list[tuple] = []    # request-id entries stored by the current call
+        self._pending: list[tuple[Any, ...]] = []   # what the current call changed: ("step", ...), ("event", ...)
+        # Request-id entries stored by the current call: (request id, fingerprint, answer, wall time).
+        self._request: list[tuple[str, bytes, Answer, float]] = []
         self._wrapped: Optional[BlockManager] = None
-        requests: RequestCache = service.requests
-        original_put = requests.put
+        service.requests.on_put = self._note_request
 
-        def put(request_id, print_, answer, **kw):
-            original_put(request_id, print_, answer, **kw)
-            self._request.append((request_id, print_, answer, time.time()))
-
-        requests.put = put
-        self._put = original_put
+    def _note_request(self, request_id: str, print_: bytes, answer: Answer) -> None:
+        self._request.append((request_id, print_, answer, time.time()))
 
     # ---- logging --------------------------------------------------------------------------------
     def _wrap(self) -> None:
+        """Log every step of the service's manager from now on (and its config, once)."""
         m = self.service.manager
         if m is None or m is self._wrapped:
             return
-        if self._wrapped is None or self._wrapped is not m:
-            self._pending.append(("config", dataclasses.asdict(m.config)))
-        original = BlockManager.step.__get__(m)
-        pending = self._pending
+        self._pending.append(("config", dataclasses.asdict(m.config)))
 
-        def step(ops, all_or_nothing=False, batch=True, before_commit=None, layout=None, **kw):
-            ops = list(ops)
-            before = m.steps
-            args = {} if layout is None else {"layout": layout}
-            # The service's admission hook (tenant quotas) decides outside the manager's state:
-            # its decisions are logged, in order, and replayed as they were.
-            live_admit = getattr(m, "admit", None)
-            decisions: Optional[list] = None
-            if live_admit is not None:
-                decisions = []
+        def log_step(apply: StepFn, ops: Seq[Operation], all_or_nothing: bool, batch: bool,
+                     before_commit: Optional[Callable[[StepResult], None]], layout: TableLayout,
+                     hold_open: bool) -> StepResult:
+            return self._log_step(m, apply, list(ops), all_or_nothing, batch, before_commit, layout, hold_open)
 
-                def admit(*a, **k):
-                    try:
-                        live_admit(*a, **k)
-                    except ManagerError as err:
-                        decisions.append((status_of(err), str(err)))
-                        raise
-                    decisions.append(None)
-
-                m.admit = admit
-            opened: list[int] = []
-
-            def on_tentative(result) -> None:
-                # Written now, before the lock is released: calls logged while the workers run its
-                # plan were applied after it.
-                opened.append(result.step_id)
-                pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
-                                _codes(result), decisions))
-                self.commit(sync=False)
-
-            m.on_tentative = on_tentative
-            try:
-                result = original(ops, all_or_nothing, batch, before_commit, **args, **kw)
-            except Busy:  # refused before anything was applied: nothing to log
-                raise
-            except BaseException as exc:
-                if opened:  # the workers failed its plan: rolled back
-                    pending.append(("finish", opened[0], False, status_of(exc) if isinstance(exc, ManagerError) else None))
-                else:
-                    # Rolled back (an answer too large, a bug, a refused dispatch), yet its step id
-                    # is spent: its plan may have reached some workers. Logged, so that a restarted
-                    # manager never gives that id to another step.
-                    pending.append(("event", "steps_used", m.steps))
-                raise
-            finally:
-                m.on_tentative = None
-                if live_admit is not None:
-                    m.admit = live_admit
-            if opened:
-                pending.append(("finish", opened[0], True, None))
-            else:
-                pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
-                                _codes(result), decisions))
-            return result
-
-        m.step = step
+        m.step_log = log_step
         self._wrapped = m
+
+    def _log_step(self, m: BlockManager, apply: StepFn, ops: list[Operation], all_or_nothing: bool, batch: bool,
+                  before_commit: Optional[Callable[[StepResult], None]], layout: TableLayout,
+                  hold_open: bool) -> StepResult:
+        """Run one step of ``m`` and log it: ("step", ...) when it commits at once; ("open", ...)
+        when it becomes tentative and ("finish", ...) when the workers answered."""
+        pending = self._pending
+        before = m.steps
+        # The service's admission hook (tenant quotas) decides outside the manager's state:
+        # its decisions are logged, in order, and replayed as they were.
+        live_admit = m.admit
+        decisions: Optional[list[Decision]] = None
+        if live_admit is not None:
+            made: list[Decision] = []
+            decisions = made
+
+            def admit(what: str, blocks: int) -> None:
+                try:
+                    live_admit(what, blocks)
+                except ManagerError as err:
+                    made.append((status_of(err), str(err)))
+                    raise
+                made.append(None)
+
+            m.admit = admit
+        opened: list[int] = []
+
+        def on_tentative(result: StepResult) -> None:
+            # Written now, before the lock is released: calls logged while the workers run its
+            # plan were applied after it.
+            opened.append(result.step_id)
+            pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
+                            _codes(result), decisions))
+            self.commit(sync=False)
+
+        m.on_tentative = on_tentative
+        try:
+            result = apply(ops, all_or_nothing, batch, before_commit, layout, hold_open)
+        except Busy:  # refused before anything was applied: nothing to log
+            raise
+        except BaseException as exc:
+            if opened:  # the workers failed its plan: rolled back
+                pending.append(("finish", opened[0], False, status_of(exc) if isinstance(exc, ManagerError) else None))
+            else:
+                # Rolled back (an answer too large, a bug, a refused dispatch), yet its step id
+                # is spent: its plan may have reached some workers. Logged, so that a restarted
+                # manager never gives that id to another step.
+                pending.append(("event", "steps_used", m.steps))
+            raise
+        finally:
+            m.on_tentative = None
+            if live_admit is not None:
+                m.admit = live_admit
+        if opened:
+            pending.append(("finish", opened[0], True, None))
+        else:
+            pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
+                            _codes(result), decisions))
+        return result
 
     def event(self, *what: Any) -> None:
         """A change made outside BlockManager.step (e.g. ("forget_gpu_contents",))."""
@@ -240,8 +197,7 @@ class Durability:
     def snapshot(self) -> None:
         started = time.perf_counter()
         m = self.service.manager
-        now = self.service.requests.clock()
-        entries = [(rid, p, a, now - t) for rid, (p, a, _cost, t) in self.service.requests._answers.items()]
+        entries = self.service.requests.entries()
         self.dir.snapshot({"manager": None if m is None else manager_state(m), "requests": entries,
                            "caches": self.service.caches.state()})
         log.info("state snapshot %d written in %.3f s", self.dir.snapshots, time.perf_counter() - started)
@@ -257,7 +213,7 @@ class Durability:
         if snap is not None:
             wall_age = time.time() - snap["written_at"]
             if snap["manager"] is not None:
-                m = restore_manager(snap["manager"], _config(snap["manager"]["config"]))
+                m = restore_manager(snap["manager"], config_from(snap["manager"]["config"]))
             self.service.caches.restore(snap["caches"])
             for rid, p, answer, age in snap["requests"]:
                 self._restore_request(rid, p, answer, age + wall_age)
@@ -270,7 +226,8 @@ class Durability:
             replayed += 1
         unfinished = sorted(m.tentative.steps) if m is not None else []
         for step_id in unfinished:  # its plan was out when the manager stopped: never answered
-            m.finish_tentative(step_id, False)
+            if m is not None:
+                m.finish_tentative(step_id, False)
         if unfinished:
             log.info("rolled back %d steps whose plans were with the workers when the manager stopped: %s",
                      len(unfinished), unfinished)
@@ -293,7 +250,7 @@ class Durability:
             + (f"; dropped a torn last record: {self.dir.dropped}" if self.dir.dropped else "") + ")")
         return f"state directory {self.dir.path}: {what} in {time.perf_counter() - started:.3f} s"
 
-    def _until_workers_return(self, plan) -> None:
+    def _until_workers_return(self, plan: ExecutionPlan) -> None:
         """The recovered manager's dispatch until a worker registers again (``_register`` then sets
         the service's own): a plan that moves blocks needs the workers that hold them, so it is
         refused UNAVAILABLE (the step rolls back) rather than applied without them."""
@@ -302,13 +259,14 @@ class Durability:
                               "restarted; the step was not applied")
         self.service._dispatch(plan)
 
-    def _restore_request(self, rid, p, answer, age: float) -> None:
-        self._put(rid, p, answer, stored_at=self.service.requests.clock() - max(age, 0.0))
+    def _restore_request(self, rid: str, p: bytes, answer: Answer, age: float) -> None:
+        requests = self.service.requests
+        requests.restore(rid, p, answer, requests.clock() - max(age, 0.0))
 
-    def _replay(self, m: Optional[BlockManager], change: tuple, index: int) -> Optional[BlockManager]:
+    def _replay(self, m: Optional[BlockManager], change: tuple[Any, ...], index: int) -> Optional[BlockManager]:
         kind = change[0]
         if kind == "config":
-            config = _config(change[1])
+            config = config_from(change[1])
             if m is None:
                 return BlockManager(config)
             if (config.block_size, config.num_gpu_blocks, config.num_cpu_blocks) != (
@@ -327,14 +285,14 @@ class Durability:
             args = {} if layout is None else {"layout": layout}
             replayed = iter(decisions or ())
 
-            def admit(*a, **k):
+            def admit(what: str, blocks: int) -> None:
                 decision = next(replayed, None)
                 if decision is not None:
                     raise error_for(decision[0], decision[1])
 
             m.admit = admit if decisions is not None else None
             try:
-                result = BlockManager.step(m, ops, all_or_nothing, batch, **args, hold_open=kind == "open")
+                result = m.step(ops, all_or_nothing, batch, **args, hold_open=kind == "open")
             except ManagerError as err:
                 raise CorruptState(f"log record {index}: replaying step {before + 1} raised {err!r}") from err
             finally:
@@ -383,7 +341,7 @@ class Durability:
         self.dir.close()
 
 
-def open_state(service) -> Durability:
+def open_state(service: Logged) -> Durability:
     """Open ``service.config.state_dir``, recover what it holds into ``service`` and return the
     Durability that logs from now on. Raises CorruptState (the manager must not start)."""
     config = service.config

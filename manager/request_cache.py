@@ -54,6 +54,8 @@ class RequestCache:
         self.bytes = 0  # what the entries kept now cost
         # id -> (fingerprint, answer, cost, time stored); oldest first (stores only append).
         self._answers: OrderedDict[str, tuple[bytes, Answer, int, float]] = OrderedDict()
+        # Told of every new answer put (the write-ahead log: manager/recovery.py); restored ones are not.
+        self.on_put: Optional[Callable[[str, bytes, Answer], None]] = None
 
     def __len__(self) -> int:
         return len(self._answers)
@@ -68,20 +70,32 @@ class RequestCache:
                 f"request_id {quote(request_id)} was already used for a different request; use a new id per request")
         return entry[1]
 
-    def put(self, request_id: str, print_: bytes, answer: Answer, stored_at: Optional[float] = None) -> None:
-        """Keep ``answer``; ``stored_at`` (a ``clock`` time; default now) is when it was first given
-        (recovery restores answers with their age)."""
+    def put(self, request_id: str, print_: bytes, answer: Answer) -> None:
+        """Keep a new ``answer`` (given now), and tell ``on_put``."""
+        self.restore(request_id, print_, answer, self.clock())
+        if self.on_put is not None:
+            self.on_put(request_id, print_, answer)
+
+    def restore(self, request_id: str, print_: bytes, answer: Answer, stored_at: float) -> None:
+        """Keep ``answer``, first given at ``stored_at`` (a ``clock`` time: recovery restores
+        answers with their age)."""
         old = self._answers.pop(request_id, None)
         if old is not None:
             self.bytes -= old[2]
         cost = len(request_id) + len(print_) + answer.size() + _ENTRY_OVERHEAD
         if cost > self.max_bytes:
             return  # could never be kept: a retry will be applied as a new request
-        self._answers[request_id] = (print_, answer, cost, self.clock() if stored_at is None else stored_at)
+        self._answers[request_id] = (print_, answer, cost, stored_at)
         self.bytes += cost
         while len(self._answers) > self.capacity or self.bytes > self.max_bytes:
             self._pop_oldest()
         self._expire()
+
+    def entries(self) -> list[tuple[str, bytes, Answer, float]]:
+        """(request id, fingerprint, answer, age in seconds) of every kept answer, oldest first
+        (snapshots). O(entries)."""
+        now = self.clock()
+        return [(rid, print_, answer, now - stored) for rid, (print_, answer, _cost, stored) in self._answers.items()]
 
     def _expire(self) -> None:
         answers = self._answers

@@ -8,17 +8,18 @@ not parse through the same ``reply``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvpager.errors import InvalidArgument, ManagerError, ResourceExhausted
+from kvpager.errors import InvalidArgument, InvariantViolation, ManagerError, ResourceExhausted
 from kvpager.status import NUMBERS, status_of
 from .request_cache import Answer
 
 NOT_ENOUGH_BLOCKS = "NOT_ENOUGH_BLOCKS"  # ErrorInfo.reason of a RESOURCE_EXHAUSTED answer
+R = TypeVar("R")  # a response message type
 
 
 def status_message(err: ManagerError) -> status_pb2.Status:
@@ -31,11 +32,20 @@ def status_message(err: ManagerError) -> status_pb2.Status:
     return status
 
 
-def reply(answer: Answer, context: grpc.ServicerContext) -> Any:
-    """The response, or (it never returns then) the call aborted with the error's status."""
+def abort(err: ManagerError, context: grpc.ServicerContext) -> NoReturn:
+    """End the call with the error's status (``abort_with_status`` raises)."""
+    context.abort_with_status(rpc_status.to_status(status_message(err)))
+    raise InvariantViolation("grpc's abort_with_status returned")  # it never does
+
+
+def reply(answer: Answer, context: grpc.ServicerContext, reply_type: type[R]) -> R:
+    """The response (of ``reply_type``), or the call aborted with the error's status."""
     if answer.error is not None:
-        context.abort_with_status(rpc_status.to_status(status_message(answer.error)))
-    return answer.response
+        abort(answer.error, context)
+    response = answer.response
+    if not isinstance(response, reply_type):
+        raise InvariantViolation(f"an answer of {type(response).__name__}, not {reply_type.__name__}")
+    return response
 
 
 class Malformed:
@@ -52,7 +62,7 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     are answered INVALID_ARGUMENT through ``reply`` (gRPC itself would answer INTERNAL,
     "Exception deserializing request")."""
 
-    def intercept_service(self, continuation: Callable[[Any], Optional[grpc.RpcMethodHandler]],
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Optional[grpc.RpcMethodHandler]],
                           handler_call_details: grpc.HandlerCallDetails) -> Optional[grpc.RpcMethodHandler]:
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
@@ -69,7 +79,7 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
             if isinstance(request, Malformed):
-                return reply(Answer(error=InvalidArgument(request.reason)), context)
+                abort(InvalidArgument(request.reason), context)
             return behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -9,7 +9,7 @@ table's last entry, or replace either list whole).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, ValuesView
 
 from .journal import Journal
 
@@ -49,7 +49,7 @@ class SequenceTable:
     def get(self, seq_id: str) -> Optional[Sequence]:
         return self._seqs.get(seq_id)
 
-    def values(self):
+    def values(self) -> ValuesView[Sequence]:
         return self._seqs.values()
 
     @property
@@ -82,11 +82,12 @@ class SequenceTable:
                 seq.num_tokens, seq.tier, seq.last_hash, pending, len(pending) if pending is not None else 0,
             )
 
-    def _restore(self, seq, table, length, last, num_tokens, tier, last_hash, pending, pending_len) -> None:
+    def _restore(self, seq: Sequence, table: list[int], length: int, last: Optional[int], num_tokens: int, tier: str,
+                 last_hash: Optional[bytes], pending: Optional[list[int]], pending_len: int) -> None:
         # Operations only append to a table or replace its last entry or the whole list, and
         # only extend pending_tokens in place (or replace it): truncation undoes them.
         del table[length:]
-        if length:
+        if length and last is not None:
             table[-1] = last
         seq.block_ids = table
         seq.num_tokens = num_tokens

@@ -5,7 +5,7 @@ its changes in the journal. Costs: see ``manager/block_manager.py``."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import NoReturn, Optional, Sequence as Seq
 
 from kvpager.numeric import ceil_div
 from kvpager.errors import (
@@ -36,7 +36,7 @@ from .state import ManagerState
 
 class SequenceOperations(ManagerState):
     @staticmethod
-    def _reject(op: RejectedOp):
+    def _reject(op: RejectedOp) -> NoReturn:
         raise InvalidArgument(op.reason)
 
     def _allocate(self, op: AllocateOp) -> AllocateResult:
@@ -58,13 +58,14 @@ class SequenceOperations(ManagerState):
                 f"allocate {quote(op.seq_id)}: a prompt of {n} tokens needs {num_blocks} blocks; the GPU pool can "
                 f"never give more than {usable} ({gpu.num_usable} minus a reserve of {self.watermark_blocks})")
 
-        caching = self.config.enable_prefix_caching and tokens is not None
+        prompt = tokens if self.config.enable_prefix_caching else None  # the tokens to hash, when caching
         hashes: list[bytes] = []
         hits: list[int] = []
-        last_hash = root_hash(op.namespace) if caching else None
-        if caching:
+        last_hash: Optional[bytes] = None
+        if prompt is not None:
+            last_hash = root_hash(op.namespace)
             for i in range(n // B):
-                last_hash = chain_hash(last_hash, tokens[i * B:(i + 1) * B])
+                last_hash = chain_hash(last_hash, prompt[i * B:(i + 1) * B])
                 hashes.append(last_hash)
             for h in hashes:
                 bid = gpu.lookup(h)
@@ -84,13 +85,13 @@ class SequenceOperations(ManagerState):
             gpu.register(block_ids[i], hashes[i])
         for i in range(len(hits), num_blocks):
             gpu.fill(block_ids[i], min(B, n - i * B))
-        pending = list(tokens[len(hashes) * B:]) if caching else None
+        pending = list(prompt[len(hashes) * B:]) if prompt is not None else None
         seq = Sequence(op.seq_id, block_ids, n, GPU, op.namespace, last_hash, pending)
         self.seqs.add(seq)
 
         cached = len(hits) * B
         slots = self._slots(block_ids, 0, n)
-        if caching:
+        if prompt is not None:
             c = self.counters
             c.prefix_query_tokens += n
             c.prefix_hit_tokens += cached
@@ -145,7 +146,8 @@ class SequenceOperations(ManagerState):
                 result.failures.append((i, err))
         return result
 
-    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int):
+    def _grow(self, seq: Sequence, tokens: Optional[Seq[int]], k: int
+              ) -> tuple[list[int], list[int], Optional[BlockMapping]]:
         """Add k tokens to a running sequence: check room, then copy a shared partial last block
         (copy-on-write) and take new blocks. Returns the new tokens' slots, the blocks added and
         the copy (None when there is none). O(k + new blocks)."""
@@ -178,9 +180,10 @@ class SequenceOperations(ManagerState):
             self.admit(f"append to {quote(seq_id)}", need)
 
         self.seqs.save(seq)
-        copies = BlockMapping() if cow else None
+        copies: Optional[BlockMapping] = None
         new_ids: list[int] = []
         if cow:
+            copies = BlockMapping()
             shared = table[-1]
             private = gpu.allocate()
             gpu.fill(private, n % B)
@@ -201,7 +204,7 @@ class SequenceOperations(ManagerState):
 
         slots = self._slots(table, n, n + k)
         if step is not None:
-            if cow:
+            if copies is not None:
                 step.plan.blocks_to_copy.extend(copies)
             for i in range(first, total):
                 step.written.add(table[i])
@@ -283,9 +286,11 @@ class SequenceOperations(ManagerState):
 
     def _hash_new_tokens(self, seq: Sequence, tokens: Optional[Seq[int]], start: int) -> None:
         """Extend the prefix-hash chain over appended tokens, registering blocks they fill."""
-        pending = seq.pending_tokens
+        pending, last_hash = seq.pending_tokens, seq.last_hash
         if pending is None:
             return
+        if last_hash is None:
+            raise InvariantViolation(f"sequence {quote(seq.seq_id)} has pending tokens but no prefix hash")
         if tokens is None:  # an unknown token breaks the chain for good
             seq.pending_tokens = seq.last_hash = None
             return
@@ -295,11 +300,11 @@ class SequenceOperations(ManagerState):
             return
         full, i = start // B, 0
         while len(pending) - i >= B:
-            seq.last_hash = chain_hash(seq.last_hash, pending[i:i + B])
-            self.gpu.register(seq.block_ids[full], seq.last_hash)
+            last_hash = chain_hash(last_hash, pending[i:i + B])
+            self.gpu.register(seq.block_ids[full], last_hash)
             i += B
             full += 1
-        seq.pending_tokens = pending[i:]
+        seq.last_hash, seq.pending_tokens = last_hash, pending[i:]
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         B = self.block_size

@@ -19,9 +19,10 @@ import logging
 import threading
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -55,10 +56,10 @@ __all__ = ["SERVICE_NAME", "BlockManagerService", "create_server"]
 log = logging.getLogger("kvpager.manager")
 _NOT_KEPT = (Unavailable, DeadlineExceeded, InvariantViolation)  # answers the request-id cache does not keep
 _READS = frozenset({"GetStats", "GetBlockTable"})  # calls that change nothing
+R = TypeVar("R")  # an RPC's response message type
 
 
-class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # type: ignore[misc]
-    # (the generated servicer base is untyped: kvpager/v1 has no _grpc.pyi stubs)
+class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
     def __init__(self, config: ManagerConfig, manager: Optional[BlockManager] = None,
                  health_servicer: Optional[HealthService] = None,
                  request_cache_size: Optional[int] = None) -> None:
@@ -98,7 +99,10 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
         return self.manager
 
     # ---- the one path every RPC takes -----------------------------------------------------------
-    def _call(self, method: str, request: Any, context: grpc.ServicerContext, work: Callable[[], object]) -> Any:
+    def _call(self, method: str, request: Message, context: grpc.ServicerContext, reply_type: type[R],
+              work: Callable[[], object]) -> R:
+        """Run ``work`` under the state lock (its kept answer when the request id was seen), log
+        it (--state-dir), and answer its ``reply_type`` response or its error's status."""
         try:
             request_id: str = getattr(request, "request_id", "")
             if len(request_id) > self.config.max_id_len:
@@ -128,7 +132,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
         except Exception as exc:  # a bug: the manager rolled back; report it, keep serving
             log.exception("%s failed", method)
             answer = Answer(error=InvariantViolation(f"{method}: internal error: {exc!r}"))
-        return reply(answer, context)
+        return reply(answer, context, reply_type)
 
     @staticmethod
     def _answer(method: str, work: Callable[[], object]) -> Answer:
@@ -202,26 +206,28 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
 
     # ---- RPCs ---------------------------------------------------------------------------------
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
-        return self._call("Allocate", request, context,
+        return self._call("Allocate", request, context, pb.AllocateResponse,
                           lambda: self._apply_as(wire.allocate_op(request), wire.allocate_pb))
 
     def Append(self, request: pb.AppendRequest, context: grpc.ServicerContext) -> pb.AppendResponse:
-        return self._call("Append", request, context,
+        return self._call("Append", request, context, pb.AppendResponse,
                           lambda: self._apply_as(wire.append_op(request), wire.append_pb))
 
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
-        return self._call("Fork", request, context, lambda: self._apply_as(wire.fork_op(request), wire.fork_pb))
+        return self._call("Fork", request, context, pb.ForkResponse,
+                          lambda: self._apply_as(wire.fork_op(request), wire.fork_pb))
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
-        return self._call("Free", request, context, lambda: self._apply_as(wire.free_op(request), wire.free_pb))
+        return self._call("Free", request, context, pb.FreeResponse,
+                          lambda: self._apply_as(wire.free_op(request), wire.free_pb))
 
     def SwapOut(self, request: pb.SwapOutRequest, context: grpc.ServicerContext) -> pb.SwapOutResponse:
-        return self._call("SwapOut", request, context,
+        return self._call("SwapOut", request, context, pb.SwapOutResponse,
                           lambda: self._apply_as(wire.swap_out_op(request, self.config.max_step_operations),
                                                  wire.swap_out_pb))
 
     def SwapIn(self, request: pb.SwapInRequest, context: grpc.ServicerContext) -> pb.SwapInResponse:
-        return self._call("SwapIn", request, context,
+        return self._call("SwapIn", request, context, pb.SwapInResponse,
                           lambda: self._apply_as(wire.swap_in_op(request, self.config.max_step_operations),
                                                  wire.swap_in_pb))
 
@@ -239,7 +245,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
                 self._manager().step(ops, request.all_or_nothing, layout=layout, before_commit=encode)
             return replies[0]
 
-        return self._call("Step", request, context, work)
+        return self._call("Step", request, context, pb.StepResponse, work)
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest,
                       context: grpc.ServicerContext) -> pb.GetBlockTableResponse:
@@ -254,7 +260,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
                     raise
                 raise shown from None
 
-        return self._call("GetBlockTable", request, context, work)
+        return self._call("GetBlockTable", request, context, pb.GetBlockTableResponse, work)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         def work() -> pb.GetStatsResponse:
@@ -274,7 +280,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
                 wire.fill_tenant_stats(reply, usage, self.quotas, identity.tenant, admin)
             return reply
 
-        return self._call("GetStats", request, context, work)
+        return self._call("GetStats", request, context, pb.GetStatsResponse, work)
 
     def Ping(self, request: pb.PingRequest, context: grpc.ServicerContext) -> pb.PingResponse:
         return pb.PingResponse()
@@ -282,7 +288,8 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):  # 
     # ---- workers (manager/registration.py) ----------------------------------------------------
     def RegisterWorker(self, request: pb.RegisterWorkerRequest,
                        context: grpc.ServicerContext) -> pb.RegisterWorkerResponse:
-        return self._call("RegisterWorker", request, context, lambda: self._register(request))
+        return self._call("RegisterWorker", request, context, pb.RegisterWorkerResponse,
+                          lambda: self._register(request))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))

@@ -10,7 +10,7 @@ Every method is O(1) or O(what the operation names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence as Seq
+from typing import Callable, Iterable, Optional, Protocol, Sequence as Seq
 
 from .block import CACHED
 from .block_pool import BlockPool
@@ -26,6 +26,7 @@ from kvpager.errors import (
     quote,
 )
 from .journal import Journal
+from .operations import Operation
 from .plan import (
     ExecutionPlan,
     StepResult,
@@ -37,6 +38,17 @@ from .counts import Counters, OperationCounts
 from .tentative import TentativeSteps
 
 MAX_SEQ_ID_LEN = 256  # the default of ManagerConfig.max_id_len
+
+# One step, unlogged: (ops, all_or_nothing, batch, before_commit, layout, hold_open) -> its result.
+StepFn = Callable[[Seq[Operation], bool, bool, Optional[Callable[[StepResult], None]], TableLayout, bool], StepResult]
+
+
+class StepLog(Protocol):
+    """What ``ManagerState.step_log`` is: runs ``apply`` on the step's arguments, around it records the step."""
+
+    def __call__(self, apply: StepFn, ops: Seq[Operation], all_or_nothing: bool, batch: bool,
+                 before_commit: Optional[Callable[[StepResult], None]], layout: TableLayout,
+                 hold_open: bool) -> StepResult: ...
 
 
 @dataclass(slots=True)
@@ -95,6 +107,9 @@ class ManagerState:
         # pool's room: the service's per-tenant quota check, set for one step. Raising a
         # ManagerError refuses the operation. None: no check.
         self.admit: Optional[Callable[[str, int], None]] = None
+        # Wraps every step (the write-ahead log records it there: manager/recovery.py); called
+        # with the unlogged step function and the step's arguments. None: steps are not logged.
+        self.step_log: Optional[StepLog] = None
 
     def _count(self, tokens: Optional[Seq[int]], num_tokens: int, what: str) -> int:
         if tokens is not None:
@@ -156,7 +171,7 @@ class ManagerState:
         return DataLoss(f"sequence {quote(seq_id)} lost its K/V: the worker group that held it was replaced (epoch "
                         f"{self.lost[seq_id]}); free it and compute it again")
 
-    def _admit(self, what: str, new: int, hits) -> None:
+    def _admit(self, what: str, new: int, hits: Iterable[int]) -> None:
         """Admission of an allocation or swap-in: ``new`` blocks to take, besides the GPU blocks
         ``hits`` it shares by prefix (a CACHED one among them is revived, so it counts against the
         room too). RESOURCE_EXHAUSTED unless they fit above the watermark; then the service's

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence as Seq, TypeVar
+
+from google.protobuf.message import Message
 
 from kvpager.errors import ManagerError, ResourceExhausted, quote
 from .operations import (
@@ -31,6 +33,10 @@ from .operations import (
 from .sequence import GPU
 
 SEP = "\0"
+MessageT = TypeVar("MessageT", bound=Message)  # a response message, rewritten in place
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
 
 
 def qualify(tenant: str, name: str) -> str:
@@ -69,7 +75,7 @@ def client_len(key: str) -> int:
 
 
 # Every id of an operation (and an Allocate's namespace) as one string, to look for NUL in one scan.
-_ID_TEXT = {
+_ID_TEXT: dict[type[Operation], Callable[[Any], str]] = {  # each takes its own operation type
     AllocateOp: lambda op: op.seq_id + op.namespace, AppendOp: lambda op: op.seq_id, FreeOp: lambda op: op.seq_id,
     ForkOp: lambda op: op.parent_seq_id + op.child_seq_id, AppendBatchOp: lambda op: "".join(op.seq_ids),
     SwapOutOp: lambda op: "".join(op.seq_ids), SwapInOp: lambda op: "".join(op.seq_ids),
@@ -77,7 +83,7 @@ _ID_TEXT = {
 
 
 # How each operation is mapped to a tenant's keys.
-_REMAP = {
+_REMAP: dict[type[Operation], Callable[[Scope, Any], Operation]] = {  # each takes its own operation type
     AllocateOp: lambda s, op: AllocateOp(s.key(op.seq_id), op.token_ids, op.num_tokens,
                                          qualify_namespace(s.tenant, op.namespace)),
     AppendOp: lambda s, op: AppendOp(s.key(op.seq_id), op.token_ids, op.num_tokens),
@@ -95,7 +101,7 @@ class Scope:
     __slots__ = ("tenant", "mapped", "_prefix")
 
     def __init__(self, tenant: str = "") -> None:
-        self.tenant = tenant
+        self.tenant: str = tenant
         # Whether a key differs from its id (always, but for tenant "" and no id starting with NUL):
         # when not, answers need no rewriting (a server without tokens pays nothing per id).
         self.mapped = bool(tenant)
@@ -112,7 +118,7 @@ class Scope:
     def name(self, key: str) -> str:
         return unqualify(key)[1] if key[:1] == SEP else key
 
-    def _keys(self, names) -> list[str]:
+    def _keys(self, names: Seq[str]) -> Seq[str]:
         if not self.tenant:
             if not any(n[:1] == SEP for n in names):
                 return names
@@ -156,7 +162,7 @@ class Scope:
     def op_error(self, err: ManagerError, op: Operation) -> ManagerError:
         return self.error(err, op_ids(op))
 
-    def response(self, reply, ops: Optional[list[Operation]] = None):
+    def response(self, reply: MessageT, ops: Optional[list[Operation]] = None) -> MessageT:
         """The reply of a single operation, a Step or GetBlockTable with the caller's ids (in place)."""
         if not self.mapped:
             return reply
@@ -176,7 +182,7 @@ class Scope:
                     for field in ("seq_id", "child_seq_id"):
                         if hasattr(inner, field) and getattr(inner, field):
                             setattr(inner, field, self.name(getattr(inner, field)))
-                    if kind == "append_batch" and inner.failed_messages:
+                    if kind == "append_batch" and isinstance(op, AppendBatchOp) and inner.failed_messages:
                         messages = [self.message(m, [op.seq_ids[i]])
                                     for i, m in zip(inner.failed_indices, inner.failed_messages)]
                         del inner.failed_messages[:]
@@ -201,11 +207,11 @@ class Usage:
         return self.gpu_blocks + self.cpu_blocks
 
 
-def usage(manager, tenant: Optional[str] = None) -> dict[str, Usage]:
+def usage(manager: BlockManager, tenant: Optional[str] = None) -> dict[str, Usage]:
     """Tenant -> usage, for every tenant with a live sequence (only ``tenant`` when given).
     O(sequences + their blocks). No block is held by two tenants: sequences share blocks only
     through forks and the prefix cache, both within a tenant's space."""
-    blocks: dict[str, tuple[set, set]] = defaultdict(lambda: (set(), set()))
+    blocks: dict[str, tuple[set[int], set[int]]] = defaultdict(lambda: (set(), set()))
     out: dict[str, Usage] = {}
     for seq in manager.seqs.values():
         owner = tenant_of(seq.seq_id)
@@ -234,7 +240,7 @@ class QuotaCheck:
     references to the caller's own blocks (no block is shared across tenants), so the tenant's
     usage moves exactly as the GPU pool's used count does."""
 
-    def __init__(self, manager, tenant: str, quota: int) -> None:
+    def __init__(self, manager: BlockManager, tenant: str, quota: int) -> None:
         self.manager, self.tenant, self.quota = manager, tenant, quota
         self.base = usage(manager, tenant).get(tenant, Usage()).gpu_blocks - manager.gpu.num_used
 

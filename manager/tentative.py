@@ -30,8 +30,10 @@ from typing import Any, Callable, Optional, Sequence as Seq
 
 from .block import USED
 from .block_pool import BlockPool
+from .counts import Counters
 from .journal import undo
 from .operations import Operation, op_ids
+from .plan import OperationOutcome
 
 # Undo entries of the pools that need no mark: shared-reference arithmetic and per-block data
 # of blocks the step owns anyway.
@@ -42,7 +44,7 @@ _UNMARKED = (BlockPool._undo_incref, BlockPool._undo_fill, BlockPool._undo_carry
 class TentativeStep:
     step_id: int
     ops: list[Operation]
-    outcomes: list                      # OperationOutcome per op, as answered
+    outcomes: list[OperationOutcome]    # one per op, as answered
     ids: frozenset[str]                 # every sequence id its operations name
     entries: list[tuple[Callable[..., Any], tuple[Any, ...]]]   # its undo journal
     counter_delta: dict[str, int]       # what it added to the manager's Counters
@@ -79,7 +81,8 @@ class TentativeSteps:
                     return step
         return None
 
-    def open(self, step_id: int, ops: Seq[Operation], outcomes: list, entries: list, counter_delta: dict[str, int],
+    def open(self, step_id: int, ops: Seq[Operation], outcomes: list[OperationOutcome],
+             entries: list[tuple[Callable[..., Any], tuple[Any, ...]]], counter_delta: dict[str, int],
              pools: Seq[BlockPool]) -> TentativeStep:
         """Make the step being applied tentative: mark its sequences busy, take its held blocks,
         pin the shared blocks it dropped and hide the blocks it took. O(journal entries)."""
@@ -110,7 +113,7 @@ class TentativeSteps:
             self._busy[seq_id] = step
         return step
 
-    def finish(self, step: TentativeStep, ok: bool, counters) -> None:
+    def finish(self, step: TentativeStep, ok: bool, counters: Counters) -> None:
         """Commit (``ok``) or undo a tentative step, then release its marks and held blocks."""
         if step.finished or self.steps.get(step.step_id) is not step:
             raise RuntimeError(f"step {step.step_id} is not a pending tentative step")
@@ -140,9 +143,9 @@ class TentativeSteps:
         step.finished, step.committed = True, ok
 
 
-def counter_delta(after, before) -> dict[str, int]:
+def counter_delta(after: Counters, before: Counters) -> dict[str, int]:
     """Field by field ``after - before`` of two Counters, the nonzero ones."""
-    out = {}
+    out: dict[str, int] = {}
     for f in fields(after):
         d = getattr(after, f.name) - getattr(before, f.name)
         if d:

@@ -67,7 +67,8 @@ def read_records(path: str, last: bool) -> tuple[list[Any], int, Optional[str]]:
     tail may be torn; elsewhere any damage is corruption."""
     with open(path, "rb") as f:
         data = f.read()
-    records, pos, n = [], 0, len(data)
+    records: list[Any] = []
+    pos, n = 0, len(data)
     while pos < n:
         problem = None
         if n - pos < _HEADER.size:
@@ -139,7 +140,7 @@ class StateDir:
         self.on_snapshot: Optional[Callable[[int, float], None]] = None
 
     # ---- recovery ------------------------------------------------------------------------------
-    def load(self) -> tuple[Optional[dict], list[Any]]:
+    def load(self) -> tuple[Optional[dict[str, Any]], list[Any]]:
         """The snapshot (None: none yet) and the log records after it, in order. Truncates a torn
         tail, deletes segments the snapshot made obsolete, and opens the log for appending."""
         snap = None
@@ -199,11 +200,12 @@ class StateDir:
         data = frame(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
         started = time.perf_counter()
         with self._io_lock:
-            written = os.write(self._fd, data)
+            fd = self._open_fd()
+            written = os.write(fd, data)
             if written != len(data):
                 raise OSError(f"short write to the log: {written} of {len(data)} bytes")
             if self.fsync == "always" and sync:
-                os.fdatasync(self._fd)
+                os.fdatasync(fd)
             else:
                 self._dirty = True
         self.records += 1
@@ -216,7 +218,7 @@ class StateDir:
         """Time for a snapshot (every ``snapshot_records`` records or ``snapshot_bytes`` of log)."""
         return self.records >= self.snapshot_records or self.bytes >= self.snapshot_bytes
 
-    def snapshot(self, state: dict) -> None:
+    def snapshot(self, state: dict[str, Any]) -> None:
         """Write ``state`` as the snapshot, then start a new segment and delete the old one."""
         started = time.perf_counter()
         state = dict(state, log_seq=self.seq + 1, written_at=time.time())
@@ -227,12 +229,13 @@ class StateDir:
             f.flush()
             os.fsync(f.fileno())
         with self._io_lock:
+            old_fd = self._open_fd()
             if self._dirty:
-                os.fdatasync(self._fd)
+                os.fdatasync(old_fd)
                 self._dirty = False
             os.replace(tmp, os.path.join(self.path, SNAPSHOT))
             _fsync_dir(self.path)
-            old, old_fd = self.seq, self._fd
+            old = self.seq
             self.seq += 1
             self._open_segment(self.seq)
             self.records = 0
@@ -241,6 +244,12 @@ class StateDir:
         self.snapshots += 1
         if self.on_snapshot is not None:
             self.on_snapshot(len(body), time.perf_counter() - started)
+
+    def _open_fd(self) -> int:
+        """The open segment's file descriptor; OSError when none is open (before ``load``, after ``close``)."""
+        if self._fd is None:
+            raise OSError(f"the state log in {self.path} is not open")
+        return self._fd
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(BATCH_INTERVAL):

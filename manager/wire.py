@@ -5,7 +5,7 @@ The only module of the manager that knows the wire format (with service.py, whic
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Collection, Mapping, TypeVar
 
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2
@@ -27,10 +27,14 @@ from .plan import (
     StepResult,
     SwapResult,
     TableLayout,
+    TierStats,
 )
 from .sequence import GPU, Sequence
 from .tenancy import Usage
 from kvpager.status import number_of
+
+M = TypeVar("M")  # a response message type
+R = TypeVar("R")  # an operation's result type
 
 
 
@@ -65,14 +69,15 @@ def swap_in_op(m: pb.SwapInRequest, max_sequences: int = 1 << 62) -> SwapInOp:
     return SwapInOp(_bounded_ids("swap_in", m.seq_ids, max_sequences))
 
 
-def _bounded_ids(kind: str, seq_ids, max_sequences: int) -> list[str]:
+def _bounded_ids(kind: str, seq_ids: Collection[str], max_sequences: int) -> list[str]:
     if len(seq_ids) > max_sequences:
         raise InvalidArgument(f"{kind}: {len(seq_ids)} sequences, more than {max_sequences} (max_step_operations); "
                               "nothing was applied: split it")
     return list(seq_ids)
 
 
-_OP_DECODERS = {
+# The oneof's field name -> its decoder (each takes its own request message).
+_OP_DECODERS: dict[str, Callable[[Any], Operation]] = {
     "allocate": allocate_op, "append": append_op, "append_batch": append_batch_op, "fork": fork_op,
     "free": free_op, "swap_out": swap_out_op, "swap_in": swap_in_op,
 }
@@ -89,7 +94,7 @@ def step_ops(request: pb.StepRequest, max_operations: int = 1 << 62, max_forks: 
     count = forks = 0
     for i, operation in enumerate(request.operations):
         kind = operation.WhichOneof("op")
-        inner = getattr(operation, kind) if kind is not None else None
+        inner: Any = getattr(operation, kind) if kind is not None else None  # the oneof's message, of kind's type
         count += max(1, len(inner.seq_ids)) if kind in _MULTI else 1
         if count > max_operations:
             raise InvalidArgument(
@@ -183,8 +188,9 @@ def _fill_swap_in(m: pb.SwapInResponse, r: SwapResult) -> None:
     m.num_blocks_reused = r.num_blocks_reused
 
 
-def _single(message_type, fill):
-    def encode(result):
+def _single(message_type: Callable[[], M], fill: Callable[[M, R], None]) -> Callable[[R], M]:
+    """An encoder of one operation's result as its RPC's response message."""
+    def encode(result: R) -> M:
         m = message_type()
         fill(m, result)
         return m
@@ -228,7 +234,8 @@ def _fill_batch(m: pb.BatchTables, b: BatchTables) -> None:
         m.block_tables_packed = b.block_tables_packed
 
 
-_RESULT_FILLERS = {
+# Operation type -> (the OperationResult field of its answer, its filler).
+_RESULT_FILLERS: dict[type[Operation], tuple[str, Callable[[Any, Any], None]]] = {
     AllocateOp: ("allocate", _fill_allocate), AppendOp: ("append", _fill_append),
     AppendBatchOp: ("append_batch", _fill_append_batch), ForkOp: ("fork", _fill_fork),
     FreeOp: ("free", _fill_free), SwapOutOp: ("swap_out", _fill_swap_out), SwapInOp: ("swap_in", _fill_swap_in),
@@ -258,7 +265,7 @@ def block_table_pb(seq: Sequence) -> pb.GetBlockTableResponse:
 
 
 def stats_pb(s: ManagerStats) -> pb.GetStatsResponse:
-    def tier(t):
+    def tier(t: TierStats) -> pb.TierStats:
         return pb.TierStats(total_blocks=t.total_blocks, used_blocks=t.used_blocks, free_blocks=t.free_blocks,
                             cached_blocks=t.cached_blocks)
 

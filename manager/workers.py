@@ -55,7 +55,7 @@ class WorkerRegistry:
         self._by_rank: dict[int, WorkerRecord] = {}
         # ExecutePlan calls in flight, by worker id: cancelled when the worker is dropped, so a
         # step waiting on a rank known dead fails at once instead of at the plan timeout.
-        self._inflight: dict[str, set] = {}
+        self._inflight: dict[str, set[grpc.Future]] = {}
         self.ranks_seen: set[int] = set()  # ranks that ever registered: a new one there is a replacement
         self._ids = itertools.count(1)
         # Opens the channel to a worker's CacheWorker service (create_server sets TLS and the

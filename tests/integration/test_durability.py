@@ -27,7 +27,7 @@ from kvpager.manager.block_manager import BlockManager
 from kvpager.manager.config import ManagerConfig
 from kvpager.errors import ManagerError, NotFound, Unavailable
 from kvpager.status import status_of
-from kvpager.manager.recovery import manager_state, restore_manager
+from kvpager.manager.snapshot import manager_state, restore_manager
 from kvpager.manager.wal import CorruptState, StateDir
 from kvpager.v1 import block_manager_pb2 as pb
 

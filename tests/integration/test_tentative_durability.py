@@ -21,7 +21,7 @@ import grpc
 
 from kvpager import errors
 from kvpager.manager.config import ManagerConfig
-from kvpager.manager.recovery import manager_state
+from kvpager.manager.snapshot import manager_state
 from kvpager.manager.service import BlockManagerService
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
