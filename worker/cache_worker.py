@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 from kvpager.v1 import worker_pb2_grpc
 
+from .addresses import advertised_host, host_port
 from .block_plan import BlockPlan
 from .kv_cache import CacheSpec, KVCache, PlanExpired
 from .launched_steps import LaunchedSteps
@@ -104,32 +104,6 @@ def default_device_blocks(device: torch.device, block_bytes: int, memory_fractio
 def default_swap_blocks(block_bytes: int) -> int:
     """CPU swap blocks of a rank when none are asked for: DEFAULT_SWAP_BLOCKS, at most SWAP_BYTES."""
     return max(1, min(DEFAULT_SWAP_BLOCKS, SWAP_BYTES // block_bytes))
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def advertised_host(config: WorkerConfig) -> str:
-    """The host the manager and Prometheus reach this worker at: ``advertise_host`` if set,
-    else the bind host, unless that is a wildcard (which no one can connect to): then the
-    node's address (Ray's view of it inside Ray, else what the host name resolves to)."""
-    if config.advertise_host:
-        return config.advertise_host
-    if config.host not in WILDCARD_HOSTS:
-        return config.host
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-def host_port(host: str, port: int) -> str:
-    """host:port, with an IPv6 literal in brackets (as gRPC and URLs want it)."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class CacheWorker:
@@ -252,7 +226,7 @@ class CacheWorker:
         port = auth.add_port(server, host_port(self.config.host, 0), creds.tls)
         server.start()
         self._server = server
-        self.address = host_port(advertised_host(self.config), port)
+        self.address = host_port(advertised_host(self.config.host, self.config.advertise_host), port)
 
     def _serve_metrics(self) -> None:
         cfg = self.config
@@ -260,7 +234,7 @@ class CacheWorker:
         tls = (cfg.credentials or auth.WorkerCredentials()).tls   # /metrics over HTTPS with the gRPC certificate
         self._metrics_server = MetricsServer(self.metrics.registry, host=cfg.host, port=cfg.metrics_port,
                                              tls=tls if tls.serves else None)
-        self.metrics_address = host_port(advertised_host(cfg), self._metrics_server.port)
+        self.metrics_address = host_port(advertised_host(cfg.host, cfg.advertise_host), self._metrics_server.port)
 
     def _info(self) -> WorkerInfo:
         # The tensor's device names the index ("cuda:0") where the configured one may not ("cuda").

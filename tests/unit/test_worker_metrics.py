@@ -22,7 +22,8 @@ from kvpager.step import StepInput
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 from kvpager.worker import metrics as worker_metrics
 from kvpager.worker.block_plan import BlockMoves, BlockPlan
-from kvpager.worker.cache_worker import CacheWorker, WorkerConfig, advertised_host, host_port
+from kvpager.worker.addresses import advertised_host, host_port
+from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
 from kvpager.worker.memory_stats import MemoryStats
 from kvpager.worker.metrics import DeviceClock
 from kvpager.worker.model import ModelConfig
@@ -170,9 +171,9 @@ def test_a_worker_without_metrics_port_serves_none():
 
 
 def test_advertised_addresses():
-    assert advertised_host(WorkerConfig(host="0.0.0.0", advertise_host="worker-3.example")) == "worker-3.example"
-    assert advertised_host(WorkerConfig(host="127.0.0.1")) == "127.0.0.1"
-    assert advertised_host(WorkerConfig(host="0.0.0.0")) not in ("0.0.0.0", "::", "")  # this node's address
+    assert advertised_host("0.0.0.0", "worker-3.example") == "worker-3.example"
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0") not in ("0.0.0.0", "::", "")  # this node's address
     assert host_port("10.0.0.7", 9500) == "10.0.0.7:9500"
     assert host_port("fd00::7", 9500) == "[fd00::7]:9500"
 
