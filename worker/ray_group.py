@@ -24,6 +24,7 @@ import torch
 from kvpager.step import StepInput, WorkerDied
 
 from .cache_worker import CacheWorker, WorkerConfig
+from .memory_stats import MemoryStats
 
 log = logging.getLogger("kvpager.worker")
 
@@ -227,7 +228,8 @@ class RayWorkerGroup:
         """Rank 0's recent model steps as its device ran them (``CacheWorker.step_timings``)."""
         return self._ray.get(self.actors[0].step_timings.remote(), timeout=60)
 
-    def memory_stats(self) -> list:
+    def memory_stats(self) -> list[MemoryStats]:
+        """Each rank's ``CacheWorker.memory_stats``, in rank order."""
         return self._ray.get([a.memory_stats.remote() for a in self.actors])
 
     def kill(self, rank: int, wait_s: float = 30.0) -> None:
