@@ -9,6 +9,9 @@ call may have been applied although its answer was lost, and the server answers 
 the first answer, applying nothing twice. An error that outlives the retries (``Unavailable``,
 ``DeadlineExceeded``, ``Cancelled``) does not say whether the call was applied: retry it later
 with the same ``request_id`` (within the server's ``--request-cache-ttl``) to find out.
+The retries are ours, not gRPC's ``retryPolicy``: that one spends one deadline on all attempts
+and never retries the client's own DEADLINE_EXCEEDED, the very case (a slow step whose answer
+the caller stopped waiting for) where a retry with a fresh deadline gets the first answer.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import Iterable, Optional, Sequence
+import os
+from typing import Callable, Iterable, Optional, Sequence, TypeVar, Union
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from google.rpc import error_details_pb2
@@ -30,6 +35,8 @@ from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 
 _RETRYABLE = (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled)  # the answer may have been lost
 _MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
+R = TypeVar("R")  # a response message type
+PemSource = Union[str, bytes, os.PathLike[str], None]  # PEM bytes, a file path, or none
 
 
 def error_for(code_name: str, message: str) -> errors.ManagerError:
@@ -103,8 +110,8 @@ def swap_in_op(seq_ids: Iterable[str]) -> pb.Operation:
 
 class BlockManagerClient:
     def __init__(self, target: str, timeout: float = 10.0, retries: int = 3, retry_backoff: float = 0.05, *,
-                 token: Optional[str] = None, root_certificates=None, certificate_chain=None,
-                 private_key=None) -> None:
+                 token: Optional[str] = None, root_certificates: PemSource = None,
+                 certificate_chain: PemSource = None, private_key: PemSource = None) -> None:
         """``token``: sent as ``authorization: Bearer TOKEN`` on every call. ``root_certificates``
         (PEM bytes or a file path): use TLS, verifying the manager with this CA;
         ``certificate_chain``/``private_key`` (PEM bytes or paths): a client certificate for
@@ -128,7 +135,7 @@ class BlockManagerClient:
     def __enter__(self) -> "BlockManagerClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
@@ -140,26 +147,26 @@ class BlockManagerClient:
     # ---- mutating calls ------------------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0, namespace: str = "",
                  request_id: Optional[str] = None) -> pb.AllocateResponse:
-        return self._mutate(self.stub.Allocate, pb.AllocateRequest(
+        return self._mutate(self.stub.Allocate, pb.AllocateResponse, pb.AllocateRequest(
             seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens, cache_namespace=namespace), request_id)
 
     def append(self, seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0,
                request_id: Optional[str] = None) -> pb.AppendResponse:
-        return self._mutate(self.stub.Append, pb.AppendRequest(
+        return self._mutate(self.stub.Append, pb.AppendResponse, pb.AppendRequest(
             seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens), request_id)
 
     def fork(self, parent_seq_id: str, child_seq_id: str, request_id: Optional[str] = None) -> pb.ForkResponse:
-        return self._mutate(self.stub.Fork, pb.ForkRequest(
+        return self._mutate(self.stub.Fork, pb.ForkResponse, pb.ForkRequest(
             parent_seq_id=parent_seq_id, child_seq_id=child_seq_id), request_id)
 
     def free(self, seq_id: str, request_id: Optional[str] = None) -> pb.FreeResponse:
-        return self._mutate(self.stub.Free, pb.FreeRequest(seq_id=seq_id), request_id)
+        return self._mutate(self.stub.Free, pb.FreeResponse, pb.FreeRequest(seq_id=seq_id), request_id)
 
     def swap_out(self, seq_ids: Iterable[str], request_id: Optional[str] = None) -> pb.SwapOutResponse:
-        return self._mutate(self.stub.SwapOut, pb.SwapOutRequest(seq_ids=list(seq_ids)), request_id)
+        return self._mutate(self.stub.SwapOut, pb.SwapOutResponse, pb.SwapOutRequest(seq_ids=list(seq_ids)), request_id)
 
     def swap_in(self, seq_ids: Iterable[str], request_id: Optional[str] = None) -> pb.SwapInResponse:
-        return self._mutate(self.stub.SwapIn, pb.SwapInRequest(seq_ids=list(seq_ids)), request_id)
+        return self._mutate(self.stub.SwapIn, pb.SwapInResponse, pb.SwapInRequest(seq_ids=list(seq_ids)), request_id)
 
     def step(self, operations: Iterable[pb.Operation], all_or_nothing: bool = False,
              request_id: Optional[str] = None,
@@ -169,33 +176,35 @@ class BlockManagerClient:
         ``_CSR``, ``_NONE``, ``_PADDED_PACKED``; default both): each costs time in proportion to its
         entries at every step, on both sides of the wire, so ask only for the one the kernels read
         (``PADDED_PACKED``, raw int32 bytes, is the cheapest; ``kvpager.step.unpack_int32`` reads it)."""
-        return self._mutate(self.stub.Step, pb.StepRequest(
+        return self._mutate(self.stub.Step, pb.StepResponse, pb.StepRequest(
             operations=list(operations), all_or_nothing=all_or_nothing, table_layout=table_layout), request_id)
 
     # ---- queries ---------------------------------------------------------------------------------
     def get_block_table(self, seq_id: str) -> pb.GetBlockTableResponse:
-        return self._call(self.stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id))
+        return self._call(self.stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id), pb.GetBlockTableResponse)
 
     def get_stats(self) -> pb.GetStatsResponse:
-        return self._call(self.stub.GetStats, pb.GetStatsRequest())
+        return self._call(self.stub.GetStats, pb.GetStatsRequest(), pb.GetStatsResponse)
 
     def ping(self) -> pb.PingResponse:
-        return self._call(self.stub.Ping, pb.PingRequest())
+        return self._call(self.stub.Ping, pb.PingRequest(), pb.PingResponse)
 
     def health(self, service: str = "") -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN."""
-        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                           health_pb2.HealthCheckResponse)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
     def health_epoch(self, service: str = "") -> tuple[str, int]:
         """(health status, worker epoch): the epoch counts the times the workers' caches were
         lost (a replaced group); a manager that sends none gives 0."""
-        reply, call = self._call(self._health.Check.with_call, health_pb2.HealthCheckRequest(service=service))
+        reply, call = self._call(self._health.Check.with_call, health_pb2.HealthCheckRequest(service=service), tuple)
         epoch = dict(call.initial_metadata()).get("kvpager-epoch", "0")
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), int(epoch)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), int(epoch)
 
     # ---- plumbing --------------------------------------------------------------------------------
-    def _mutate(self, method, request, request_id: Optional[str]):
+    def _mutate(self, method: Callable[..., object], reply_type: type[R], request: Message,
+                request_id: Optional[str]) -> R:
         """Send a mutating request with a request id (``request_id``, or a new uuid4); retry it
         with the same id when its answer may have been lost. An empty ``request_id`` ("") sends
         none and never retries."""
@@ -206,7 +215,7 @@ class BlockManagerClient:
         attempts = 1 + (max(0, self.retries) if request_id else 0)
         for attempt in range(attempts):
             try:
-                return self._call(method, request)
+                return self._call(method, request, reply_type)
             except _RETRYABLE:
                 if attempt + 1 == attempts:
                     raise
@@ -215,8 +224,12 @@ class BlockManagerClient:
                 time.sleep(random.uniform(0.5, 1.0) * min(_MAX_BACKOFF, self.retry_backoff * (2 ** attempt)))
         raise AssertionError("unreachable")
 
-    def _call(self, method, request):
+    def _call(self, method: Callable[..., object], request: Message, reply_type: type[R]) -> R:
+        """One attempt of ``method``; its reply (of ``reply_type``) or its status's typed error."""
         try:
-            return method(request, timeout=self.timeout)
+            reply = method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise rpc_error(exc) from exc
+        if not isinstance(reply, reply_type):
+            raise errors.InvariantViolation(f"{reply_type.__name__} expected, got {type(reply).__name__}")
+        return reply

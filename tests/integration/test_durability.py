@@ -134,7 +134,7 @@ def call(bm: C.BlockManagerClient, method: str, request, request_id: str) -> tup
     send = {"Allocate": bm.stub.Allocate, "Append": bm.stub.Append, "Fork": bm.stub.Fork, "Free": bm.stub.Free,
             "SwapOut": bm.stub.SwapOut, "SwapIn": bm.stub.SwapIn, "Step": bm.stub.Step}[method]
     try:
-        reply = bm._mutate(send, request, request_id)
+        reply = bm._mutate(send, getattr(pb, f"{method}Response"), request, request_id)
     except Unavailable:
         raise
     except ManagerError as err:
