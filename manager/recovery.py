@@ -27,20 +27,22 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence as Seq
 
 from kvpager.errors import Busy, ManagerError, Unavailable
 from kvpager.status import error_for, status_of
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .epochs import WorkerCaches
-from .metrics import ManagerMetrics
 from .operations import Operation
 from .plan import ExecutionPlan, StepResult, TableLayout
 from .request_cache import Answer, RequestCache
 from .snapshot import config_from, manager_state, restore_manager
 from .state import StepFn
 from .wal import CorruptState, StateDir
+
+if TYPE_CHECKING:
+    from .metrics import ManagerMetrics
 
 log = logging.getLogger("kvpager.manager")
 

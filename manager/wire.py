@@ -1,6 +1,7 @@
 """Conversions between the protobuf messages of kvpager.v1 and the manager's plain records.
 
-The only module of the manager that knows the wire format (with service.py, which uses it).
+The servicer's codec (``manager/service.py``): requests become operations, results and stats
+become responses. (Registration, plans to the workers and statuses have their own modules.)
 """
 
 from __future__ import annotations
