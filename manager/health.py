@@ -4,7 +4,7 @@
 state (the epoch of ``manager/epochs.py``: how many times they were lost) matters to whoever
 watches health, so each Check answer carries it as initial metadata ``kvpager-epoch``: a
 replaced worker group shows in health, not only in GetStats. The statuses are set by the
-service (``BlockManagerService._update_health``).
+service (``_update_health`` in ``manager/registration.py``).
 """
 
 from __future__ import annotations

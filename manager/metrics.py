@@ -104,7 +104,7 @@ class ManagerStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         service = self.service
-        with service.state_lock:  # not service.lock: a scrape never waits behind a dispatch
+        with service.state_lock:  # released while a dispatch waits on the workers: a scrape never waits behind one
             manager = service.manager
             stats = manager.stats() if manager is not None else None
             applied = dict(manager.op_counts.applied) if manager is not None else {}
