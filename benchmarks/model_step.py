@@ -58,7 +58,7 @@ def main() -> None:
     width = -(-max(lens) // B)
     num_blocks = sum(-(-n // B) for n in lens) + 1
     cache = KVCache(CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, B, cfg.cache_dtype), num_blocks, 1, dev)
-    cache.gpu.normal_()
+    cache.blocks.normal_()
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables = []

@@ -20,6 +20,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from kvpager.step import StepInput  # noqa: E402
+from kvpager.worker.block_plan import BlockMoves, BlockPlan  # noqa: E402
 from kvpager.worker.decode_graphs import DecodeGraphs, supported  # noqa: E402
 from kvpager.worker.hf_config import PRESETS  # noqa: E402
 from kvpager.worker.kv_cache import CacheSpec, KVCache  # noqa: E402
@@ -38,7 +39,7 @@ def make(head: str, kv_cache_dtype: str = "auto"):
     spec = CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, BLOCK, cfg.cache_dtype)
     cache = KVCache(spec, NUM_BLOCKS, 4, "cuda")
     torch.manual_seed(0)
-    cache.gpu.copy_((torch.randn(cache.gpu.shape, device="cuda") * 0.5).to(cache.gpu.dtype))
+    cache.blocks.copy_((torch.randn(cache.blocks.shape, device="cuda") * 0.5).to(cache.blocks.dtype))
     return model, cache
 
 
@@ -65,7 +66,7 @@ def compare(model: Decoder, eager_cache: KVCache, graph_cache: KVCache, graphs: 
             owned: set[int], cache_tol: float = 0.05) -> None:
     """``cache_tol``: the K/V both paths wrote agree within this share of the cache's largest
     value (an fp8 cache may round one element to the neighbouring code)."""
-    before = graph_cache.gpu.clone()
+    before = graph_cache.blocks.clone()
     want = model.forward_paged(step, eager_cache.layer)
     got = graphs.run(step)
     torch.cuda.synchronize()
@@ -75,16 +76,16 @@ def compare(model: Decoder, eager_cache: KVCache, graph_cache: KVCache, graphs: 
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95   # bf16 near-ties may flip
     untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)
     untouched[sorted(owned)] = False
-    assert torch.equal(graph_cache.gpu[untouched], before[untouched]), "a graph step wrote outside its tables"
-    written = graph_cache.gpu.float() - eager_cache.gpu.float()
-    assert written.abs().max().item() <= cache_tol * max(1.0, eager_cache.gpu.float().abs().max().item())
+    assert torch.equal(graph_cache.blocks[untouched], before[untouched]), "a graph step wrote outside its tables"
+    written = graph_cache.blocks.float() - eager_cache.blocks.float()
+    assert written.abs().max().item() <= cache_tol * max(1.0, eager_cache.blocks.float().abs().max().item())
 
 
 @pytest.mark.parametrize("head", sorted(SHAPES))
 def test_graph_steps_match_eager_steps(head):
     model, eager_cache = make(head)
     _, graph_cache = make(head)
-    graph_cache.gpu.copy_(eager_cache.gpu)
+    graph_cache.blocks.copy_(eager_cache.blocks)
     assert supported(model, graph_cache) is None
     graphs = DecodeGraphs(model, graph_cache, max_batch=128, max_blocks=4096 // BLOCK)
     rng = random.Random(1)
@@ -110,26 +111,26 @@ def test_graph_step_waits_for_the_copy_plan():
     replay reads the copied block (as the eager path does), not what was there before."""
     model, eager_cache = make("d128")
     _, graph_cache = make("d128")
-    graph_cache.gpu.copy_(eager_cache.gpu)
+    graph_cache.blocks.copy_(eager_cache.blocks)
     graphs = DecodeGraphs(model, graph_cache, max_batch=32, max_blocks=256)
     rng = random.Random(2)
     lens = [rng.randint(20, 900) for _ in range(20)]
     step, owned = random_step(rng, model, lens, 1)
     graphs.run(step)  # capture the shape first, so the replay below is a plain replay
     torch.cuda.synchronize()
-    eager_cache.gpu.copy_(graph_cache.gpu)
+    eager_cache.blocks.copy_(graph_cache.blocks)
     # Copy a block from outside the tables over the first block of each sequence.
     firsts = [step.block_tables[i * step.max_blocks] for i in range(step.num_seqs)]
     sources = [b for b in range(1, NUM_BLOCKS) if b not in owned][:len(firsts)]
     for cache in (eager_cache, graph_cache):
-        cache.execute(([], []), ([], []), (sources, firsts))
+        cache.execute(BlockPlan(copy=BlockMoves(sources, firsts)))
     compare(model, eager_cache, graph_cache, graphs, replace(step, step_id=2), owned)
 
 
 def test_graph_steps_on_an_fp8_cache():
     model, eager_cache = make("d128", "fp8_e4m3")
     _, graph_cache = make("d128", "fp8_e4m3")
-    graph_cache.gpu.copy_(eager_cache.gpu)
+    graph_cache.blocks.copy_(eager_cache.blocks)
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     rng = random.Random(3)
     for step_id, batch in enumerate([5, 40], start=1):
@@ -142,7 +143,7 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
     one token given) give what the same step with the tokens given gives, graph and eager."""
     model, eager_cache = make("d128")
     _, graph_cache = make("d128")
-    graph_cache.gpu.copy_(eager_cache.gpu)
+    graph_cache.blocks.copy_(eager_cache.blocks)
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     rng = random.Random(4)
     step, owned = random_step(rng, model, [rng.randint(1, 1500) for _ in range(30)], 1)

@@ -54,7 +54,7 @@ def test_cache_sized_from_free_device_memory():
     worker.start()
     try:
         stats = worker.memory_stats()
-        assert stats.device.startswith("cuda") and worker.cache.cpu.is_pinned()
+        assert stats.device.startswith("cuda") and worker.cache.swap_space.is_pinned()
         expected = int(free_before * 0.05) // stats.block_bytes
         assert abs(stats.num_gpu_blocks - expected) <= expected * 0.02 + 1
     finally:

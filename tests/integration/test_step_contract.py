@@ -16,6 +16,7 @@ import torch
 
 from kvpager.step import PlanNotApplied, StepInput
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
+from kvpager.worker.block_plan import BlockMoves, BlockPlan
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
 from kvpager.worker.model import preset
 
@@ -48,11 +49,11 @@ def prefill(step_id: int, plan_step_id: int, tokens: list[int], table: list[int]
 
 
 def test_a_delayed_plan_refuses_the_step_until_it_arrives(worker):
-    before = worker.cache.gpu.clone()
+    before = worker.cache.blocks.clone()
     step = prefill(7, 7, [3, 1, 4, 1, 5, 9], [5, 2])
     with pytest.raises(PlanNotApplied, match="step 7 needs the swap/copy plan of step 7"):
         worker.execute_model(step)
-    assert torch.equal(worker.cache.gpu, before), "a refused step wrote K/V"
+    assert torch.equal(worker.cache.blocks, before), "a refused step wrote K/V"
     send_plan(worker, 7, copy=([9], [10]))  # the plan arrives late
     logits = worker.execute_model(step)
     assert logits.shape == (1, worker.config.model.vocab_size)
@@ -75,7 +76,7 @@ def test_reordered_plans_run_each_step_after_its_own(worker):
         second = StepInput(step_id=11, plan_step_id=11, token_ids=[5], positions=[6], slot_mapping=[11 * BLOCK + 2],
                            query_lens=[1], context_lens=[7], block_tables=[4, 11], max_blocks=2)
         expected_first = reference.execute_model(first)
-        reference.execute_plan(11, ([], []), ([], []), ([0], [1]))
+        reference.execute_plan(11, BlockPlan(copy=BlockMoves([0], [1])))
         expected_second = reference.execute_model(second)
 
         send_plan(worker, 12, copy=([0], [3]))  # a later step's plan overtakes step 11's
@@ -97,10 +98,10 @@ def test_reordered_plans_run_each_step_after_its_own(worker):
 def test_inconsistent_step_inputs_are_refused(worker, change, message):
     fields = dict(step_id=1, plan_step_id=0, token_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3],
                   slot_mapping=[4, 5, 6, 7], query_lens=[4], context_lens=[4], block_tables=[1, 2], max_blocks=2)
-    before = worker.cache.gpu.clone()
+    before = worker.cache.blocks.clone()
     with pytest.raises(ValueError, match=message):
         worker.execute_model(StepInput(**{**fields, **change}))
-    assert torch.equal(worker.cache.gpu, before)
+    assert torch.equal(worker.cache.blocks, before)
 
 
 def test_fed_back_tokens_equal_sending_them(worker):
@@ -117,10 +118,10 @@ def test_fed_back_tokens_equal_sending_them(worker):
                       query_lens=[1], context_lens=[6], block_tables=[5, 2], max_blocks=2)
     fed = dataclasses.replace(given, token_ids=[0], feedback_rows=[0], feedback_step=1)
     expect = worker.execute_model(given)          # not greedy: the worker keeps no ids after it
-    before = worker.cache.gpu.clone()
+    before = worker.cache.blocks.clone()
     with pytest.raises(FeedbackUnavailable, match="takes tokens from step 1's output"):
         worker.execute_model(fed)
-    assert torch.equal(worker.cache.gpu, before), "a refused step wrote K/V"
+    assert torch.equal(worker.cache.blocks, before), "a refused step wrote K/V"
     assert int(worker.execute_model(first)[0]) == token   # step 1 again: its ids are held now
     assert torch.equal(worker.execute_model(fed), expect)
 
@@ -151,10 +152,10 @@ def test_launched_steps_are_fetched_by_ticket_in_any_order(worker):
     with pytest.raises(StepNotLaunched, match="its launch failed"):
         worker.fetch_output("c")
     worker.launch_model(first, "d")
-    before = worker.cache.gpu.clone()
+    before = worker.cache.blocks.clone()
     with pytest.raises(ValueError, match="launched twice"):
         worker.launch_model(dataclasses.replace(first, slot_mapping=[8, 9, 10, 11, 12]), "d")
-    assert torch.equal(worker.cache.gpu, before), "a refused launch wrote K/V"
+    assert torch.equal(worker.cache.blocks, before), "a refused launch wrote K/V"
 
 
 def test_steps_launched_and_never_fetched_are_dropped_oldest_first(worker):
@@ -176,7 +177,7 @@ def test_a_plan_whose_sender_stopped_waiting_is_not_applied(worker):
     import threading
     import time
 
-    before = worker.cache.gpu.clone()
+    before = worker.cache.blocks.clone()
     plan = plan_pb2.ExecutionPlan(step_id=11, blocks_to_copy=plan_pb2.BlockMapping(src=[1], dst=[2]))
     errors = []
 
@@ -193,7 +194,7 @@ def test_a_plan_whose_sender_stopped_waiting_is_not_applied(worker):
         time.sleep(0.2)
     time.sleep(0.3)   # the handler now gets the lock, finds the call gone, and applies nothing
     assert errors == [grpc.StatusCode.DEADLINE_EXCEEDED]
-    assert torch.equal(worker.cache.gpu, before), "an expired plan moved blocks"
+    assert torch.equal(worker.cache.blocks, before), "an expired plan moved blocks"
     assert worker.memory_stats().plans_executed == 0
     send_plan(worker, 12, copy=([1], [2]))    # a live plan still runs
     assert worker.memory_stats().plans_executed == 1
