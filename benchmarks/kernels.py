@@ -35,6 +35,9 @@ Build variants of the decode kernel (the knobs at the top of kernels/csrc/paged_
 each built in its own directory and timed in its own process, with ``--variants``:
      python benchmarks/kernels.py --variants "base=;rows8=-DKVPAGER_DECODE_ROWS=8"
 
+And (``--only plan``, issue 12) a 32-layer decode step planned in every layer's call against
+planned once per step (grid plan, work list): host and device time per step.
+
 Run: python benchmarks/kernels.py            (needs CUDA; builds the extension on first use)
      python benchmarks/kernels.py --only swap,write_kv,flex,prefill,copy   (a subset)
      python benchmarks/kernels.py --only prefill_kernel   (the prefill kernel against SDPA)
@@ -56,7 +59,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kvpager.kernels import cuda, reference
+from kvpager.kernels import cuda, debug, reference
 
 HQ, HKV, D, B, LAYERS = 32, 8, 128, 16, 2
 DTYPE = torch.bfloat16
@@ -135,22 +138,23 @@ def bench(ceiling: float) -> None:
         k, v = cache[:, 0, 0], cache[:, 0, 1]
         nbytes = 2 * batch * ctx * HKV * D * q.element_size()
         out = torch.empty_like(q)
-        splits, partition, _, _ = cuda.decode_plan(q, k, v, tables, lens)
-        warm_up(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
-        t_ours = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
-        t_again = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
+        plan = cuda.plan_decode_grid(q, k, v, tables, lens)     # once, as a step plans for all its layers
+        splits, partition = plan.num_splits, plan.partition_tokens
+        ours = lambda: cuda.paged_decode_grid_run(plan, q, k, v, tables, lens, scale, out=out)  # noqa: E731
+        warm_up(ours)
+        t_ours = timed(ours)
+        t_again = timed(ours)
         sweep_pd = {}
         for pd in PREFETCH_SWEEP:
-            cuda._prefetch_steps = pd
-            sweep_pd[pd] = nbytes / timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
-        cuda._prefetch_steps = None
+            sweep_pd[pd] = nbytes / timed(lambda: debug.paged_decode_attention(q, k, v, tables, lens, scale, out=out,
+                                                                                prefetch_steps=pd))
         sweep_splits = {}
         if (batch, ctx) in SPLIT_SWEEP_CONFIGS:
             for n in SPLIT_SWEEP:
-                got = cuda.decode_plan(q, k, v, tables, lens, n)[0]
+                got = debug.decode_plan(q, k, v, tables, lens, n)[0]
                 if got == n:
                     sweep_splits[n] = nbytes / timed(
-                        lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, n, out=out))
+                        lambda: debug.paged_decode_attention(q, k, v, tables, lens, scale, n, out=out))
 
         q4 = q.view(batch, HQ, 1, D)
 
@@ -198,19 +202,17 @@ def bench_decode_quick(ceiling: float) -> None:
         k, v = cache[:, 0, 0], cache[:, 0, 1]
         nbytes = 2 * batch * ctx * HKV * D * q.element_size()
         out = torch.empty_like(q)
-        splits, _, _, loads = cuda.decode_plan(q, k, v, tables, lens)
+        splits, _, _, loads = debug.decode_plan(q, k, v, tables, lens)
         warm_up(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
         t = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
         print(f"{batch:>5} x {ctx:<6} planned loads {loads} splits {splits:>3}: {t * 1e6:7.1f} us "
               f"{nbytes / t / 1e9:6,.0f} GB/s {100 * nbytes / t / ceiling:5.1f}%")
         for forced_loads in (2, 4):
-            cuda._loads = forced_loads
             sweep = {}
             for n in SPLIT_SWEEP + (64, 128):
-                if cuda.decode_plan(q, k, v, tables, lens, n)[0] == n:
-                    sweep[n] = nbytes / timed(
-                        lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, n, out=out), 7)
-            cuda._loads = None
+                if debug.decode_plan(q, k, v, tables, lens, n, loads=forced_loads)[0] == n:
+                    sweep[n] = nbytes / timed(lambda: debug.paged_decode_attention(
+                        q, k, v, tables, lens, scale, n, loads=forced_loads, out=out), 7)
             best = max(sweep, key=sweep.get)
             print(f"{'':14} loads {forced_loads}: best s{best} {100 * sweep[best] / ceiling:5.1f}% | " +
                   " ".join(f"s{n}={100 * g / ceiling:.1f}" for n, g in sweep.items()))
@@ -257,14 +259,14 @@ def bench_ragged(ceiling: float) -> None:
         for _ in range(20):
             cuda.plan_decode_work(host_lens, geometry)
         plan_s = (time.perf_counter() - started) / 20
-        work = torch.from_numpy(plan).cuda()
-        workspace = cuda.decode_workspace(geometry.capacity(batch), HQ, D, "cuda")
+        step = debug.decode_plan_on("cuda", plan, geometry, batch, num_q_heads=HQ, head_dim=D)
+        grid_plan = cuda.plan_decode_grid(q, k, v, tables, lens)
 
         def grid():
-            return cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out_grid)
+            return cuda.paged_decode_grid_run(grid_plan, q, k, v, tables, lens, scale, out=out_grid)
 
         def listed():
-            return cuda.paged_decode_work(q, k, v, tables, lens, work, workspace, geometry, scale, out=out_list)
+            return cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out_list)
 
         warm_up(grid)
         warm_up(listed)
@@ -284,15 +286,66 @@ def bench_ragged(ceiling: float) -> None:
         sweep = []
         for min_item in PLAN_MIN_ITEMS:
             for item_cost in PLAN_ITEM_COSTS:
-                swept = torch.from_numpy(cuda.plan_decode_work(host_lens, geometry, min_item=min_item,
-                                                               item_cost=item_cost)).cuda()
-                t = timed(lambda: cuda.paged_decode_work(q, k, v, tables, lens, swept, workspace, geometry, scale,
-                                                         out=out_list), reps=9)
+                swept = debug.with_work(step, debug.plan_decode_work(host_lens, geometry, min_item=min_item,
+                                                                     item_cost=item_cost))
+                t = timed(lambda: cuda.paged_decode_run(swept, q, k, v, tables, lens, scale, out=out_list), reps=9)
                 sweep.append(f"m{min_item}/c{item_cost}={100 * nbytes / t / ceiling:.1f}")
         print(f"{'':29}planner knobs (min_item/item_cost=%): " + " ".join(sweep))
         del q, cache, k, v
         torch.cuda.empty_cache()
     print(f"(work list: {geometry.workers} workers per KV head, kernel instance with {geometry.loads} loads)")
+
+
+PLAN_ONCE_CONFIGS = [(8, 512), (32, 2048), (128, 2048)]
+
+
+def bench_plan_once() -> None:
+    """Issue 12 (plan once per step, run per layer): a decode step's attention over 32 layers
+    (one layer's cache read 32 times) three ways: planned in every layer's call (the one-shot
+    ``paged_decode_attention``: a grid plan and a workspace allocation per call), a grid plan made
+    once for the step, and the step's work list planned once on the host (uploaded, as the worker
+    does) with the planner's kept workspace. Host time per step (the launch path, no sync inside)
+    and the step's device time (events, L2 flushed before each step)."""
+    from kvpager.kernels import ops
+
+    scale, layers = D ** -0.5, 32
+    print(f"\ndecode planned per layer call vs once per step ({layers} layers; host us per step / device us per step):")
+    for batch, ctx in PLAN_ONCE_CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        out = torch.empty_like(q)
+        host_lens = lens.tolist()
+        planner = ops.DecodePlanner(q, k)
+
+        def per_call():
+            for _ in range(layers):
+                cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out)
+
+        def grid_once():
+            plan = cuda.plan_decode_grid(q, k, v, tables, lens)
+            for _ in range(layers):
+                cuda.paged_decode_grid_run(plan, q, k, v, tables, lens, scale, out=out)
+
+        def list_once():
+            work = torch.from_numpy(planner.plan(host_lens)).pin_memory().to("cuda", non_blocking=True)
+            plan = planner.step_plan(work, batch)
+            for _ in range(layers):
+                cuda.paged_decode_run(plan, q, k, v, tables, lens, scale, out=out)
+
+        cells = []
+        for fn in (per_call, grid_once, list_once):
+            warm_up(fn, 0.2)
+            torch.cuda.synchronize()
+            reps = 10
+            started = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host = (time.perf_counter() - started) / reps
+            torch.cuda.synchronize()
+            cells.append(f"{host * 1e6:8.1f} / {timed(fn, 9) * 1e6:8.1f}")
+        print(f"{batch:>5} x {ctx:<6} per call {cells[0]} | grid once {cells[1]} | work list once {cells[2]}")
+        del q, cache, k, v
+        torch.cuda.empty_cache()
 
 
 def bench_fp8(ceiling: float) -> None:
@@ -318,7 +371,7 @@ def bench_fp8(ceiling: float) -> None:
         warm_up(run)
         t_fp8 = timed(run)
         nbytes = 2 * batch * ctx * HKV * D              # one byte per element
-        splits, _, _, loads = cuda.decode_plan(q, k8, v8, tables, lens)
+        splits, _, _, loads = debug.decode_plan(q, k8, v8, tables, lens)
         print(f"{batch:>5} x {ctx:<6} bf16 {t_bf16 * 1e6:7.1f} us | fp8 {t_fp8 * 1e6:7.1f} us "
               f"{nbytes / t_fp8 / 1e9:6,.0f} GB/s {100 * nbytes / t_fp8 / ceiling:5.1f}% (loads {loads}, splits "
               f"{splits}) | fp8 / bf16 time {t_fp8 / t_bf16:.2f}")
@@ -414,8 +467,8 @@ def bench_swap() -> None:
 
     for mode in cuda.SWAP_MODES:
         try:
-            out = timed(on_side(lambda: cuda.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode=mode)), reps)
-            back = timed(on_side(lambda: cuda.swap_blocks(cpu, gpu, cpu_ids, gpu_ids, mode=mode)), reps)
+            out = timed(on_side(lambda: debug.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode)), reps)
+            back = timed(on_side(lambda: debug.swap_blocks(cpu, gpu, cpu_ids, gpu_ids, mode)), reps)
             res[f"ours, {mode}"] = (out, back)
         except Exception as exc:  # report and go on
             print(f"swap mode {mode} failed: {type(exc).__name__}: {exc}")
@@ -448,7 +501,7 @@ def bench_swap() -> None:
         def both():
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                cuda.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode=mode)
+                debug.swap_blocks(gpu, cpu, gpu_ids, cpu_ids, mode)
             compute()
             torch.cuda.current_stream().wait_stream(side)
         try:
@@ -714,8 +767,8 @@ def bench_prefill_kernel() -> None:
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
         def ours(w, wg):
-            return lambda: cuda.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
-                                                        host_lengths=host, warps=w, wgmma=wg)
+            return lambda: debug.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
+                                                         host_lengths=host, warps=w, wgmma=wg)
         times = {}
         outs = {}
         for inst in instances:
@@ -766,29 +819,29 @@ def smoke() -> None:
         lens = torch.tensor([1, 17, 190], dtype=torch.int32, device="cuda")
         q = torch.randn(3, 2 * group, d, dtype=dtype, device="cuda", generator=gen)
         for loads in (2, 4):            # both kernel instances
-            cuda._loads = loads
             for splits in (1, 3):
-                cuda.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits)
-        cuda._loads = None
+                debug.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits, loads=loads)
+        geometry = cuda.decode_work_geometry(q, k)  # a work list
+        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, 3,
+                                    num_q_heads=q.shape[1], head_dim=d)
+        cuda.paged_decode_run(step, q, k, v, tables, lens, d ** -0.5)
         if dtype != torch.float32:      # fp8 cache: write (quantizing) and decode
             cache8 = torch.zeros(40, 2, 2, 2, 16, d, dtype=reference.FP8, device="cuda")
             key8 = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
             cuda.write_kv(key8, key8, cache8[:, 1, 0], cache8[:, 1, 1], torch.tensor([0, -1, 17, 639, 100],
                                                                                      device="cuda"), 0.5, 0.25)
             for loads in (2, 4):
-                cuda._loads = loads
                 for splits in (1, 3):
-                    cuda.paged_decode_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5, splits,
-                                                k_scale=0.5, v_scale=0.25)
-            cuda._loads = None
+                    debug.paged_decode_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5, splits,
+                                                 loads=loads, k_scale=0.5, v_scale=0.25)
         key = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
         slots = torch.tensor([0, -1, 17, 639, 100], device="cuda")
         cuda.write_kv(key, key, k, v, slots)
         cuda.copy_blocks(cache, torch.tensor([0, 5]), torch.tensor([7, 39]))
         host = torch.zeros(4, *cache.shape[1:], dtype=dtype).pin_memory()
         for mode in cuda.SWAP_MODES:
-            cuda.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode=mode)
-            cuda.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode=mode)
+            debug.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode)
+            debug.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode)
     # The prefill kernel: both block shapes, a bf16 and an fp8 cache, chunked and whole prompts, GQA 4.
     for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
@@ -799,10 +852,10 @@ def smoke() -> None:
         cache8 = cache.to(reference.FP8)
         for warps in (4, 8):
             for wg in (False, True) if warps == 8 else (False,):
-                cuda.paged_prefill_attention(q, cache[:, 1, 0], cache[:, 1, 1], tables, lens, starts, d ** -0.5,
-                                             warps=warps, wgmma=wg)
-                cuda.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
-                                             0.5, 0.25, warps=warps, wgmma=wg)
+                debug.paged_prefill_attention(q, cache[:, 1, 0], cache[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                              warps=warps, wgmma=wg)
+                debug.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                              0.5, 0.25, warps=warps, wgmma=wg)
     torch.cuda.synchronize()
     print("smoke ok")
 
@@ -811,7 +864,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of ragged,decode,gqa,copy,swap,write_kv,flex,prefill,fp8 "
+                    help="comma-separated subset of plan,ragged,decode,gqa,copy,swap,write_kv,flex,prefill,fp8,"
+                         "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
     args = ap.parse_args()
@@ -824,11 +878,11 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
+    parts = set(filter(None, args.only.split(","))) or {"plan", "ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
                                                            "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
-    steps = [("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+    steps = [("plan", bench_plan_once), ("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]

@@ -1,7 +1,12 @@
 """kvpager's own CUDA kernels: paged decode and prefill attention, K/V writes, block copies and swaps.
 
-Same signatures and semantics as :mod:`kvpager.kernels.reference` (the oracle they are tested
-against), for CUDA tensors. The extension (``kernels/csrc``) is JIT-built with
+Same semantics as :mod:`kvpager.kernels.reference` (the oracle they are tested against), for
+CUDA tensors. Decode attention is split as FlashInfer splits it: a plan made once per step
+(``DecodePlan``: the work-list geometry, fixed per model, the step's work list and the split-KV
+workspace; or ``DecodeGridPlan`` from the table's width) and a run per layer
+(``paged_decode_run``, ``paged_decode_grid_run``) that checks its inputs and launches, never
+re-plans and never allocates. ``paged_decode_attention`` is the one-shot form (plan + run).
+These are what serving calls; benchmark and test knobs are in ``kernels/debug.py``. The extension (``kernels/csrc``) is JIT-built with
 ``torch.utils.cpp_extension`` (ninja) on first use and cached; the build directory is
 ``$KVPAGER_EXT_DIR`` if set, else ``<tempdir>/kvpager_ext/<torch version>-<source hash>``,
 never inside the repository. Set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0a``) to choose the
@@ -40,27 +45,19 @@ import torch
 
 from . import decode_plan as work_plan
 
-__all__ = ["available", "load_error", "paged_decode_attention", "decode_plan", "DecodeGeometry",
-           "decode_work_geometry", "plan_decode_work", "paged_decode_work", "decode_workspace", "supports_prefill",
-           "prefill_work", "paged_prefill_attention", "write_kv", "copy_blocks",
-           "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope", "silu_and_mul"]
+__all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
+           "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
+           "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work",
+           "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
+           "silu_and_mul"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("binding.cpp", "launch.cu", "layer_ops.cu", "paged_prefill.cu")
-_HEADERS = ("launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh")
+_SOURCES = ("binding.cpp", "launch.cu", "decode_plan.cu", "layer_ops.cu", "paged_prefill.cu")
+_HEADERS = ("launch.h", "decode_plan.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh")
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: str | None = None
-
-# Tests set this to fill the split-KV workspace with NaN before each launch, so that a merge
-# reading a partial that no split wrote shows up as NaN.
-_poison_workspace = False
-# The benchmark sets these to sweep the decode kernel's L2 prefetch distance and its loads in
-# flight per lane, 2 or 4 (None: the default distance, the planner's choice of loads).
-_prefetch_steps: int | None = None
-_loads: int | None = None
-
 
 def _extra_cuda_flags() -> list[str]:
     """Extra nvcc flags for experiments (e.g. ``-DKVPAGER_DECODE_ROWS=8``, see paged_decode.cuh),
@@ -159,52 +156,13 @@ def _ninja_module() -> bool:
     return True
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, *, out: torch.Tensor | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """One new token per sequence attending to all of its cached tokens (its own included).
-
-    query:            [num_seqs, num_q_heads, head_dim], float32/float16/bfloat16, CUDA;
-                      last dim contiguous, other strides multiples of 16 bytes
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views of the block-major
-                      cache (any block stride, equal for K and V; packed inner dims), query's dtype
-    block_tables:     [num_seqs, max_blocks] int32, padded rows (entries past a context are never read)
-    context_lens:     [num_seqs] int32, each >= 1 (a length <= 0 gives a zero output row)
-    scale:            softmax scale (usually head_dim ** -0.5)
-    num_splits:       None: chosen per call from the batch size, num_kv_heads, the longest
-                      possible context (max_blocks * block_size: no device sync) and the SM
-                      count; 1: the unsplit path; n > 1: split-KV into about n partitions
-                      (flash-decoding) and a merge kernel
-    out:              optional [num_seqs, num_q_heads, head_dim] output (query's dtype, last dim contiguous)
-    k_scale, v_scale: for a float8_e4m3fn cache (with a float16/bfloat16 query): real K = stored K
-                      * k_scale, V alike
-    returns           [num_seqs, num_q_heads, head_dim] in query's dtype (``out`` if given)
-
-    GQA: q head h reads kv head h // (num_q_heads // num_kv_heads); one thread block serves up
-    to 8 query heads of a KV head, so K/V are read once per group of up to 8.
-    """
-    mod = _load()
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    mod.paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, float(scale),
-                     _splits_arg(num_splits), _poison_workspace,
-                     -1 if _prefetch_steps is None else int(_prefetch_steps), int(_loads or 0), float(k_scale),
-                     float(v_scale))
-    return out
-
-
-def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, num_splits: int | None = None) -> tuple[int, int, int, int]:
-    """``(num_splits, partition_tokens, head_tile, loads)`` that :func:`paged_decode_attention`
-    uses for these inputs: splits actually launched (1 = unsplit), tokens per split, query heads
-    per thread block, 16-byte K (and V) loads in flight per lane (which kernel instance)."""
-    splits, partition, tile, loads = _load().decode_plan(query, k_cache, v_cache, block_tables, context_lens,
-                                                         _splits_arg(num_splits), int(_loads or 0))
-    return int(splits), int(partition), int(tile), int(loads)
-
-
-# ---- decode planned once per step (kernels/decode_plan.py says how) ----
+# ---- paged decode: planned once per step, run per layer (FlashInfer's plan/run split) ----
+#
+# The plan (kernels/csrc/decode_plan.cu: the kernel instance, head tile and grid or work-list
+# geometry; the step's work list; the split-KV workspace) is made once per step, or once per
+# model for the work-list geometry; the run functions only check inputs and launch what the
+# plan says. Benchmark and test knobs (forced split counts and kernel instances, the L2 prefetch
+# distance, workspace poisoning, planner knobs) live in kernels/debug.py, not here.
 
 @dataclass(frozen=True)
 class DecodeGeometry:
@@ -223,31 +181,63 @@ class DecodeGeometry:
     def plan_size(self, num_seqs: int, capacity: int | None = None) -> int:
         """Ints of a plan for ``num_seqs`` rows (``capacity`` item slots, default ``capacity(num_seqs)``)."""
         return work_plan.plan_size(num_seqs, self.workers,
-                                     self.capacity(num_seqs) if capacity is None else capacity)
+                                   self.capacity(num_seqs) if capacity is None else capacity)
+
+
+Workspace = tuple[torch.Tensor, torch.Tensor]   # part_out [rows, num_q_heads, head_dim], part_ml [rows, num_q_heads, 2]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One step's work-list decode plan, made once and read by every layer's
+    :func:`paged_decode_run`: the geometry, the work list on the device (``plan_decode_work`` of
+    the step's host lengths, uploaded with the step's other inputs) and the split-KV workspace
+    (at least ``geometry.capacity(num_seqs)`` rows, see :func:`decode_workspace`)."""
+    geometry: DecodeGeometry
+    work: torch.Tensor          # [geometry.plan_size(num_seqs)] int32, on the device
+    workspace: Workspace
+
+
+@dataclass(frozen=True)
+class DecodeGridPlan:
+    """A grid decode plan (one thread block per KV head chunk, sequence and split; splits cut
+    from the block table's width, so no host lengths are needed): made once for a step's sizes
+    by :func:`plan_decode_grid`, read by every layer's :func:`paged_decode_grid_run`."""
+    num_splits: int             # 1: unsplit (no merge kernel, no workspace)
+    partition_tokens: int       # tokens per split
+    head_tile: int              # query heads per thread block
+    loads: int                  # kernel instance: 16-byte K (and V) loads in flight per lane
+    num_seqs: int
+    table_width: int            # block-table width (entries) the plan covers
+    workspace: Workspace | None   # [num_seqs * num_splits, ...] rows when num_splits > 1
 
 
 _geometries: dict[tuple, DecodeGeometry] = {}
 
 
-def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor) -> DecodeGeometry:
+def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int = 0) -> DecodeGeometry:
     """The work-list geometry for queries like ``query_like`` ([*, num_q_heads, head_dim], its
-    dtype and device) over ``k_cache``'s layout. Cached: one device query per configuration."""
-    key = (query_like.device, query_like.dtype, query_like.shape[1:], k_cache.dtype, tuple(k_cache.shape[1:]),
-           _loads)
+    dtype and device) over ``k_cache``'s layout. Cached: planned once per configuration.
+    (``loads``: 0, the planner's instance; kernels/debug.py forces 2 or 4.)"""
+    key = (query_like.device, query_like.dtype, tuple(query_like.shape[1:]), k_cache.dtype, tuple(k_cache.shape[1:]),
+           loads)
     geometry = _geometries.get(key)
     if geometry is None:
-        q = torch.empty(1, *query_like.shape[1:], dtype=query_like.dtype, device=query_like.device)
-        geometry = DecodeGeometry(*(int(x) for x in _load().decode_work_geometry(q, k_cache, k_cache, int(_loads or 0))))
+        q = query_like.new_empty(1, *query_like.shape[1:])
+        geometry = DecodeGeometry(*(int(x) for x in _load().decode_work_geometry(q, k_cache, int(loads))))
         _geometries[key] = geometry
     return geometry
 
 
-def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None, *,
-                     min_item: int = work_plan.MIN_ITEM, item_cost: int = work_plan.ITEM_COST) -> np.ndarray:
+def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None) -> np.ndarray:
     """The step's work list (int32 numpy, ``decode_plan`` layout) for these host context lengths
-    (a list or an integer array, one per row): the C++ planner, equal to
-    ``decode_plan.plan_decode_work`` and ~50x faster (``min_item``, ``item_cost``: its knobs, for
-    benchmark sweeps). Raises ValueError as that one does."""
+    (a list or an integer array, one per row; 0 for padding rows): the C++ planner, equal to
+    ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does."""
+    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, work_plan.ITEM_COST)
+
+
+def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min_item: int,
+               item_cost: int) -> np.ndarray:
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
     out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
     _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
@@ -255,50 +245,103 @@ def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | Non
     return out
 
 
-def paged_decode_work(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, work: torch.Tensor, workspace: tuple[torch.Tensor, torch.Tensor],
-                      geometry: DecodeGeometry, scale: float, *, out: torch.Tensor | None = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """:func:`paged_decode_attention` over a work list planned for the step (``plan_decode_work``
-    on the host, then copied to the device as ``work``, int32): every layer of the step reuses
-    the plan and ``workspace`` = (part_out ``[capacity, num_q_heads, head_dim]``, part_ml
-    ``[capacity, num_q_heads, 2]``, float32, see ``decode_workspace``). ``context_lens`` must be
-    the lengths the plan was made from. No host work beyond the launch: a CUDA graph can
-    capture it, and replays serve any plan of the same size written into ``work``."""
+def decode_workspace(rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> Workspace:
+    """An empty split-KV workspace of ``rows`` partial rows (a plan's capacity, or a grid plan's
+    num_seqs * num_splits): each plan writes every row it reads."""
+    return (torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, num_q_heads, 2, dtype=torch.float32, device=device))
+
+
+def paged_decode_run(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                     out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One layer's decode attention over the step's work-list plan: one new token per sequence
+    attending to all of its cached tokens (its own included).
+
+    query:            [num_seqs, num_q_heads, head_dim], float32/float16/bfloat16, CUDA; last dim
+                      contiguous, other strides multiples of 16 bytes
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views of the block-major
+                      cache (any block stride, equal for K and V; packed inner dims), query's
+                      dtype or float8_e4m3fn (with a float16/bfloat16 query)
+    block_tables:     [num_seqs, max_blocks] int32 (entries past a context are never read)
+    context_lens:     [num_seqs] int32 on the device: the lengths the plan was made from (0: a
+                      padding row, written as zeros)
+    out:              optional [num_seqs, num_q_heads, head_dim] output (query's dtype)
+    k_scale, v_scale: fp8 caches: real K = stored K * k_scale, V alike
+    returns           [num_seqs, num_q_heads, head_dim] in query's dtype (``out`` if given)
+
+    No host work beyond the checks and the launch, no allocation but ``out`` when not given: a
+    CUDA graph can capture it, and replays serve any plan of the same size written into
+    ``plan.work``. GQA: q head h reads kv head h // (num_q_heads // num_kv_heads).
+    """
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    part_out, part_ml = workspace
-    _load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, work, part_out, part_ml,
-                              geometry.workers, geometry.loads, float(scale), float(k_scale), float(v_scale))
+    g = plan.geometry
+    part_out, part_ml = plan.workspace
+    _load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, plan.work, part_out, part_ml,
+                              g.workers, g.loads, g.head_tile, float(scale), float(k_scale), float(v_scale))
     return out
 
 
-def decode_workspace(capacity: int, num_q_heads: int, head_dim: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """An empty split-KV workspace for plans of ``capacity`` items."""
-    return (torch.empty(capacity, num_q_heads, head_dim, dtype=torch.float32, device=device),
-            torch.empty(capacity, num_q_heads, 2, dtype=torch.float32, device=device))
+def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor) -> DecodeGridPlan:
+    """A grid plan for decode calls over these inputs' sizes (the step's query rows, the cache
+    layout, the block table's width), with its workspace: splits chosen from the batch size,
+    num_kv_heads, the longest possible context (max_blocks * block_size: no device sync) and the
+    SM count. Make it once per step; every layer's :func:`paged_decode_grid_run` reuses it."""
+    return _plan_grid(query, k_cache, v_cache, block_tables, context_lens, 0, 0)
+
+
+def _plan_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits: int, loads: int) -> DecodeGridPlan:
+    splits, partition, tile, chosen = (int(x) for x in _load().decode_grid_plan(
+        query, k_cache, v_cache, block_tables, context_lens, int(num_splits), int(loads)))
+    rows = query.shape[0] * splits
+    workspace = decode_workspace(rows, query.shape[1], query.shape[2], query.device) if splits > 1 and rows else None
+    return DecodeGridPlan(splits, partition, tile, chosen, query.shape[0], block_tables.shape[1], workspace)
+
+
+def paged_decode_grid_run(plan: DecodeGridPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                          out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One layer's decode attention as the grid plan says; tensors as in :func:`paged_decode_run`
+    (``context_lens``: each >= 1; a length <= 0 gives a zero row). The plan must be made for
+    tables at least this wide (checked)."""
+    return _run_grid(plan, query, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale, v_scale, -1)
+
+
+def _run_grid(plan: DecodeGridPlan, query, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale, v_scale,
+              prefetch_steps: int) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    part_out, part_ml = plan.workspace if plan.workspace is not None else (None, None)
+    _load().paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, plan.num_splits,
+                         plan.partition_tokens, plan.head_tile, plan.loads, int(prefetch_steps), float(scale),
+                         float(k_scale), float(v_scale))
+    return out
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                           out: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
+    """One-shot decode attention (``reference.paged_decode_attention``'s signature): a grid plan
+    for these inputs (:func:`plan_decode_grid`), then one run. For a caller with one call to make;
+    a step that attends in every layer plans once (:func:`plan_decode_grid`, or a work list from
+    the host lengths, :class:`DecodePlan`) and runs each layer with the plan."""
+    plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens)
+    return paged_decode_grid_run(plan, query, k_cache, v_cache, block_tables, context_lens, scale, out=out,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 # ---- paged prefill (kernels/csrc/paged_prefill.cuh) ----
 
 PREFILL_HEAD_DIMS = (64, 128)
 PREFILL_BLOCK_SIZES = (8, 16, 32, 64)
-# Warps per prefill block (16 query rows each): 4 or 8. The benchmark sets it to compare.
-_prefill_warps: int | None = None
-DEFAULT_PREFILL_WARPS = 8
-# The wgmma (warpgroup) instances on Hopper, mma.sync elsewhere; the benchmark sets False/True to compare.
-_prefill_wgmma: bool | None = None
-
-
-def prefill_warps() -> int:
-    return int(_prefill_warps or DEFAULT_PREFILL_WARPS)
+PREFILL_WARPS = 8   # warps per prefill block (16 query rows each); kernels/debug.py runs the 4-warp instances
 
 
 def prefill_wgmma(device: torch.device) -> bool:
     """Whether prefill launches use the wgmma instances on ``device`` (Hopper, built for sm_90a)."""
-    if _prefill_wgmma is not None:
-        return bool(_prefill_wgmma)
     return torch.cuda.get_device_capability(device) == (9, 0) and has_wgmma(device)
 
 
@@ -328,7 +371,7 @@ def prefill_work(starts, context_lens, group: int, warps: int | None = None, seq
     16 * warps rows; items are sorted by the K/V positions they read, most first (the longest
     start first: a shorter tail). ``seqs``: the sequences to cover (default: every one with
     new tokens)."""
-    rows_per_tile = 16 * (warps or prefill_warps())
+    rows_per_tile = 16 * (warps or PREFILL_WARPS)
     starts = np.asarray(starts, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
     q = starts[1:] - starts[:-1]
@@ -366,8 +409,7 @@ def _device_work(starts, context_lens, group: int, warps: int, seqs, device: tor
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
-                            host_lengths=None, seqs=None, out: torch.Tensor | None = None,
-                            warps: int | None = None, wgmma: bool | None = None) -> torch.Tensor:
+                            host_lengths=None, seqs=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.paged_prefill_attention`` on tensor cores, one launch for the whole ragged
     batch, K/V read straight from the pages (no gather).
 
@@ -379,9 +421,17 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                       sync; without it they are read from the device once)
     seqs:             the sequences to compute (default: all with new tokens); the rows of the
                       others are left as they are in ``out``
-    warps, wgmma:     the kernel instance (default: ``prefill_warps()``, ``prefill_wgmma(device)``);
-                      wgmma needs 8 warps; wgmma instances not built for sm_90a run mma.sync
+
+    The kernel instance: 8 warps, wgmma where built for this device (``prefill_wgmma``), else
+    mma.sync (kernels/debug.py runs the others). The work list is planned from the host lengths
+    and uploaded once while they stay the same (every layer of a step passes the same lists).
     """
+    return _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
+                    host_lengths, seqs, out, PREFILL_WARPS, None)
+
+
+def _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
+             host_lengths, seqs, out, warps: int, wgmma: bool | None) -> torch.Tensor:
     mod = _load()
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -389,14 +439,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         n = context_lens.shape[0]
         lengths = torch.cat([query_start_loc.to("cpu", torch.int64), context_lens.to("cpu", torch.int64)]).tolist()
         host_lengths = (lengths[:n + 1], lengths[n + 1:])
-    w = warps or prefill_warps()
     group = query.shape[1] // k_cache.shape[1]
-    work = _device_work(host_lengths[0], host_lengths[1], group, w, seqs, query.device)
+    work = _device_work(host_lengths[0], host_lengths[1], group, warps, seqs, query.device)
     if work.shape[0] == 0:
         return out
-    use_wgmma = (prefill_wgmma(query.device) and w == 8) if wgmma is None else bool(wgmma)
+    use_wgmma = (prefill_wgmma(query.device) and warps == 8) if wgmma is None else bool(wgmma)
     mod.paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, float(scale),
-                      float(k_scale), float(v_scale), int(w), use_wgmma)
+                      float(k_scale), float(v_scale), int(warps), use_wgmma)
     return out
 
 
@@ -441,31 +490,31 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
 
 
 SWAP_MODES = ("dma", "batch", "kernel")
-# What swap_blocks does by default. benchmarks/kernels.py measures all three (docs/performance.md):
-# on an H100 each runs at >= 90% of the pinned-copy ceiling, and only "dma" leaves concurrent
-# compute unslowed (the batch API slowed a matmul load by ~22%, the zero-copy kernel by ~63%).
+# What swap_blocks does. benchmarks/kernels.py measures all three (kernels/debug.py runs the
+# others; docs/performance.md): on an H100 each runs at >= 90% of the pinned-copy ceiling, and
+# only "dma" leaves concurrent compute unslowed (the batch API slowed a matmul load by ~22%, the
+# zero-copy kernel by ~63%).
 DEFAULT_SWAP_MODE = "dma"
 
 
-def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-                mode: str | None = None) -> None:
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Move whole blocks between the device cache and the pinned host swap space (either
-    direction; device to device works too): ``dst_cache[dst[i]] = src_cache[src[i]]``.
-    Asynchronous: enqueued on the CURRENT stream of the device's side and returns at once;
-    the host side is complete once that stream reaches this point (an event or a sync).
+    direction; device to device works too): ``dst_cache[dst[i]] = src_cache[src[i]]``, on the
+    copy engines (one cudaMemcpyAsync per run of consecutive pairs; no SM used, so it overlaps
+    compute fully). Asynchronous: enqueued on the CURRENT stream of the device's side and
+    returns at once; the host side is complete once that stream reaches this point (an event or
+    a sync).
 
     src_cache, dst_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim],
                           contiguous, same block shape and dtype; the host one pinned
     src, dst:             [num_pairs] integer block ids, any device; destinations distinct
-    mode:                 "dma": the copy engines, one cudaMemcpyAsync per run of consecutive
-                          pairs (no SM used: overlaps compute fully); "batch": the same copies
-                          as one cudaMemcpyBatchAsync (CUDA 13; falls back to "dma" on the legacy
-                          default stream); "kernel": one zero-copy kernel whose threads read or
-                          write the mapped pinned host memory directly (uses SMs)
 
     Pairs naming a block outside its cache are skipped.
     """
-    mode = mode or DEFAULT_SWAP_MODE
+    _swap(src_cache, dst_cache, src, dst, DEFAULT_SWAP_MODE)
+
+
+def _swap(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, mode: str) -> None:
     if mode not in SWAP_MODES:
         raise ValueError(f"mode must be one of {SWAP_MODES}, got {mode!r}")
     if src.dim() != 1 or src.shape != dst.shape:
@@ -505,11 +554,3 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     _load().silu_and_mul(out, gate_up)
     return out
-
-
-def _splits_arg(num_splits: int | None) -> int:
-    if num_splits is None:
-        return 0
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    return num_splits

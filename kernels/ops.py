@@ -35,6 +35,9 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=1.0,
                            v_scale=1.0) -> torch.Tensor:
+    """One-shot decode attention (plans and runs in one call). A step that attends in every layer
+    plans once instead: ``DecodePlanner`` (a work list from the host lengths) or
+    ``plan_decode_grid`` (from the table's width), then the run functions below per layer."""
     impl = _cuda(query)
     if impl is None or not impl.supports_decode(query, k_cache):  # other head dims, block sizes: reference
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
@@ -43,13 +46,46 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
                                        v_scale=v_scale)
 
 
+def plan_decode_grid(query_like, k_cache, v_cache, block_tables, context_lens):
+    """A grid plan (``cuda.DecodeGridPlan``, with its workspace) for a step's decode calls over
+    these sizes (``query_like``: [num_seqs, num_q_heads, head_dim] of the query dtype), made
+    once; None where the reference serves (no CUDA kernel for these inputs)."""
+    impl = _cuda(query_like)
+    if impl is None or not impl.supports_decode(query_like, k_cache):
+        return None
+    return impl.plan_decode_grid(query_like, k_cache, v_cache, block_tables, context_lens)
+
+
+def paged_decode_grid_run(plan, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=1.0,
+                          v_scale=1.0) -> torch.Tensor:
+    """One layer's decode attention as ``plan_decode_grid``'s plan says (the reference when None)."""
+    if plan is None:
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                k_scale, v_scale)
+    from . import cuda
+
+    return cuda.paged_decode_grid_run(plan, query, k_cache, v_cache, block_tables, context_lens, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_decode_run(plan, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=1.0,
+                     v_scale=1.0) -> torch.Tensor:
+    """One layer's decode attention over the step's work-list plan (``DecodePlanner.step_plan``)."""
+    from . import cuda
+
+    return cuda.paged_decode_run(plan, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale=k_scale,
+                                 v_scale=v_scale)
+
+
 WORK_LIST_ENV = "KVPAGER_DECODE_WORK_LIST"
 
 
 class DecodePlanner:
     """Our CUDA decode kernel planned once per step (``kernels/decode_plan.py``): ``plan`` the
     step's work list on the host from its context lengths, copy it to the device with the step's
-    other inputs, then every layer's ``attention`` reuses it. One per (model, cache) pair."""
+    other inputs, wrap it as the step's ``cuda.DecodePlan`` (``step_plan``), then every layer's
+    ``paged_decode_run`` reuses it. The geometry is planned once, here; one planner per (model,
+    cache) pair."""
 
     def __init__(self, query_like: torch.Tensor, k_cache: torch.Tensor) -> None:
         from . import cuda
@@ -58,6 +94,7 @@ class DecodePlanner:
         self.geometry = cuda.decode_work_geometry(query_like, k_cache)
         self.num_q_heads, self.head_dim = query_like.shape[1], query_like.shape[2]
         self.device = query_like.device
+        self._workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # eager steps' workspace, grow-only
 
     def capacity(self, rows: int) -> int:
         """Item slots of a plan for ``rows`` rows."""
@@ -73,20 +110,27 @@ class DecodePlanner:
         return self._cuda.plan_decode_work(context_lens, self.geometry)
 
     def workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A split-KV workspace for plans of ``rows`` rows (uninitialized; each plan writes what it reads)."""
+        """A new split-KV workspace for plans of ``rows`` rows (uninitialized; each plan writes
+        what it reads), for a caller that keeps it (a CUDA graph's static buffers)."""
         return self._cuda.decode_workspace(self.capacity(rows), self.num_q_heads, self.head_dim, self.device)
 
-    def attention(self, query, k_cache, v_cache, block_tables, context_lens, work, workspace, scale, k_scale=1.0,
-                  v_scale=1.0) -> torch.Tensor:
-        """Decode attention over the device plan ``work`` (made from ``context_lens``' values)."""
-        return self._cuda.paged_decode_work(query, k_cache, v_cache, block_tables, context_lens, work, workspace,
-                                            self.geometry, scale, k_scale=k_scale, v_scale=v_scale)
+    def step_plan(self, work: torch.Tensor, rows: int, workspace: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """The step's ``cuda.DecodePlan``: ``work`` (``plan``'s list for ``rows`` rows, on the
+        device) with ``workspace``, by default the planner's own, allocated once and grown when a
+        step has more rows (steps run in stream order, so each may reuse what the previous one
+        wrote; a CUDA graph passes the workspace it keeps)."""
+        if workspace is None:
+            if self._workspace is None or self._workspace[0].shape[0] < self.capacity(rows):
+                self._workspace = self.workspace(max(rows, 64))
+            workspace = self._workspace
+        return self._cuda.DecodePlan(self.geometry, work, workspace)
 
 
 def decode_planner(query_like: torch.Tensor, k_cache: torch.Tensor) -> Optional[DecodePlanner]:
     """A planner when our CUDA decode kernel serves queries like ``query_like`` ([*, heads,
-    head_dim]) over this cache; None where the per-call path (the reference, or no GPU) serves,
-    or when ``KVPAGER_DECODE_WORK_LIST=0`` asks for the per-call grid (before/after benchmarks)."""
+    head_dim]) over this cache; None where the reference serves (no GPU, other sizes), or when
+    ``KVPAGER_DECODE_WORK_LIST=0`` asks for grid plans from the table's width (before/after
+    benchmarks)."""
     impl = _cuda(query_like)
     if impl is None or not impl.supports_decode(query_like, k_cache) or os.environ.get(WORK_LIST_ENV) == "0":
         return None
@@ -94,13 +138,15 @@ def decode_planner(query_like: torch.Tensor, k_cache: torch.Tensor) -> Optional[
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-                            k_scale=1.0, v_scale=1.0, host_lengths=None):
+                            k_scale=1.0, v_scale=1.0, host_lengths=None, decode=None):
     """``host_lengths``: optional (query_start_loc, context_lens) as host lists, sparing the CUDA
-    path a host sync per call (see ``kernels/prefill.py``)."""
+    path a host sync per call (see ``kernels/prefill.py``). ``decode``: how the one-token
+    sequences of a mixed step attend (``paged_decode_attention``'s signature; the caller binds it
+    to a plan made once for the step), default the one-shot ``paged_decode_attention``."""
     if query.device.type == "cuda":
         return prefill.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
                                                query_start_loc, scale, k_scale, v_scale,
-                                               decode=paged_decode_attention, host_lengths=host_lengths)
+                                               decode=decode or paged_decode_attention, host_lengths=host_lengths)
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
                                              query_start_loc, scale, k_scale, v_scale)
 

@@ -154,13 +154,11 @@ class DecodeGraphs:
 
     def _body(self, batch: int, width: int) -> None:
         tokens, positions, slots = self._longs[:, :batch]
-        work = None
-        if self._planner is not None:
-            capacity = self._planner.capacity(batch)
-            work = (self._work[:self._planner.plan_size(batch)],
-                    (self._workspace[0][:capacity], self._workspace[1][:capacity]))
+        plan = None
+        if self._planner is not None:   # the bucket's prefix of the static work list, the graph's own workspace
+            plan = self._planner.step_plan(self._work[:self._planner.plan_size(batch)], batch, self._workspace)
         hidden = self.model.decode_hidden(tokens, positions, slots, self._tables[:batch, :width],
-                                          self._context[:batch], self._layer_cache, work=work)
+                                          self._context[:batch], self._layer_cache, plan=plan)
         self._hidden[:batch].copy_(hidden)
 
     def _capture(self, batch: int, width: int) -> torch.cuda.CUDAGraph:

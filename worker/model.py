@@ -24,7 +24,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from kvpager.kernels import ops
 from kvpager.kernels.reference import quantize_fp8
 from kvpager.step import StepInput
+
+if TYPE_CHECKING:
+    from kvpager.kernels.cuda import DecodePlan
 
 from . import checkpoint
 from .hf_config import PRESETS, ModelConfig, UnsupportedModel, preset
@@ -168,26 +171,37 @@ class Decoder:
             query_lens = [step.query_lens[i] for i in computing]
             context_lens = [step.context_lens[i] for i in computing]
         starts = [0, *accumulate(query_lens)]
-        planner = self.decode_planner(layer_cache) if step.decode_only else None
-        plan = [planner.plan(context_lens)] if planner is not None else []   # the step's decode work list
+        # The step's decode plan, made once here (FlashInfer's plan/run split): a work list from
+        # the host lengths of the rows that decode (all of a decode step's; the one-token rows of
+        # a mixed step), uploaded with the other ints; every layer's attention runs it.
+        planner = self.decode_planner(layer_cache)
+        decoding = None if step.decode_only else [i for i, q in enumerate(query_lens) if q == 1]
+        decode_lens = context_lens if decoding is None else [context_lens[i] for i in decoding]
+        plan = [planner.plan(decode_lens)] if planner is not None and decode_lens else []
         rows = [] if computing is None else [computing]
         ints = to_device(host_ints([step.block_tables, context_lens, starts, *plan, *rows], np.int32), dev)
         tables = ints[:table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
             tables = tables.index_select(0, ints[len(ints) - len(computing):])
         context = ints[table_len:table_len + len(context_lens)]
-        query_starts = ints[table_len + len(context_lens):table_len + len(context_lens) + len(starts)]
+        at = table_len + len(context_lens)
+        query_starts = ints[at:at + len(starts)]
+        decode_plan = None
+        if plan:
+            decode_plan = planner.step_plan(ints[at + len(starts):at + len(starts) + len(plan[0])], len(decode_lens))
         if step.decode_only:
-            work = None
-            if planner is not None:
-                work = (ints[table_len + len(context_lens) + len(starts):], planner.workspace(len(context_lens)))
             return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer,
-                                                  work))
+                                                  decode_plan))
         k_scale, v_scale = self.cfg.cache_scales
+        decode = None
+        if decode_plan is not None:
+            def decode(q, k_cache, v_cache, decode_tables, decode_context, scale, k_scale=1.0, v_scale=1.0):
+                return ops.paged_decode_run(decode_plan, q, k_cache, v_cache, decode_tables, decode_context, scale,
+                                            k_scale, v_scale)
 
         def attention(q, k_cache, v_cache):
             return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context, query_starts, self.scale,
-                                               k_scale, v_scale, host_lengths=(starts, context_lens))
+                                               k_scale, v_scale, host_lengths=(starts, context_lens), decode=decode)
 
         hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
         return self.logits(hidden.index_select(0, query_starts[1:].long() - 1))
@@ -195,25 +209,29 @@ class Decoder:
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       tables: torch.Tensor, context: torch.Tensor, layer_cache: LayerCache,
                       attention_timer: Optional[AbstractContextManager] = None,
-                      work: Optional[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
+                      plan: Optional[DecodePlan] = None) -> torch.Tensor:
         """The last hidden states ``[B, hidden]`` (before the final norm) of a pure decode batch:
         one token per sequence, every input already on the device (``tables`` ``[B, width]``
         int32, ``context`` ``[B]`` int32). Reads nothing from the host and never syncs, so a
         CUDA graph can capture it (``worker.decode_graphs``); a row with context 0 and slot -1
         is padding (writes nothing, attends to nothing). ``logits`` turns the rows into logits.
-        ``work``: the step's decode work list on the device (``decode_planner(...).plan`` of
-        ``context``'s values) and its workspace; every layer's attention then runs it (the
-        planned kernel). None: each layer plans its own launch from the table's width."""
+        ``plan``: the step's decode plan (``decode_planner(...).step_plan`` of the work list
+        planned from ``context``'s values, on the device), made once; every layer's attention
+        runs it. None: a grid plan from the table's width, made here once for every layer (or
+        the reference, where our kernel does not serve)."""
         k_scale, v_scale = self.cfg.cache_scales
-        if work is None:
-            def attention(q, k_cache, v_cache):
-                return ops.paged_decode_attention(q, k_cache, v_cache, tables, context, self.scale, k_scale, v_scale)
-        else:
-            planner, (plan, workspace) = self._planner, work
+        if plan is None:
+            k_cache, v_cache = layer_cache(0)
+            query_like = torch.empty(len(context), self.q_heads, self.cfg.head_dim, dtype=self.embed.dtype,
+                                     device=self.device)
+            grid = ops.plan_decode_grid(query_like, k_cache, v_cache, tables, context)
 
             def attention(q, k_cache, v_cache):
-                return planner.attention(q, k_cache, v_cache, tables, context, plan, workspace, self.scale, k_scale,
-                                         v_scale)
+                return ops.paged_decode_grid_run(grid, q, k_cache, v_cache, tables, context, self.scale, k_scale,
+                                                 v_scale)
+        else:
+            def attention(q, k_cache, v_cache):
+                return ops.paged_decode_run(plan, q, k_cache, v_cache, tables, context, self.scale, k_scale, v_scale)
 
         timer = attention_timer if attention_timer is not None else nullcontext()
         return self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "decode_plan.h"
 #include "launch.h"
 #include "layer_ops.h"
 
@@ -198,79 +199,114 @@ kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, cons
   return a;
 }
 
-void plan(kvpager::DecodeArgs* a, const Tensor& query, kvpager::DType cache_dtype, int64_t num_splits,
-          int64_t loads) {
-  KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
-                    kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
-  KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: automatic), got ", loads);
-  a->requested_loads = static_cast<int>(loads);
-  const cudaError_t err = kvpager::plan_paged_decode(to_dtype(query, "query"), cache_dtype,
-                                                     static_cast<int>(num_splits), query.device().index(), a);
-  KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
-                    " (each split stages at most ", kvpager::kMaxTableEntries,
-                    " block-table entries: ask for more splits)");
+kvpager::DecodeSizes decode_sizes(const kvpager::DecodeArgs& a) {
+  return {a.num_seqs, a.num_q_heads, a.num_kv_heads, a.head_dim, a.block_size, a.max_blocks_per_seq};
 }
 
-// Returns the number of splits used (1 = unsplit path).
-int64_t paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
-                     Tensor context_lens, double scale, int64_t num_splits, bool poison_workspace,
-                     int64_t prefetch_steps, int64_t loads, double k_scale, double v_scale) {
-  const c10::cuda::CUDAGuard guard(query.device());
-  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
-  const kvpager::DType cache_dtype = to_cache_dtype(k_cache);
-  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
-  a.prefetch_steps = prefetch_steps < 0 ? kvpager::kDefaultPrefetchSteps : static_cast<int>(prefetch_steps);
+void check_loads(int64_t loads) {
+  KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: the planner's choice), got ", loads);
+}
+
+void check_out(const Tensor& out, const Tensor& query) {
   check_cuda(out, "out", query.device());
   KV_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must be ",
-                    dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
+           dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
   KV_CHECK(out.stride(2) == 1 || out.size(2) == 1, "out must be contiguous in head_dim");
+}
+
+// A split-KV workspace of `rows` partial rows: part_out [rows, num_q_heads, head_dim] and
+// part_ml [rows, num_q_heads, 2], contiguous float32 (at least `rows` rows).
+void check_workspace(const Tensor& part_out, const Tensor& part_ml, const Tensor& query, int64_t rows) {
+  check_cuda(part_out, "part_out", query.device());
+  check_cuda(part_ml, "part_ml", query.device());
+  KV_CHECK(part_out.scalar_type() == torch::kFloat32 && part_out.is_contiguous() && part_out.dim() == 3 &&
+               part_out.size(0) >= rows && part_out.size(1) == query.size(1) && part_out.size(2) == query.size(2),
+           "part_out must be contiguous float32 [>= ", rows, ", ", query.size(1), ", ", query.size(2), "], got ",
+           dims(part_out.sizes()));
+  KV_CHECK(part_ml.scalar_type() == torch::kFloat32 && part_ml.is_contiguous() && part_ml.dim() == 3 &&
+               part_ml.size(0) >= rows && part_ml.size(1) == query.size(1) && part_ml.size(2) == 2,
+           "part_ml must be contiguous float32 [>= ", rows, ", ", query.size(1), ", 2], got ", dims(part_ml.sizes()));
+}
+
+// The grid plan (decode_plan.h plan_decode_grid) for these inputs: (num_splits, partition_tokens,
+// head_tile, loads). num_splits / loads 0: the planner's choice (> 0: benchmarks and tests).
+std::tuple<int64_t, int64_t, int64_t, int64_t> decode_grid_plan(Tensor query, Tensor k_cache, Tensor v_cache,
+                                                                Tensor block_tables, Tensor context_lens,
+                                                                int64_t num_splits, int64_t loads) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0, 1.0, 1.0);
+  KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
+           kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
+  check_loads(loads);
+  kvpager::DecodeGridPlan plan{};
+  const cudaError_t err = kvpager::plan_decode_grid(to_dtype(query, "query"), to_cache_dtype(k_cache), decode_sizes(a),
+                                                    static_cast<int>(num_splits), static_cast<int>(loads),
+                                                    query.device().index(), &plan);
+  KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
+           " (each split stages at most ", kvpager::kMaxTableEntries,
+           " block-table entries: ask for more splits)");
+  return {plan.num_splits, plan.partition_tokens, plan.head_tile, plan.loads};
+}
+
+// Grid-mode decode as a plan says (decode_grid_plan, made once for the step's sizes): checks the
+// inputs and that the plan covers the table's width, then launches; never re-plans.
+// part_out / part_ml: the split-KV workspace (>= num_seqs * num_splits rows) when num_splits > 1.
+void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                  Tensor context_lens, c10::optional<Tensor> part_out, c10::optional<Tensor> part_ml,
+                  int64_t num_splits, int64_t partition_tokens, int64_t head_tile, int64_t loads,
+                  int64_t prefetch_steps, double scale, double k_scale, double v_scale) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+  check_out(out, query);
+  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
+  a.prefetch_steps = prefetch_steps < 0 ? kvpager::kDefaultPrefetchSteps : static_cast<int>(prefetch_steps);
   a.out = out.data_ptr();
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
-  if (a.num_seqs == 0) return 1;
-  plan(&a, query, cache_dtype, num_splits, loads);
-  Tensor part_out, part_ml;
-  if (a.num_splits > 1) {
-    const auto f32 = query.options().dtype(torch::kFloat32);
-    part_out = torch::empty({a.num_seqs * a.num_splits, a.num_q_heads, a.head_dim}, f32);
-    part_ml = torch::empty({a.num_seqs * a.num_splits, a.num_q_heads, 2}, f32);
-    if (poison_workspace) {
-      part_out.fill_(std::numeric_limits<float>::quiet_NaN());
-      part_ml.fill_(std::numeric_limits<float>::quiet_NaN());
-    }
-    a.part_out = part_out.data_ptr<float>();
-    a.part_ml = part_ml.data_ptr<float>();
+  if (a.num_seqs == 0) return;
+  const int64_t width = static_cast<int64_t>(a.max_blocks_per_seq) * a.block_size;
+  KV_CHECK(num_splits >= 1 && num_splits <= kvpager::kMaxSplits && partition_tokens >= kvpager::kPartitionAlign &&
+               partition_tokens % kvpager::kPartitionAlign == 0 &&
+               partition_tokens / a.block_size <= kvpager::kMaxTableEntries && num_splits * partition_tokens >= width,
+           "the decode plan (", num_splits, " splits of ", partition_tokens, " tokens) does not cover tables of ",
+           width, " tokens: plan for these inputs");
+  check_loads(loads);
+  a.loads = static_cast<int>(loads);
+  a.head_tile = static_cast<int>(head_tile);
+  a.head_chunks = static_cast<int>((a.num_q_heads / a.num_kv_heads + head_tile - 1) / std::max<int64_t>(head_tile, 1));
+  a.num_splits = static_cast<int>(num_splits);
+  a.partition_tokens = static_cast<int>(partition_tokens);
+  if (num_splits > 1) {
+    KV_CHECK(part_out.has_value() && part_ml.has_value(), "a split plan needs its workspace (part_out, part_ml)");
+    check_workspace(*part_out, *part_ml, query, a.num_seqs * num_splits);
+    a.part_out = part_out->data_ptr<float>();
+    a.part_ml = part_ml->data_ptr<float>();
   }
-  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), cache_dtype, a,
+  check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), to_cache_dtype(k_cache), a,
                                             at::cuda::getCurrentCUDAStream()),
-               "paged_decode launch");
-  return a.num_splits;
+               "paged_decode launch (no kernel instance for the plan's head_tile / loads?)");
 }
 
-// (num_splits, partition_tokens, head_tile, loads) that paged_decode would use for these inputs.
-std::tuple<int64_t, int64_t, int64_t, int64_t> decode_plan(Tensor query, Tensor k_cache, Tensor v_cache,
-                                                           Tensor block_tables, Tensor context_lens,
-                                                           int64_t num_splits, int64_t loads) {
+// Work-list geometry (decode_plan.h plan_decode_work_geometry) of queries like `query` ([*,
+// num_q_heads, head_dim]) over k_cache's layout: (workers, loads, head_tile, longest item in
+// tokens). Fixed per (model, cache, device): the caller plans it once.
+std::tuple<int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query, Tensor k_cache, int64_t loads) {
   const c10::cuda::CUDAGuard guard(query.device());
-  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0, 1.0, 1.0);
-  plan(&a, query, to_cache_dtype(k_cache), num_splits, loads);
-  return {a.num_splits, a.partition_tokens, a.head_tile, a.loads};
-}
-
-// Work-list geometry for these sizes (kernels/decode_plan.py plans the items):
-// (workers, loads, head_tile, longest item in tokens).
-std::tuple<int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query, Tensor k_cache, Tensor v_cache,
-                                                                    int64_t loads) {
-  const c10::cuda::CUDAGuard guard(query.device());
-  const Tensor tables = torch::zeros({query.size(0), 1}, query.options().dtype(torch::kInt32));
-  const Tensor lens = torch::zeros({query.size(0)}, query.options().dtype(torch::kInt32));
-  kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, tables, lens, 1.0, 1.0, 1.0);
-  KV_CHECK(loads == 0 || loads == 2 || loads == 4, "loads must be 2 or 4 (or 0: default), got ", loads);
-  a.requested_loads = static_cast<int>(loads);
-  const cudaError_t err = kvpager::plan_paged_decode_work(to_dtype(query, "query"), to_cache_dtype(k_cache),
-                                                          query.device().index(), &a);
+  check_cuda(query, "query", query.device());
+  check_cuda(k_cache, "k_cache", query.device());
+  KV_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query must be [*, num_q_heads, head_dim] and k_cache "
+           "[num_blocks, num_kv_heads, block_size, head_dim]");
+  check_loads(loads);
+  const int64_t block_size = k_cache.size(2);
+  KV_CHECK(block_size == 8 || block_size == 16 || block_size == 32, "block_size must be 8, 16 or 32, got ", block_size);
+  KV_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ", k_cache.size(3));
+  const kvpager::DecodeSizes sizes{0, static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
+                                   static_cast<int>(query.size(2)), static_cast<int>(block_size), 0};
+  kvpager::DecodeWorkGeometry g{};
+  const cudaError_t err = kvpager::plan_decode_work_geometry(to_dtype(query, "query"), to_cache_dtype(k_cache), sizes,
+                                                             static_cast<int>(loads), query.device().index(), &g);
   KV_CHECK(err == cudaSuccess, "no work-list decode geometry for these sizes");
-  return {a.work_workers, a.loads, a.head_tile, a.partition_tokens};
+  return {g.workers, g.loads, g.head_tile, g.longest_item};
 }
 
 // The step's work list, planned on the host into `out` (CPU int32, launch.h layout) from the
@@ -300,37 +336,29 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
 }
 
 // Decode over a work list planned on the host for this step (kernels/decode_plan.py layout),
-// already on the device; part_out / part_ml hold one row per item of its capacity.
+// already on the device, with the geometry it was planned for (decode_work_geometry: workers,
+// loads, head_tile); part_out / part_ml hold one row per item of its capacity. Checks the inputs
+// and launches; never re-plans.
 void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                        Tensor context_lens, Tensor work, Tensor part_out, Tensor part_ml, int64_t workers,
-                       int64_t loads, double scale, double k_scale, double v_scale) {
+                       int64_t loads, int64_t head_tile, double scale, double k_scale, double v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
-  check_cuda(out, "out", query.device());
-  KV_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(), "out must be ",
-           dims(query.sizes()), " ", query.scalar_type(), ", got ", dims(out.sizes()), " ", out.scalar_type());
-  KV_CHECK(out.stride(2) == 1 || out.size(2) == 1, "out must be contiguous in head_dim");
+  check_out(out, query);
   check_cuda(work, "work", query.device());
-  check_cuda(part_out, "part_out", query.device());
-  check_cuda(part_ml, "part_ml", query.device());
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
   const int64_t capacity = work.size(0) - kvpager::kWorkHeader - (workers + 1) - 2 * query.size(0);
   KV_CHECK(capacity >= query.size(0), "work holds ", work.size(0), " ints: too few for ", query.size(0),
            " sequences and ", workers, " workers (kernels/decode_plan.py plan_size)");
-  KV_CHECK(part_out.scalar_type() == torch::kFloat32 && part_out.is_contiguous() &&
-               part_out.sizes() == torch::IntArrayRef({capacity, query.size(1), query.size(2)}),
-           "part_out must be contiguous float32 [", capacity, ", ", query.size(1), ", ", query.size(2), "], got ",
-           dims(part_out.sizes()));
-  KV_CHECK(part_ml.scalar_type() == torch::kFloat32 && part_ml.is_contiguous() &&
-               part_ml.sizes() == torch::IntArrayRef({capacity, query.size(1), 2}),
-           "part_ml must be contiguous float32 [", capacity, ", ", query.size(1), ", 2], got ", dims(part_ml.sizes()));
-  a.requested_loads = static_cast<int>(loads);
-  KV_CHECK(kvpager::plan_paged_decode_work(to_dtype(query, "query"), to_cache_dtype(k_cache), query.device().index(),
-                                           &a) == cudaSuccess,
-           "no work-list decode geometry for these sizes");
+  check_workspace(part_out, part_ml, query, capacity);
+  KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
+  KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);
   a.prefetch_steps = kvpager::kDefaultPrefetchSteps;
+  a.loads = static_cast<int>(loads);
+  a.head_tile = static_cast<int>(head_tile);
+  a.head_chunks = static_cast<int>((a.num_q_heads / a.num_kv_heads + head_tile - 1) / head_tile);
   a.out = out.data_ptr();
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
@@ -342,7 +370,7 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   if (a.num_seqs == 0) return;
   check_launch(kvpager::launch_paged_decode(to_dtype(query, "query"), to_cache_dtype(k_cache), a,
                                             at::cuda::getCurrentCUDAStream()),
-               "paged_decode (work list) launch");
+               "paged_decode (work list) launch (no kernel instance for the geometry's head_tile / loads?)");
 }
 
 void write_kv(Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
@@ -703,23 +731,24 @@ void silu_and_mul(Tensor out, Tensor gate_up) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpager CUDA kernels (see kvpager.kernels.cuda for the typed wrappers)";
-  m.def("paged_decode", &paged_decode, "paged decode attention into out; returns the number of splits used",
-        py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("num_splits"), py::arg("poison_workspace"),
-        py::arg("prefetch_steps") = -1, py::arg("loads") = 0, py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
-  m.def("decode_plan", &decode_plan, "(num_splits, partition_tokens, head_tile, loads) paged_decode would use",
+  m.def("decode_grid_plan", &decode_grid_plan, "(num_splits, partition_tokens, head_tile, loads) of a grid decode",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("num_splits"), py::arg("loads") = 0);
+        py::arg("num_splits"), py::arg("loads"));
+  m.def("paged_decode", &paged_decode, "paged decode attention into out as a grid plan says", py::arg("out"),
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("part_out"), py::arg("part_ml"), py::arg("num_splits"), py::arg("partition_tokens"),
+        py::arg("head_tile"), py::arg("loads"), py::arg("prefetch_steps"), py::arg("scale"), py::arg("k_scale"),
+        py::arg("v_scale"));
   m.def("decode_work_geometry", &decode_work_geometry,
         "(workers, loads, head_tile, longest item in tokens) of work-list decode launches", py::arg("query"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("loads") = 0);
+        py::arg("k_cache"), py::arg("loads"));
   m.def("plan_decode_work", &plan_decode_work, "plan a step's decode work list on the host (launch.h layout)",
         py::arg("context_lens"), py::arg("workers"), py::arg("longest_item"), py::arg("min_item"),
         py::arg("item_cost"), py::arg("out"));
   m.def("paged_decode_work", &paged_decode_work, "paged decode attention over a work list planned for the step",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),
-        py::arg("loads"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+        py::arg("loads"), py::arg("head_tile"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"));
   m.def("prefill_supported", &prefill_supported, "whether the paged prefill kernel serves these inputs",
         py::arg("query"), py::arg("k_cache"), py::arg("warps"));
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),

@@ -21,13 +21,9 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat8E4M3 = 3 };
 constexpr int kMaxSplits = 256;            // split-KV partitions of one sequence
 constexpr int kMaxTableEntries = 8192;     // block-table entries one thread block stages in shared memory
 constexpr int kPartitionAlign = 64;        // a split's token count is a multiple of this (and of block_size)
-constexpr int kMinPartitionTokens = 1024;      // automatic splits are at least this long ...
-constexpr int kMinPartitionTokensSmall = 256;  // ... or this, when longer ones leave SMs without blocks
-constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
 constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmarks/kernels.py sweeps it)
 constexpr int kWorkHeader = 4;                 // ints before a work list's items (see DecodeArgs::work)
-constexpr int kWorkDefaultLoads = 2;           // kernel instance of work-list launches (a full resident grid)
-constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};  // items per worker the work-list planner tries (decode_plan.py ROUNDS)
+constexpr int kMaxTileElems = 64;              // decode head tile x elements per lane (query + accumulators in registers)
 
 struct DecodeArgs {
   void* out;                       // [num_seqs, num_q_heads, head_dim], query dtype
@@ -36,8 +32,8 @@ struct DecodeArgs {
   const void* v_cache;             // same shape and strides as k_cache
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq], inner dim contiguous
   const int32_t* context_lens;     // [num_seqs]
-  float* part_out;                 // [num_seqs, num_q_heads, num_splits, head_dim] fp32 (split path only)
-  float* part_ml;                  // [num_seqs, num_q_heads, num_splits, 2] fp32: (max, sum), log2 domain
+  float* part_out;                 // split-KV workspace, fp32 partial outputs (rows: see `work` below)
+  float* part_ml;                  // fp32 (max, sum) of each partial row, log2 domain
   int64_t q_stride_seq, q_stride_head;
   int64_t o_stride_seq, o_stride_head;
   int64_t kv_stride_block;         // elements between two blocks (K and V views share it)
@@ -48,7 +44,6 @@ struct DecodeArgs {
   float scale_log2;                // softmax scale * log2(e) * k_scale: scores are kept in the log2 domain
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
-  int requested_loads;             // 0: the planner picks; 2 or 4: that kernel instance (benchmarks)
   // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
   // a DEVICE int32 array [kWorkHeader + work_workers + 1 + work_capacity + 2 * num_seqs]:
   //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2..3] unused;
@@ -62,42 +57,26 @@ struct DecodeArgs {
   const int32_t* work;
   int work_capacity;
   int work_workers;                // work-list mode: thread blocks per (KV head, head chunk)
-  // Filled by plan_paged_decode:
+  // The plan (decode_plan.h: plan_decode_grid, or plan_decode_work_geometry for a work list):
   int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
-  int head_tile;                   // query heads per thread block (1, 2, 4 or 8; >= the GQA group unless 8)
+  int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
   int head_chunks;                 // ceil(group / head_tile) thread blocks per KV head
-  int num_splits;                  // 1 = unsplit path (no merge kernel)
-  int partition_tokens;            // tokens per split (multiple of kPartitionAlign and of block_size)
+  int num_splits;                  // grid mode: 1 = unsplit path (no merge kernel)
+  int partition_tokens;            // grid mode: tokens per split (multiple of kPartitionAlign and of block_size)
 };
 
-// Chooses head_tile/head_chunks/loads/num_splits/partition_tokens for `args` (sizes filled in).
-// requested_splits <= 0: automatic, from the grid size (num_seqs * num_kv_heads * head_chunks),
-// the longest possible context (max_blocks_per_seq * block_size), the SM count and the
-// kernel's occupancy; otherwise that many splits (fewer if the context is too short to give
-// each a partition). Returns cudaErrorInvalidValue for unsupported sizes.
-// dtype: the query's; cache_dtype: the cache's (dtype, or kFloat8E4M3 with a 16-bit query).
-cudaError_t plan_paged_decode(DType dtype, DType cache_dtype, int requested_splits, int device, DecodeArgs* args);
-
-// Work-list mode geometry for `args` (sizes filled in; requested_loads 0 or 2/4): head_tile,
-// head_chunks, loads, work_workers (as many blocks per (KV head, head chunk) as stay resident
-// together, one wave), and in partition_tokens the longest item a block can stage (its table
-// slice must fit the shared memory the launch reserves). Depends only on the sizes, dtypes and
-// device, so a CUDA graph captured with it serves any later plan.
-cudaError_t plan_paged_decode_work(DType dtype, DType cache_dtype, int device, DecodeArgs* args);
-
-// The step's work list (DecodeArgs::work layout) planned on the HOST from its context lengths:
-// pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *
-// workers) for R in kWorkRounds, at least min_item tokens, by the exact busiest-worker cost,
-// tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
-// odd rounds in reverse. out: kWorkHeader + workers + 1 + capacity + 2 * num_seqs ints.
-// Returns the item count, or < 0: -1 bad sizes, -2 a context too long for kMaxSplits pieces of
-// longest_item tokens, -3 more items than capacity. kernels/decode_plan.py is the same planner
-// in numpy (the reference the GPU tests compare this one with).
-int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
-                     int min_item, int item_cost, int32_t* out);
+// Kernel facts the planner (decode_plan.cu) reads; the launcher owns the kernel instances.
+// Whether a decode instance exists for (dtype, cache dtype, head_dim, head_tile, loads).
+bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads);
+// Shared memory a work-list launch reserves per block (the merge's; an item's table slice reuses it); 0 if no instance.
+int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads);
+// Resident blocks per SM of that instance at that shared memory (cached per device; 1 if unknown).
+int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int device);
+int device_sm_count(int device);   // cached per device
 
 // Launches the decode kernel (and, when num_splits > 1 or in work-list mode, the merge kernel) on
-// `stream`.
+// `stream`, as the plan fields say (checked, never re-planned: cudaErrorInvalidValue when the
+// plan does not fit the sizes or names no kernel instance).
 cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs& args, cudaStream_t stream);
 
 // Paged prefill (paged_prefill.cuh, launched by paged_prefill.cu): the new tokens of a ragged

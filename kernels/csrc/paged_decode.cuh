@@ -35,19 +35,16 @@
 namespace kvpager {
 
 // Tuning knobs fixed at build time (benchmarks/kernels.py --variants rebuilds with others):
-// warps per thread block, and the minimum resident blocks per SM asked of the register
-// allocator. (Rows in flight, the third knob, is a template parameter the planner picks.)
+// warps per thread block, and (KVPAGER_DECODE_MIN_BLOCKS, default: decode_min_blocks below)
+// the minimum resident blocks per SM asked of the register allocator. (Rows in flight, the
+// third knob, is a template parameter the planner picks.)
 #ifndef KVPAGER_DECODE_WARPS
 #define KVPAGER_DECODE_WARPS 4
-#endif
-#ifndef KVPAGER_DECODE_MIN_BLOCKS
-#define KVPAGER_DECODE_MIN_BLOCKS 1
 #endif
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
-constexpr int kMaxTileElems = 64;   // head tile x elements per lane: query + accumulators stay in registers
 
 // ---------------------------------------------------------------------------------------------
 // Element types: 16 bytes of T <-> floats.
@@ -492,8 +489,22 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   }
 }
 
+// Minimum resident blocks per SM asked of the register allocator. The 2-loads instances exist
+// to run 4 blocks (16 warps) per SM once a grid fills whole waves, so with 4 warps a block they
+// ask for 4 (128 registers) where that fits without spills: head tiles up to 4 over 16- and
+// 32-bit caches (ptxas -v, sm_90a: 109-128 registers, no spills; unbounded, bf16 d128 took 150
+// registers, 3 blocks per SM, and the planner stopped picking the instance). Elsewhere 1.
+template <typename C, int HT, int LOADS>
+constexpr int decode_min_blocks() {
+#ifdef KVPAGER_DECODE_MIN_BLOCKS
+  return KVPAGER_DECODE_MIN_BLOCKS;
+#else
+  return kDecodeWarps == 4 && LOADS == 2 && HT <= 4 && sizeof(C) >= 2 ? 4 : 1;
+#endif
+}
+
 template <typename T, typename C, int D, int HT, int LOADS>
-__global__ void __launch_bounds__(kDecodeWarps * 32, KVPAGER_DECODE_MIN_BLOCKS)
+__global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<C, HT, LOADS>())
 paged_decode_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int longest = a.max_blocks_per_seq << a.log2_block_size;   // tokens a table row can hold

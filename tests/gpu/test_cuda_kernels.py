@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from kvpager.kernels import cuda, reference
+from kvpager.kernels import cuda, debug, reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -27,9 +27,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert cuda.available(), cuda.load_error()
-    cuda._poison_workspace = True
-    yield
-    cuda._poison_workspace = False
 
 
 def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dtype=None, k_scale=1.0,
@@ -62,11 +59,13 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dt
     return query, k_view, v_view, block_tables, context_lens
 
 
-def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol, k_scale=1.0, v_scale=1.0):
+def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol, k_scale=1.0, v_scale=1.0,
+                  loads=None):
+    """A grid plan (forced splits / kernel instance, or the planner's) with a NaN-poisoned workspace."""
     scale = query.shape[-1] ** -0.5
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
-    got = cuda.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits, out=out,
-                                      k_scale=k_scale, v_scale=v_scale)
+    got = debug.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits,
+                                       loads=loads, poison_workspace=True, out=out, k_scale=k_scale, v_scale=v_scale)
     assert got is out
     if k_view.dtype == reference.FP8:   # float64 over the dequantized cache
         ref = reference.paged_decode_attention(query.double(), k_view, v_view, block_tables, context_lens, scale,
@@ -83,9 +82,7 @@ def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits,
 @pytest.fixture(params=[None, 2, 4], ids=["loads-auto", "loads2", "loads4"])
 def loads(request):
     """Both kernel instances (2 or 4 loads in flight per lane), forced, and the planner's pick."""
-    cuda._loads = request.param
-    yield request.param
-    cuda._loads = None
+    return request.param
 
 
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
@@ -98,8 +95,8 @@ def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, 
     seed = zlib.crc32(repr((dtype, head_dim, block_size, group, num_splits, loads)).encode())
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
     if loads is not None:
-        assert cuda.decode_plan(*case[:5], num_splits)[3] == loads
-    _check_decode(*case, num_splits, TOL[dtype])
+        assert debug.decode_plan(*case[:5], num_splits, loads=loads)[3] == loads
+    _check_decode(*case, num_splits, TOL[dtype], loads=loads)
 
 
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
@@ -115,8 +112,8 @@ def test_fp8_cache_decode_matches_float64(dtype, head_dim, block_size, group, nu
     k_scale, v_scale = 0.043, 0.021
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed, reference.FP8, k_scale, v_scale)
     if loads is not None:
-        assert cuda.decode_plan(*case[:5], num_splits)[3] == loads
-    _check_decode(*case, num_splits, TOL[dtype], k_scale, v_scale)
+        assert debug.decode_plan(*case[:5], num_splits, loads=loads)[3] == loads
+    _check_decode(*case, num_splits, TOL[dtype], k_scale, v_scale, loads=loads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -147,11 +144,50 @@ def test_fp8_write_kv_quantizes_like_the_reference(dtype, head_dim):
 
 def test_decode_planner_picks_few_loads_for_full_waves_and_many_for_small_grids():
     small = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=11)
-    assert cuda.decode_plan(*small[:5])[3] == 4
+    assert debug.decode_plan(*small[:5])[3] == 4
     full = _case(torch.bfloat16, 128, 16, 8, 4, [1024] * 128, seed=12)
-    splits, _, _, loads = cuda.decode_plan(*full[:5])
+    splits, _, _, loads = debug.decode_plan(*full[:5])
     assert loads == 2
     _check_decode(*full, None, TOL[torch.bfloat16])
+
+
+def test_two_loads_instance_runs_four_blocks_per_sm():
+    """The 2-loads instance exists to hold 4 blocks (16 warps) per SM: its launch bound keeps it
+    at 128 registers (unbounded, ptxas took 150 for bf16 d128 and 3 blocks fit: the planner then
+    never picked it). The work-list geometry shows the residency: workers = blocks per SM * SMs /
+    (KV heads x head chunks)."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q = torch.empty(1, 32, 128, dtype=dtype, device=DEV)
+        k = torch.empty(4, 8, 16, 128, dtype=dtype, device=DEV)
+        assert debug.decode_work_geometry(q, k, loads=2).workers == 4 * sms // 8, dtype
+
+
+def test_one_grid_plan_serves_every_layer():
+    """A grid plan made once runs every layer (here two caches), each run equal to a one-shot
+    call; a plan made for narrower tables than the run's is refused, not run short."""
+    query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 8, 4, [700, 5000, 33], seed=21)
+    scale = 128 ** -0.5
+    plan = cuda.plan_decode_grid(query, k_view, v_view, tables, lens)
+    assert plan.num_splits > 1 and plan.workspace is not None
+    for k, v in ((k_view, v_view), (v_view, k_view)):
+        got = cuda.paged_decode_grid_run(plan, query, k, v, tables, lens, scale)
+        assert torch.equal(got, cuda.paged_decode_attention(query, k, v, tables, lens, scale))
+    narrow = cuda.plan_decode_grid(query, k_view, v_view, tables[:, :4], lens)
+    with pytest.raises(ValueError, match="does not cover"):
+        cuda.paged_decode_grid_run(narrow, query, k_view, v_view, tables, lens, scale)
+
+
+def test_work_list_run_checks_its_plan():
+    query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 8, 4, [700, 5000, 33], seed=22)
+    geometry = cuda.decode_work_geometry(query, k_view)
+    work = torch.from_numpy(cuda.plan_decode_work(lens.tolist(), geometry)).to(DEV)
+    small = cuda.DecodePlan(geometry, work, cuda.decode_workspace(3, 32, 128, DEV))
+    with pytest.raises(ValueError, match="part_out"):
+        cuda.paged_decode_run(small, query, k_view, v_view, tables, lens, 0.1)
+    short = cuda.DecodePlan(geometry, work[:10], cuda.decode_workspace(geometry.capacity(3), 32, 128, DEV))
+    with pytest.raises(ValueError, match="too few"):
+        cuda.paged_decode_run(short, query, k_view, v_view, tables, lens, 0.1)
 
 
 @pytest.mark.parametrize("group", [2, 3, 6, 16])
@@ -164,15 +200,15 @@ def test_decode_other_gqa_ratios(group):
 
 def test_decode_one_long_sequence_auto_splits_fill_the_gpu():
     case = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=7)
-    splits, partition, tile, _ = cuda.decode_plan(*case[:5])
+    splits, partition, tile, _ = debug.decode_plan(*case[:5])
     assert splits > 8 and tile == 4 and partition * splits >= 32768
     _check_decode(*case, None, TOL[torch.bfloat16])
 
 
 def test_decode_plan_unsplit_when_the_grid_is_large():
     case = _case(torch.bfloat16, 128, 16, 8, 4, [40] * 256, seed=3)
-    assert cuda.decode_plan(*case[:5])[0] == 1
-    assert cuda.decode_plan(*case[:5], num_splits=1)[0] == 1
+    assert debug.decode_plan(*case[:5])[0] == 1
+    assert debug.decode_plan(*case[:5], num_splits=1)[0] == 1
 
 
 def test_decode_out_of_range_ids_are_skipped_not_read():
@@ -264,21 +300,24 @@ def test_copy_blocks_odd_block_size_tail():
 
 # ---- decode over a work list planned once per step (kernels/decode_plan.py) ----
 
-def _check_work(query, k_view, v_view, block_tables, context_lens, tol, k_scale=1.0, v_scale=1.0, host_lens=None):
+def _check_work(query, k_view, v_view, block_tables, context_lens, tol, k_scale=1.0, v_scale=1.0, host_lens=None,
+                loads=None):
     """The planned kernel against float64: NaN-poisoned output and workspace, the plan made on
-    the host from ``host_lens`` (default: the context lengths)."""
-    geometry = cuda.decode_work_geometry(query, k_view)
+    the host from ``host_lens`` (default: the context lengths), run twice (every layer of a step
+    runs the same plan: the second run must not depend on what the first left in the workspace)."""
+    geometry = debug.decode_work_geometry(query, k_view, loads=loads)
     lens = context_lens.tolist() if host_lens is None else host_lens
     plan = cuda.plan_decode_work(lens, geometry)
-    work = torch.from_numpy(plan).to(DEV)
-    workspace = cuda.decode_workspace(geometry.capacity(len(lens)), query.shape[1], query.shape[2], DEV)
-    workspace[0].fill_(float("nan"))
-    workspace[1].fill_(float("nan"))
+    step = debug.decode_plan_on(DEV, plan, geometry, len(lens), num_q_heads=query.shape[1], head_dim=query.shape[2],
+                                poison_workspace=True)
     scale = query.shape[-1] ** -0.5
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
-    got = cuda.paged_decode_work(query, k_view, v_view, block_tables, context_lens, work, workspace, geometry, scale,
-                                 out=out, k_scale=k_scale, v_scale=v_scale)
+    got = cuda.paged_decode_run(step, query, k_view, v_view, block_tables, context_lens, scale, out=out,
+                                k_scale=k_scale, v_scale=v_scale)
     assert got is out
+    again = cuda.paged_decode_run(step, query, k_view, v_view, block_tables, context_lens, scale, k_scale=k_scale,
+                                  v_scale=v_scale)
+    assert torch.equal(again, got)
     live = [i for i, n in enumerate(lens) if n > 0]   # the reference takes no empty rows
     args = (query[live].double(), k_view, v_view, block_tables[live], context_lens[live], scale)
     if k_view.dtype == reference.FP8:
@@ -303,7 +342,7 @@ def test_work_list_decode_matches_float64(dtype, head_dim, block_size, group, lo
     gen = torch.Generator().manual_seed(seed)
     lens = [1, block_size - 1, block_size, block_size + 1] + torch.randint(1, 3000, (12,), generator=gen).tolist()
     lens.append(9000)
-    _check_work(*_case(dtype, head_dim, block_size, 2, group, lens, seed), TOL[dtype])
+    _check_work(*_case(dtype, head_dim, block_size, 2, group, lens, seed), TOL[dtype], loads=loads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -313,7 +352,7 @@ def test_work_list_decode_fp8_cache(dtype, head_dim, loads):
     lens = [1, 17, 700, 2500, 64, 4097]
     k_scale, v_scale = 0.043, 0.021
     case = _case(dtype, head_dim, 16, 2, 4, lens, seed, reference.FP8, k_scale, v_scale)
-    _check_work(*case, TOL[dtype], k_scale, v_scale)
+    _check_work(*case, TOL[dtype], k_scale, v_scale, loads=loads)
 
 
 def test_work_list_decode_padding_rows_and_the_llama_shape():

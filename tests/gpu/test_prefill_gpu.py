@@ -40,7 +40,7 @@ def test_mixed_prefill_step_matches_float64(dtype, group, block_size, head_dim):
 
 
 # ---- our prefill kernel (kernels/csrc/paged_prefill.cuh), called directly --------------------------
-from kvpager.kernels import cuda, prefill  # noqa: E402
+from kvpager.kernels import cuda, debug, prefill  # noqa: E402
 from tests.unit.test_reference_kernels import fp8_paged  # noqa: E402
 
 
@@ -66,9 +66,9 @@ def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0, 
     query = torch.cat(queries).to(DEV)
     out = torch.full_like(query, float("nan"))       # poisoned: every row must be written
     host = (starts.tolist(), paged.context_lens.tolist())
-    cuda.paged_prefill_attention(query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
-                                 paged.context_lens.to(DEV), starts.to(DEV), scale, k_scale, v_scale,
-                                 host_lengths=host, out=out, warps=warps, wgmma=wgmma)
+    debug.paged_prefill_attention(query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
+                                  paged.context_lens.to(DEV), starts.to(DEV), scale, k_scale, v_scale,
+                                  host_lengths=host, out=out, warps=warps, wgmma=wgmma)
     torch.cuda.synchronize()
     return out.cpu()
 

@@ -1,6 +1,7 @@
 """CPU-CI check that the CUDA kernel sources compile (no GPU needed): nvcc builds launch.cu,
-which includes every kernel template and instantiates every launcher, layer_ops.cu and
-paged_prefill.cu (the prefill kernel's instances and launcher), for
+which includes every kernel template and instantiates every launcher, decode_plan.cu (the decode
+planner: host code), layer_ops.cu and paged_prefill.cu (the prefill kernel's instances and
+launcher), for
 Ampere (sm_80) and Hopper (sm_90a). The torch binding (binding.cpp) is left out: it needs torch's CUDA headers,
 built only where the extension is JIT-compiled. Skipped where nvcc is not on PATH."""
 
@@ -16,7 +17,7 @@ CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-@pytest.mark.parametrize("source", ["launch.cu", "layer_ops.cu", "paged_prefill.cu"])
+@pytest.mark.parametrize("source", ["launch.cu", "decode_plan.cu", "layer_ops.cu", "paged_prefill.cu"])
 def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
     out = tmp_path / "kernels.o"
     # --threads 0: the two targets compile in parallel, one per core (launch.cu: 122 s -> 84 s on CI's 2 cores).
@@ -31,7 +32,7 @@ def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
 
 
 def test_kernel_sources_have_no_torch_includes():
-    for name in ("launch.cu", "launch.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.cu", "layer_ops.h",
-                 "paged_prefill.cu", "paged_prefill.cuh"):
+    for name in ("launch.cu", "launch.h", "decode_plan.cu", "decode_plan.h", "paged_decode.cuh", "cache_ops.cuh",
+                 "layer_ops.cu", "layer_ops.h", "paged_prefill.cu", "paged_prefill.cuh"):
         text = (CSRC / name).read_text()
         assert "#include <torch" not in text and "#include <ATen" not in text and "#include <c10" not in text, name

@@ -1,0 +1,73 @@
+// Host-side planning of the paged decode launch (FlashInfer's plan/run split): the kernel
+// instance, the head tile, the grid or work-list geometry and the step's work list are chosen
+// HERE, once per step (or once per model for the work-list geometry); the launcher
+// (launch.cu launch_paged_decode) only checks and launches what a plan says. Every heuristic of
+// the decode path lives in this header's .cu; kernels/decode_plan.py is the numpy twin of
+// plan_decode_work (the reference the GPU tests compare it with).
+//
+// No torch types here either: decode_plan.cu compiles with nvcc alone.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+#include "launch.h"
+
+namespace kvpager {
+
+// Heuristic constants (benchmarks/kernels.py --only quick,ragged sweeps them on an H100).
+constexpr int kMinPartitionTokens = 1024;          // automatic grid splits are at least this long ...
+constexpr int kMinPartitionTokensSmall = 256;      // ... or this, when longer ones leave SMs without blocks
+constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
+constexpr int kWorkDefaultLoads = 2;               // kernel instance of work-list launches (a full resident grid)
+constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-list planner tries (decode_plan.py ROUNDS)
+
+// The launch sizes a plan is made for (the run's DecodeArgs must carry the same).
+struct DecodeSizes {
+  int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size;
+  int max_blocks_per_seq;          // the block table's width (grid mode plans from it: no device sync)
+};
+
+// A grid-mode plan: one thread block per (KV head chunk, sequence, split), splits cut from the
+// table's width. requested_* (benchmarks and tests only; 0 = automatic): num_splits and the
+// kernel instance (2 or 4 loads in flight per lane).
+struct DecodeGridPlan {
+  int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
+  int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
+  int num_splits;                  // 1 = unsplit (no merge kernel, no workspace)
+  int partition_tokens;            // tokens per split (a multiple of kPartitionAlign and of block_size)
+};
+
+// The work-list geometry: fixed by the model's head counts, dtypes and the device (not by the
+// step), so a CUDA graph captured with it serves every later plan of the same size.
+struct DecodeWorkGeometry {
+  int loads, head_tile;
+  int workers;                     // thread blocks per (KV head, head chunk): one resident wave
+  int longest_item;                // tokens one item may hold (its table slice fits the reserved smem)
+};
+
+// Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group): the whole
+// group up to 8 (1, 2, 4 or 8), at most the lanes sharing a token row and at most
+// kMaxTileElems / (elements per lane). 0 when no kernel instance serves these sizes.
+int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group);
+
+// Grid-mode plan for these sizes. Returns cudaErrorInvalidValue for unsupported sizes or a
+// requested split count whose splits cannot stage their table slice.
+cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& sizes, int requested_splits,
+                             int requested_loads, int device, DecodeGridPlan* plan);
+
+// Work-list geometry for these sizes (num_seqs and max_blocks_per_seq unused).
+cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const DecodeSizes& sizes, int requested_loads,
+                                      int device, DecodeWorkGeometry* geometry);
+
+// The step's work list (DecodeArgs::work layout) planned on the HOST from its context lengths:
+// pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *
+// workers) for R in kWorkRounds, at least min_item tokens, by the exact busiest-worker cost,
+// tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
+// odd rounds in reverse. out: kWorkHeader + workers + 1 + capacity + 2 * num_seqs ints.
+// Returns the item count, or < 0: -1 bad sizes, -2 a context too long for kMaxSplits pieces of
+// longest_item tokens, -3 more items than capacity.
+int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
+                     int min_item, int item_cost, int32_t* out);
+
+}  // namespace kvpager
