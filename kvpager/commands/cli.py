@@ -37,6 +37,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from kvpager import package_version
+
 # torch warns at import when numpy is missing, which it does not need here: keep errors one line.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -116,9 +118,16 @@ def kv_cache_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
          help=f"per-tensor K/V scale of an fp8 cache{note}")
 
 
+def fields_as_flags(message: str, names: Sequence[str]) -> str:
+    """A configuration's message in the words of the flags that set its fields ("block_size must
+    be in [1, 1024]" -> "--block-size must be in [1, 1024]"): the user typed flags."""
+    if not names:
+        return message
+    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: "--" + m[1].replace("_", "-"), message)
+
+
 # Model settings that the model flags set, as the model's checks (worker/hf_config.py) name them.
-_MODEL_FLAGS = {"max_model_len": "--max-model-len", "tensor_parallel_size": "--tensor-parallel-size",
-                "kv_cache_dtype": "--kv-cache-dtype", "kv_scale": "--kv-scale"}
+_MODEL_FIELDS = ("max_model_len", "tensor_parallel_size", "kv_cache_dtype", "kv_scale")
 _SERVES = " (kvpager serves model types"  # UnsupportedModel's tail: the models kvpager serves
 
 
@@ -126,29 +135,10 @@ def model_error_as_flags(message: str) -> str:
     """A model check's message in the words of the flags ("tensor_parallel_size 3 does not divide
     ..." -> "--tensor-parallel-size 3 does not divide ..."); where a flag is to blame, without
     UnsupportedModel's list of the models kvpager serves, which is about the checkpoint."""
-    renamed = re.sub(r"\b(" + "|".join(_MODEL_FLAGS) + r")\b", lambda m: _MODEL_FLAGS[m[1]], message)
+    renamed = fields_as_flags(message, _MODEL_FIELDS)
     if renamed == message:
         return message
     return renamed.removeprefix("unsupported model: ").split(_SERVES)[0]
-
-
-def client_security_flags(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """``--auth-token`` and ``--tls-ca``: how a client reaches a secured manager (docs/security.md)."""
-    flag(parser, "--auth-token", env="KVPAGER_AUTH_TOKEN", metavar="FILE", default_help="unset: none sent",
-         help=f"file holding the bearer token to send the manager (a scheduler or admin role){note}")
-    flag(parser, "--tls-ca", env="KVPAGER_TLS_CA", metavar="FILE", default_help="unset: plaintext",
-         help=f"connect over TLS, verifying the manager's certificate with this PEM CA{note}")
-
-
-def client_security(args: argparse.Namespace) -> dict:
-    """BlockManagerClient's token and root_certificates from ``client_security_flags``."""
-    from kvpager import auth
-
-    try:
-        return dict(token=auth.read_token(args.auth_token, "--auth-token file"),
-                    root_certificates=auth.read_bytes(args.tls_ca, "--tls-ca file"))
-    except auth.CredentialError as err:
-        raise Failure(str(err)) from err
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -158,6 +148,19 @@ def dtype_flag(parser: argparse.ArgumentParser, auto_help: str = "bfloat16 on CU
     """``--dtype``: the model's weights and activations (``kvpager worker``, ``generate``, the demo)."""
     flag(parser, "--dtype", env="KVPAGER_DTYPE", choices=DTYPES, default="auto",
          help=f"weights and activations of a checkpoint: auto is {auto_help}")
+
+
+def device_flag(parser: argparse.ArgumentParser, auto_help: str) -> None:
+    """``--device``: where the workers run (``kvpager worker``, ``generate``, the demo)."""
+    flag(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
+         help=f"where the workers run: auto is {auto_help}")
+
+
+def flag_table(parser: argparse.ArgumentParser, rows: Sequence[tuple]) -> None:
+    """``flag`` for each row of a table of flags of one kind: (name, env, type, default,
+    metavar, help)."""
+    for name, env, kind, default, metavar, text in rows:
+        flag(parser, name, env=env, type=kind, default=default, metavar=metavar, help=text)
 
 
 def resolve_dtype(choice: str, cuda: bool) -> str:
@@ -213,13 +216,6 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def non_negative_int(text: str) -> int:
-    value = integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def number(text: str) -> float:
     try:
         return float(text)
@@ -227,40 +223,25 @@ def number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    value = integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _bounded(name: str, parse: Callable[[str], Any], accepts: Callable[[Any], bool],
+             requirement: str) -> Callable[[str], Any]:
+    """A flag type: ``parse`` the text, then refuse a value ``accepts`` rejects, saying
+    ``requirement`` ("must be >= 1, got 0")."""
+    def convert(text: str) -> Any:
+        value = parse(text)
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {value}")
+        return value
+    convert.__name__ = name
+    return convert
 
 
-def port_number(text: str) -> int:
-    value = integer(text)
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: a free one), got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = number(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """A number in (0, 1]: a share of memory, a probability mass."""
-    value = number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = number(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+non_negative_int = _bounded("non_negative_int", integer, lambda v: v >= 0, "must be >= 0")
+positive_int = _bounded("positive_int", integer, lambda v: v >= 1, "must be >= 1")
+port_number = _bounded("port_number", integer, lambda v: 0 <= v < 65536, "must be a port in 0..65535 (0: a free one)")
+positive_float = _bounded("positive_float", number, lambda v: v > 0, "must be > 0")
+fraction = _bounded("fraction", number, lambda v: 0 < v <= 1, "must be in (0, 1]")   # a share of memory, a probability mass
+non_negative_float = _bounded("non_negative_float", number, lambda v: v >= 0, "must be >= 0")
 
 
 def quiet_ray_startup() -> None:
@@ -276,18 +257,6 @@ def quiet_ray_startup() -> None:
 def log_to_stderr() -> None:
     """A long-running command's log lines, as the manager writes them: time, logger, level, message."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def tls_server_flags(parser: argparse.ArgumentParser, who: str, client_role: str) -> None:
-    """``--tls-cert``, ``--tls-key`` and ``--tls-client-ca`` of a gRPC server (``who`` serves; its
-    certificate is also its client certificate towards ``client_role``'s peer)."""
-    flag(parser, "--tls-cert", env="KVPAGER_TLS_CERT", metavar="FILE", default_help="unset: plaintext",
-         help=f"PEM certificate (chain) {who} serve(s) TLS with (with --tls-key); also the client certificate "
-              f"shown {client_role}")
-    flag(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
-    flag(parser, "--tls-client-ca", env="KVPAGER_TLS_CLIENT_CA", metavar="FILE",
-         default_help="unset: no client certificate",
-         help=f"mutual TLS on {who}'s service: accept only clients with a certificate signed by this PEM CA")
 
 
 # ---- running a subcommand -------------------------------------------------------------------------
@@ -409,7 +378,7 @@ def build_parser(argv: Sequence[str]) -> tuple[Parser, dict[str, Parser]]:
     """The top parser with every subcommand listed; only the one ``argv`` names gets its flags."""
     parser = Parser(prog="kvpager", description=DESCRIPTION, epilog=TOP_EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"kvpager {_version()}")
+    parser.add_argument("--version", action="version", version=f"kvpager {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parsers = {}
@@ -446,15 +415,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return guarded(parsers[args.command], args._run, args)
 
     return _exit_code(body)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvpager")
-    except Exception:  # noqa: BLE001 (not installed: running from a checkout)
-        return "unknown"
 
 
 if __name__ == "__main__":

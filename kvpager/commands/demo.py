@@ -30,13 +30,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from kvpager.commands import cli
+from kvpager.commands import cli, security
+from kvpager.commands.progress import Progress
 from kvpager import client as C
 from kvpager import errors
+from kvpager.numeric import percentile
 from kvpager.scheduler import Request, SamplingParams, Scheduler
 from kvpager.scheduler.reference import generate_contiguous
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.worker.model import Decoder, ModelConfig
+
+
+PROGRESS_EVERY_S = 5.0   # without a terminal, a progress line at least this often
 
 
 def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "req") -> list[tuple[int, Request]]:
@@ -51,31 +56,6 @@ def make_requests(count: int, seed: int, vocab_size: int = 256, prefix: str = "r
         params = SamplingParams(max_new_tokens=rng.randint(4, 48), n=rng.choice([1, 1, 1, 2, 3]))
         out.append((step, Request(f"{prefix}-{i:04d}", prompt, params)))
     return out
-
-
-class Progress:
-    """A one-line progress bar on stderr (a line every 10% when stderr is not a terminal);
-    ``what`` names the work when it is not the serving run."""
-
-    def __init__(self, total: int, quiet: bool, what: str = "") -> None:
-        self.total, self.quiet, self.tty, self.what = total, quiet, sys.stderr.isatty(), what
-        self._last_decile = -1
-
-    def update(self, done: int, running: int = 0, swapped: int = 0, util: float = 0.0) -> None:
-        if self.quiet:
-            return
-        filled = 30 * done // self.total
-        detail = self.what or f"done  running {running:3d}  swapped {swapped:2d}  KV util {util:4.0%}"
-        line = f"[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {detail}"
-        if self.tty:
-            print("\r" + line, end="", file=sys.stderr, flush=True)
-        elif 10 * done // self.total > self._last_decile:
-            self._last_decile = 10 * done // self.total
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty and not self.quiet:
-            print(file=sys.stderr)
 
 
 @dataclasses.dataclass
@@ -123,14 +103,15 @@ def embedded(args: argparse.Namespace) -> Iterator[Deployment]:
     """A manager in this process (pools sized from the workers) and workers started here."""
     from kvpager.embedded import embedded as embedded_system
 
+    workers = "one worker in this process" if args.no_ray else "its workers on a local Ray cluster (about 20 s)"
+    say(args, f"starting the block manager and {workers}")
     with demo_model(args) as model, embedded_system(
             model, block_size=args.block_size, use_ray=not args.no_ray,
             tensor_parallel_size=1 if args.no_ray else None, num_gpu_blocks=args.gpu_blocks,
             num_cpu_blocks=4 * args.gpu_blocks, metrics_port=args.metrics_port,
             device="cpu" if args.device == "cpu" else None) as system:
         urls = [f"http://{a}/metrics" for a in [system.manager_metrics, *system.worker_metrics]]
-        if not args.quiet:
-            print(f"metrics on {urls[0]} (workers: {', '.join(urls[1:])})", file=sys.stderr, flush=True)
+        say(args, f"metrics on {urls[0]} (workers: {', '.join(urls[1:])})")
 
         def check() -> str:
             system.check_invariants()
@@ -147,7 +128,7 @@ def remote(args: argparse.Namespace) -> Iterator[Deployment]:
     from kvpager.commands.worker import connect_ray
     from kvpager.worker.ray_group import RayWorkerGroup
 
-    client = C.BlockManagerClient(args.manager, **cli.client_security(args))
+    client = C.BlockManagerClient(args.manager, **security.client_security(args))
     group = None
     try:
         try:
@@ -189,14 +170,15 @@ def _wait_for_pools(client: C.BlockManagerClient, timeout: float = 30.0) -> pb.G
             time.sleep(0.5)
 
 
+def say(args: argparse.Namespace, line: str) -> None:
+    """A line about what the demo does now, on stderr (none with --quiet)."""
+    if not args.quiet:
+        print(line, file=sys.stderr, flush=True)
+
+
 def live_state(stats: pb.GetStatsResponse) -> int:
     """Sequences and used blocks: what a finished run must give back."""
     return stats.running_sequences + stats.swapped_sequences + stats.gpu.used_blocks + stats.cpu.used_blocks
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def serve(args: argparse.Namespace, d: Deployment) -> int:
@@ -207,14 +189,16 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     # A shared manager may serve other runs: ids of our own keep them apart.
     prefix = f"demo-{uuid.uuid4().hex[:8]}" if d.remote else "req"
     arrivals = make_requests(args.requests, args.seed, model.vocab_size, prefix)
-    progress = Progress(len(arrivals), args.quiet)
+    say(args, f"serving {len(arrivals)} requests on {d.kind}")
+    progress = Progress(len(arrivals), quiet=args.quiet, every=PROGRESS_EVERY_S)
     utils, frags = [], []
 
     def on_step(s: Scheduler) -> None:
         st = client.get_stats()
         utils.append(st.gpu_utilization)
         frags.append(st.internal_fragmentation)
-        progress.update(s.stats.requests_finished, len(s.running), len(s.swapped), st.gpu_utilization)
+        progress.update(s.stats.requests_finished, f"running {len(s.running):3d}  swapped {len(s.swapped):2d}  "
+                                                   f"KV util {st.gpu_utilization:4.0%}")
 
     scheduler = Scheduler(client, d.runner, block_size, on_step=on_step, overlap=True)
     started, iteration, pending = time.perf_counter(), 0, list(arrivals)
@@ -230,7 +214,9 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     check = args.check if args.check is not None else not args.model
     if check:  # the same weights in float32 on the CPU, over a contiguous cache
         reference = Decoder(dataclasses.replace(model, dtype="float32"))
-        checking = Progress(len(requests), args.quiet, "checked against a float32 contiguous-cache reference")
+        say(args, "checking every token against the same weights in float32 over a contiguous cache")
+        checking = Progress(len(requests), "checked against a float32 contiguous-cache reference", quiet=args.quiet,
+                            every=PROGRESS_EVERY_S)
         expected = generate_contiguous(reference, requests, on_request=checking.update)
         checking.close()
         matches = sum(scheduler.outputs[r.request_id].samples == expected[r.request_id] for r in requests)
@@ -255,7 +241,7 @@ def serve(args: argparse.Namespace, d: Deployment) -> int:
     print(f"  swaps              {st.preemptions} preemptions, {delta('blocks_swapped_out')} blocks out, "
           f"{delta('blocks_swapped_in')} in; {st.restarts} restarts")
     print(f"  copy-on-write      {delta('cow_copies')} block copies")
-    print(f"  Step latency       p50 {percentile(lat, 0.5):.2f} ms, p99 {percentile(lat, 0.99):.2f} ms; "
+    print(f"  Step latency       p50 {percentile(lat, 50):.2f} ms, p99 {percentile(lat, 99):.2f} ms; "
           f"{st.overlapped_steps} of {st.steps} Steps sent while the previous step computed")
     if check:
         print(f"  correctness        {matches}/{len(requests)} requests equal the contiguous-cache reference")
@@ -313,12 +299,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="with --manager: the Ray namespace of those workers")
     f(parser, "--node-ip", env="KVPAGER_RAY_NODE_IP", metavar="IP", default_help="Ray's detection",
       help="with --manager: the IP of this machine's Ray node")
-    cli.client_security_flags(parser, " (with --manager)")
+    security.client_security_flags(parser, " (with --manager)")
     f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", default_help="a small random Llama built here",
       help="a local Hugging Face checkpoint to serve (embedded)")
     cli.dtype_flag(parser, "bfloat16 for --model on CUDA, else float32 (embedded)")
-    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
-      help="where the embedded workers run: auto is CUDA when there is a GPU (embedded)")
+    cli.device_flag(parser, "CUDA when there is a GPU (embedded)")
     f(parser, "--check", env="KVPAGER_DEMO_CHECK", type=cli.parse_bool, default_help="on, off with --model",
       help="compare every token with a float32 contiguous-cache reference (true/false)")
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
@@ -333,6 +318,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--quiet", env="KVPAGER_DEMO_QUIET", type=bool, default=False, help="no progress bar")
 
 
+def check_block_size(block_size: int) -> None:
+    """The embedded manager's check of --block-size, before anything starts, in the flag's words."""
+    from kvpager.manager import ManagerConfig
+
+    try:
+        ManagerConfig(block_size=block_size)
+    except errors.ManagerError as err:
+        raise cli.UsageError(cli.fields_as_flags(str(err), ["block_size"])) from err
+
+
 def run(args: argparse.Namespace) -> int:
     if args.manager and not args.ray_address:
         raise cli.UsageError("--manager needs --ray-address (where the workers run)")
@@ -342,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
         raise cli.UsageError("--model is for the embedded workers: a running deployment serves its own")
     if args.manager and args.no_ray:
         raise cli.UsageError("--no-ray runs a worker in this process: not with --manager")
+    if not args.manager:
+        check_block_size(args.block_size)
     with (remote(args) if args.manager else embedded(args)) as deployment:
         return serve(args, deployment)
 

@@ -1,9 +1,10 @@
 """Generate text with a local Hugging Face checkpoint (`kvpager generate --model DIR PROMPT ...`).
 
-Runs the whole system in this process (``kvpager.embedded``: the block manager, Ray workers or
-one in-process worker, the reference scheduler), tokenizes each prompt with the checkpoint's
-tokenizer (``--chat``: through its chat template), generates until a stop token (EOS from
-generation_config.json or config.json) or --max-new-tokens, and prints each completion.
+Runs the whole system in this process (``kvpager.embedded``: the block manager, the workers,
+the reference scheduler): one rank is a worker in this process, more (--tensor-parallel-size)
+are Ray actors on a local Ray cluster (--ray: even for one). It tokenizes each prompt with the
+checkpoint's tokenizer (``--chat``: through its chat template), generates until a stop token
+(EOS from generation_config.json or config.json) or --max-new-tokens, and prints each completion.
 
 Greedy unless --temperature is given; --top-p and --top-k narrow sampling, --seed makes it
 repeatable (prompt i, sample j always draws the same tokens). --n samples N continuations of
@@ -26,8 +27,21 @@ from dataclasses import dataclass, field
 from typing import Optional, TextIO
 
 from kvpager.commands import cli
+from kvpager.numeric import ceil_div
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+# How each completion is sampled: (flag, environment variable, type, default, metavar, help).
+SAMPLING_FLAGS = (
+    ("--max-new-tokens", "KVPAGER_MAX_NEW_TOKENS", cli.positive_int, 64, "N", "most tokens to generate per completion"),
+    ("--temperature", "KVPAGER_TEMPERATURE", cli.non_negative_float, 0.0, "T", "sampling temperature; 0 is greedy"),
+    ("--top-p", "KVPAGER_TOP_P", cli.fraction, 1.0, "P",
+     "nucleus sampling: keep the most likely tokens holding probability P (1: off)"),
+    ("--top-k", "KVPAGER_TOP_K", cli.non_negative_int, 0, "K", "sample among the K most likely tokens (0: off)"),
+    ("--seed", "KVPAGER_SEED", cli.integer, 0, "S", "seed of the sampling (the same seed gives the same text)"),
+    ("--n", "KVPAGER_N", cli.positive_int, 1, "N", "completions per prompt, forked from the computed prompt"),
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,28 +49,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="the text(s) to continue")
     f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR", required=True,
       help="a local Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
-    f(parser, "--max-new-tokens", env="KVPAGER_MAX_NEW_TOKENS", type=cli.positive_int, default=64, metavar="N",
-      help="most tokens to generate per completion")
-    f(parser, "--temperature", env="KVPAGER_TEMPERATURE", type=cli.non_negative_float, default=0.0, metavar="T",
-      help="sampling temperature; 0 is greedy")
-    f(parser, "--top-p", env="KVPAGER_TOP_P", type=cli.fraction, default=1.0, metavar="P",
-      help="nucleus sampling: keep the most likely tokens holding probability P (1: off)")
-    f(parser, "--top-k", env="KVPAGER_TOP_K", type=cli.integer, default=0, metavar="K",
-      help="sample among the K most likely tokens (0: off)")
-    f(parser, "--seed", env="KVPAGER_SEED", type=cli.integer, default=0, metavar="S",
-      help="seed of the sampling (the same seed gives the same text)")
-    f(parser, "--n", env="KVPAGER_N", type=cli.positive_int, default=1, metavar="N",
-      help="completions per prompt, forked from the computed prompt")
+    cli.flag_table(parser, SAMPLING_FLAGS)
     f(parser, "--chat", env="KVPAGER_CHAT", type=bool, default=False,
       help="wrap each prompt as a user message in the checkpoint's chat template")
     f(parser, "--json", env="KVPAGER_JSON", type=bool, default=False,
       help="one JSON object per line per prompt and sample, no streaming")
     f(parser, "--tensor-parallel-size", env="KVPAGER_TENSOR_PARALLEL_SIZE", type=cli.positive_int, default=1,
-      metavar="N", help="ranks (Ray actors; one GPU each on CUDA)")
+      metavar="N", help="ranks: more than one runs them as Ray actors (one GPU each on CUDA)")
+    f(parser, "--ray", env="KVPAGER_RAY", type=bool, default=False,
+      help="run even a single rank as a Ray actor (a local Ray cluster starts: about 10 s more); without it one "
+           "rank runs in this process")
     f(parser, "--no-ray", env="KVPAGER_NO_RAY", type=bool, default=False,
-      help="one worker in this process instead of Ray actors (tensor parallel 1)")
-    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
-      help="where the workers run: auto is CUDA when there is a GPU per rank")
+      help="one worker in this process, never Ray (the default for one rank)")
+    cli.device_flag(parser, "CUDA when there is a GPU per rank")
     cli.dtype_flag(parser)
     cli.kv_cache_flags(parser)
     f(parser, "--max-model-len", env="KVPAGER_MAX_MODEL_LEN", type=cli.positive_int, metavar="N",
@@ -132,8 +137,9 @@ def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len:
 def run(args: argparse.Namespace) -> int:
     if args.no_ray and args.tensor_parallel_size != 1:
         raise cli.UsageError("--no-ray runs one worker in this process: --tensor-parallel-size must be 1")
-    if args.top_k < 0:
-        raise cli.UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.no_ray and args.ray:
+        raise cli.UsageError("--ray and --no-ray: choose one")
+    use_ray = args.ray or args.tensor_parallel_size > 1   # one rank: in this process, no Ray to start
     import torch
 
     from kvpager.embedded import embedded
@@ -164,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     block_size = DEFAULT_BLOCK_SIZE
     gpu_blocks = args.num_gpu_blocks
     if gpu_blocks is None and not cuda:  # the CPU: just what these requests need, with room to spare
-        need = sum(-(-(len(ids) + args.max_new_tokens) // block_size) + 1 for ids in prompt_ids) * args.n
+        need = sum(ceil_div(len(ids) + args.max_new_tokens, block_size) + 1 for ids in prompt_ids) * args.n
         gpu_blocks = max(64, 2 * need)
 
     printer = Printer(list(args.prompts), args.n, args.json, sys.stdout)
@@ -187,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         system_context = embedded(model, block_size=block_size, tensor_parallel_size=args.tensor_parallel_size,
-                                  use_ray=not args.no_ray, num_gpu_blocks=gpu_blocks, num_cpu_blocks=64,
+                                  use_ray=use_ray, num_gpu_blocks=gpu_blocks, num_cpu_blocks=64,
                                   memory_fraction=args.memory_fraction, device=None if cuda else "cpu")
         with system_context as system:
             scheduler = Scheduler(system.client, system.runner, block_size, on_token=on_token,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import re
 import signal
 import socket
 import sys
@@ -21,7 +20,7 @@ from dataclasses import fields
 
 from grpc_health.v1 import health_pb2
 
-from kvpager.commands import cli
+from kvpager.commands import cli, security
 
 from kvpager.manager import config as config_mod
 from kvpager.manager.config import ManagerConfig
@@ -88,28 +87,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
                  help=_CONFIG_HELP.get(f.name, f.name.replace("_", " ")))
 
 
+# The manager's credential files: (flag, environment variable, without it, help).
+_CREDENTIAL_FILES = (
+    ("--auth-tokens", "KVPAGER_AUTH_TOKENS", "no token check",
+     'JSON {"tokens": [{"token" or "sha256": ..., "tenant": ..., "role": "scheduler|worker|admin"}]}: every call '
+     "but health and reflection needs 'authorization: Bearer TOKEN' of a role allowed to make it"),
+    ("--worker-tls-ca", "KVPAGER_WORKER_TLS_CA", "plaintext",
+     "connect to the workers' CacheWorker service over TLS, verifying their certificates with this PEM CA"),
+    ("--worker-service-token", "KVPAGER_WORKER_SERVICE_TOKEN", "none sent",
+     "file holding the token the manager sends to the workers' CacheWorker service (the workers' --manager-token)"),
+    ("--metrics-token", "KVPAGER_METRICS_TOKEN", "no token check",
+     "file holding the token /metrics and /sd/workers require ('Authorization: Bearer TOKEN'; Prometheus: "
+     "authorization.credentials_file)"),
+)
+
+
 def security_flags(parser: argparse.ArgumentParser) -> None:
     """TLS, tokens and --insecure (docs/security.md)."""
-    f = cli.flag
-    f(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False,
-      help="serve without credentials (no token check; plaintext unless --tls-cert): anyone who reaches the "
-           "port can call everything, including RegisterWorker. Required when --auth-tokens is not given")
-    f(parser, "--auth-tokens", env="KVPAGER_AUTH_TOKENS", metavar="FILE", default_help="unset: no token check",
-      help='JSON {"tokens": [{"token" or "sha256": ..., "tenant": ..., "role": "scheduler|worker|admin"}]}: '
-           "every call but health and reflection needs 'authorization: Bearer TOKEN' of a role allowed to make it")
-    cli.tls_server_flags(parser, "the manager", "to the workers")
-    f(parser, "--worker-tls-ca", env="KVPAGER_WORKER_TLS_CA", metavar="FILE", default_help="unset: plaintext",
-      help="connect to the workers' CacheWorker service over TLS, verifying their certificates with this PEM CA")
-    f(parser, "--worker-service-token", env="KVPAGER_WORKER_SERVICE_TOKEN", metavar="FILE",
-      default_help="unset: none sent",
-      help="file holding the token the manager sends to the workers' CacheWorker service (the workers' "
-           "--manager-token)")
-    f(parser, "--metrics-token", env="KVPAGER_METRICS_TOKEN", metavar="FILE", default_help="unset: no token check",
-      help="file holding the token /metrics and /sd/workers require ('Authorization: Bearer TOKEN'; Prometheus: "
-           "authorization.credentials_file)")
+    security.insecure_flag(
+        parser, "serve without credentials (no token check; plaintext unless --tls-cert): anyone who reaches the "
+                "port can call everything, including RegisterWorker. Required when --auth-tokens is not given")
+    security.tls_server_flags(parser, "the manager", "to the workers")
+    security.file_flags(parser, _CREDENTIAL_FILES)
 
 
-def security(args: argparse.Namespace) -> dict:
+def server_security(args: argparse.Namespace) -> dict:
     """create_server's security arguments from the flags; refuses to run without credentials
     unless --insecure."""
     from kvpager import auth
@@ -117,17 +119,14 @@ def security(args: argparse.Namespace) -> dict:
     if args.auth_tokens is None and not args.insecure:
         raise cli.Failure("no credentials: pass --auth-tokens FILE (and --tls-cert FILE --tls-key FILE), or "
                           "--insecure to serve without authentication")
-    if args.tls_client_ca and not args.tls_cert:
-        raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
-    try:
+    security.check_mutual_tls(args)
+    with security.reading_credentials():
         tokens = auth.TokenTable.load(args.auth_tokens) if args.auth_tokens else None
         tls = auth.TLS.load(args.tls_cert, args.tls_key, args.tls_client_ca)
         worker_token = auth.read_token(args.worker_service_token, "--worker-service-token file")
         worker_tls = None
         if args.worker_tls_ca:
             worker_tls = auth.TLS(cert=tls.cert, key=tls.key, ca=auth.read_bytes(args.worker_tls_ca, "--worker-tls-ca"))
-    except auth.CredentialError as err:
-        raise cli.Failure(str(err)) from err
     return dict(tokens=tokens, tls=tls if tls.serves else None, worker_tls=worker_tls, worker_token=worker_token)
 
 
@@ -165,22 +164,13 @@ def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
                         "(--metrics-token FILE)", args.metrics_host)
 
 
-def _as_flags(message: str, args: argparse.Namespace) -> str:
-    """The configuration's message with its field names as the flags that set them
-    ("block_size must be ..." -> "--block-size must be ..."): the user typed flags."""
-    names = [f.name for f in fields(ManagerConfig) if hasattr(args, f.name)]
-    if not names:
-        return message
-    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b",
-                  lambda m: "--" + m.group(1).replace("_", "-"), message)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_mod.from_args(args)
     except ManagerError as err:
-        raise cli.UsageError(_as_flags(str(err), args)) from err
-    secure = security(args)
+        names = [f.name for f in fields(ManagerConfig) if hasattr(args, f.name)]
+        raise cli.UsageError(cli.fields_as_flags(str(err), names)) from err
+    secure = server_security(args)
     metrics_secure = metrics_security(args, secure)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop = threading.Event()  # set by SIGTERM or SIGINT, even one that comes while starting

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
-from kvpager.commands import cli
+from kvpager.commands import cli, security
 from kvpager import client as C
 from kvpager import errors
 from kvpager.v1 import block_manager_pb2 as pb
@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
              help="print one table and exit (same as --count 1)")
     cli.flag(parser, "--count", env="KVPAGER_STATS_COUNT", type=cli.positive_int, metavar="N",
              default_help="unset: until Ctrl-C", help="exit after N refreshes")
-    cli.client_security_flags(parser)
+    security.client_security_flags(parser)
 
 
 @dataclass(slots=True)
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
     count = 1 if args.once else args.count
     timeout = min(5.0, max(1.0, args.interval))
-    with C.BlockManagerClient(args.manager, timeout=timeout, **cli.client_security(args)) as client:
+    with C.BlockManagerClient(args.manager, timeout=timeout, **security.client_security(args)) as client:
         try:
             client.ping()
         except errors.ManagerError as err:

@@ -44,7 +44,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from kvpager.commands import cli
+from kvpager.commands import cli, security
 
 log = logging.getLogger("kvpager.worker")
 # The default sizes (worker/cache_worker.py imports torch: these are their values, checked by a test).
@@ -75,8 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="Ray namespace of the named worker actors")
     f(parser, "--tensor-parallel-size", env="KVPAGER_TENSOR_PARALLEL_SIZE", type=cli.positive_int, default=1,
       metavar="N", help="ranks (one worker each; one GPU each on CUDA)")
-    f(parser, "--device", env="KVPAGER_WORKER_DEVICE", choices=("auto", "cuda", "cpu"), default="auto",
-      help="auto: CUDA when this Ray node has a GPU per rank, else the CPU")
+    cli.device_flag(parser, "CUDA when this Ray node has a GPU per rank, else the CPU")
     f(parser, "--model", env="KVPAGER_MODEL", metavar="DIR",
       default_help="the random-weight preset small on CUDA, tiny on the CPU",
       help="a local Hugging Face checkpoint directory (nothing is downloaded), or a random-weight preset: "
@@ -112,21 +111,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     security_flags(parser)
 
 
+# The workers' credential files: (flag, environment variable, without it, help).
+_CREDENTIAL_FILES = (
+    ("--auth-token", "KVPAGER_AUTH_TOKEN", "none sent",
+     "file holding this group's worker-role token (RegisterWorker and Heartbeat on the manager)"),
+    ("--manager-token", "KVPAGER_MANAGER_TOKEN", "no token check",
+     "file holding the token the manager presents (its --worker-service-token): the ranks' CacheWorker service "
+     "accepts only calls that carry it"),
+    ("--tls-ca", "KVPAGER_TLS_CA", "plaintext to the manager",
+     "connect to the manager over TLS, verifying its certificate with this PEM CA (also used to verify the ranks' "
+     "own certificates in this command's health checks)"),
+)
+
+
 def security_flags(parser: argparse.ArgumentParser) -> None:
     """TLS, tokens and --insecure (docs/security.md)."""
-    f = cli.flag
-    f(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False,
-      help="run without credentials: the ranks' CacheWorker service accepts plans from anyone who reaches it. "
-           "Required unless --auth-token and one of --manager-token or --tls-client-ca are given")
-    f(parser, "--auth-token", env="KVPAGER_AUTH_TOKEN", metavar="FILE", default_help="unset: none sent",
-      help="file holding this group's worker-role token (RegisterWorker and Heartbeat on the manager)")
-    f(parser, "--manager-token", env="KVPAGER_MANAGER_TOKEN", metavar="FILE", default_help="unset: no token check",
-      help="file holding the token the manager presents (its --worker-service-token): the ranks' CacheWorker "
-           "service accepts only calls that carry it")
-    cli.tls_server_flags(parser, "the ranks", "to the manager")
-    f(parser, "--tls-ca", env="KVPAGER_TLS_CA", metavar="FILE", default_help="unset: plaintext to the manager",
-      help="connect to the manager over TLS, verifying its certificate with this PEM CA (also used to verify "
-           "the ranks' own certificates in this command's health checks)")
+    security.insecure_flag(
+        parser, "run without credentials: the ranks' CacheWorker service accepts plans from anyone who reaches it. "
+                "Required unless --auth-token and one of --manager-token or --tls-client-ca are given")
+    security.tls_server_flags(parser, "the ranks", "to the manager")
+    security.file_flags(parser, _CREDENTIAL_FILES)
 
 
 def credentials(args: argparse.Namespace):
@@ -138,8 +142,7 @@ def credentials(args: argparse.Namespace):
     if not args.insecure and not (args.auth_token and guarded):
         raise cli.Failure("no credentials: pass --auth-token FILE (the worker-role token) and --manager-token FILE "
                           "or --tls-client-ca FILE (to accept plans only from the manager), or --insecure")
-    if args.tls_client_ca and not args.tls_cert:
-        raise cli.UsageError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS)")
+    security.check_mutual_tls(args)
     if args.metrics_port is not None:  # the ranks' /metrics: HTTPS with --tls-cert, else loopback unless --insecure
         from kvpager.metrics_http import check_bind
 
@@ -147,12 +150,10 @@ def credentials(args: argparse.Namespace):
             check_bind(args.host, bool(args.tls_cert), args.insecure, flag="--host")
         except ValueError as err:
             raise cli.Failure(str(err)) from err
-    try:
+    with security.reading_credentials():
         tls = auth.TLS.load(args.tls_cert, args.tls_key, args.tls_client_ca, args.tls_ca)
         creds = auth.WorkerCredentials(tls=tls, auth_token=auth.read_token(args.auth_token, "--auth-token file"),
                                        manager_token=auth.read_token(args.manager_token, "--manager-token file"))
-    except auth.CredentialError as err:
-        raise cli.Failure(str(err)) from err
     if creds == auth.WorkerCredentials():
         return None
     return creds

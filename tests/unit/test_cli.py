@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvpager.commands import cli, stats_view
+from kvpager.commands import cli, progress, stats_view
 from kvpager.client import BlockManagerClient
 from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
@@ -169,6 +169,9 @@ def test_demo_reads_the_deployment_from_the_environment(monkeypatch):
     (["worker", "--manager", "127.0.0.1:1", "--block-size", "0"], {}, ["kvpager worker: error: argument --block-size"]),
     (["worker", "--manager", "127.0.0.1:1", "--num-cpu-blocks", "-1"], {},
      ["kvpager worker: error: argument --num-cpu-blocks: must be >= 0"]),
+    (["demo", "--block-size", "2048"], {}, ["kvpager demo: error: --block-size must be in [1, 1024], got 2048"]),
+    (["generate", "--model", "/nonexistent", "--ray", "--no-ray", "hi"], {}, ["--ray and --no-ray: choose one"]),
+    (["generate", "--model", "/nonexistent", "--top-k", "-1", "hi"], {}, ["argument --top-k: must be >= 0, got -1"]),
     (["bench"], {}, ["name a benchmark"]),
     (["bench", "nope"], {}, ["invalid choice: 'nope'"]),
 ])
@@ -178,6 +181,51 @@ def test_bad_flags_end_with_one_line_and_exit_2(argv, env, fragments):
 
 def test_demo_rejects_half_a_deployment():
     assert_one_line_error(kvpager("demo", "--manager", "127.0.0.1:1"), 2, "--manager needs --ray-address")
+
+
+# ---- progress: a bar on a terminal, a few lines elsewhere ---------------------------------------------
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_off_a_terminal_prints_a_line_per_tenth_of_the_work_or_after_a_quiet_stretch(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = _Stream(tty=False)
+    bar = progress.Progress(200, "done", every=5.0, stream=out)
+    for done in range(1, 201):   # 200 updates, 10 tenths: 10 lines, not 200
+        bar.update(done, f"running {done}")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and "\r" not in out.getvalue()
+    assert lines[0].startswith("[###") and "20/200 done  running 20" in lines[0] and lines[-1].startswith("[" + "#" * 30)
+    bar.update(200)                  # nothing new, no time passed: no line
+    clock[0] += 6                    # a stretch longer than every: a line even within a tenth
+    bar.update(200)
+    assert len(out.getvalue().splitlines()) == 11 and out.getvalue().endswith("6 s\n")
+    bar.close()
+    assert len(out.getvalue().splitlines()) == 11
+
+
+def test_progress_on_a_terminal_redraws_one_line_and_quiet_prints_nothing(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    tty = _Stream(tty=True)
+    bar = progress.Progress(3, "checked", stream=tty)
+    for done in (1, 2, 3):
+        clock[0] += 1
+        bar.update(done)
+    bar.close()
+    assert tty.getvalue().count("\r") == 3 and tty.getvalue().count("\n") == 1 and "3/3 checked" in tty.getvalue()
+    silent = _Stream(tty=False)
+    quiet = progress.Progress(3, quiet=True, stream=silent)
+    quiet.update(3)
+    quiet.close()
+    assert silent.getvalue() == ""
 
 
 # ---- failures at run time: one line, exit 1 ------------------------------------------------------
