@@ -15,8 +15,10 @@ from concurrent import futures
 import grpc
 
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager import errors
+from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
+from kvpager.numeric import percentile
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
@@ -52,11 +54,6 @@ def serve_stuck_worker() -> tuple["StuckWorker", grpc.Server, int]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return worker, server, port
-
-
-def p99(samples: list[float]) -> float:
-    samples = sorted(samples)
-    return samples[min(len(samples) - 1, int(0.99 * len(samples)))]
 
 
 def load(target: str, kind: str, threads: int, ids, go, stop, results) -> None:
@@ -179,7 +176,7 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
             assert set(latencies) == {"ping", "stats", "health", "heartbeat", "append"}
             for name, samples in latencies.items():
                 assert len(samples) >= 10, (name, len(samples))
-                assert p99(samples) < LATENCY_LIMIT, (name, p99(samples), len(samples))
+                assert percentile(samples, 99) < LATENCY_LIMIT, (name, percentile(samples, 99), len(samples))
             # The appends need no worker: none waited behind the stuck step, none was refused.
             assert set(outcomes) == {"OK"}, outcomes
             # The append to the victim waited for the stuck step's rollback, then ran.
