@@ -57,6 +57,7 @@ from kvpager.numeric import ceil_div
 from kvpager.step import StepInput, WorkerDied
 from kvpager.v1 import block_manager_pb2 as pb
 
+from .batch_inputs import batch_inputs
 from .request import Group, Request, RequestOutput, SeqState, sample
 
 # Runs one step on the workers: for each sequence that computed tokens, the float32 logits of its
@@ -309,52 +310,9 @@ class Scheduler:
         return True
 
     def _inputs(self, reply: pb.StepResponse, feed: Optional[_InFlight]):
-        """(token ids, positions, computed sequences, feedback rows or None) of the step's batch.
-        A token not known yet (the last one, computed by ``feed``) is 0 with its row of ``feed``'s
-        output; None when such a token's sequence is not in ``feed``. O(S + T)."""
-        batch = reply.batch
-        token_ids: list[int] = []
-        positions: list[int] = []
-        computed: list[tuple[SeqState, int]] = []
-        rows: Optional[list[int]] = None
+        """The step's batch inputs (``batch_inputs``), ``feed``'s rows naming the tokens it computes."""
         fed_row = {seq.seq_id: i for i, (seq, _) in enumerate(feed.computed)} if feed is not None else {}
-        seqs = self._seqs
-        for seq_id, q, ctx in zip(batch.seq_ids, batch.query_lens, batch.context_lens):
-            if q == 1 and rows is not None:   # the fed decode case, without slices
-                seq = seqs[seq_id]
-                if len(seq.tokens) >= ctx:
-                    token_ids.append(seq.tokens[ctx - 1])
-                    rows.append(-1)
-                else:
-                    row = fed_row.get(seq_id)
-                    if row is None:
-                        return None
-                    token_ids.append(0)
-                    rows.append(row)
-                positions.append(ctx - 1)
-                computed.append((seq, ctx))
-                continue
-            if q == 0:  # forked or swapped in: nothing to compute
-                continue
-            seq = seqs[seq_id]
-            known = seq.tokens[ctx - q:ctx]
-            if len(known) < q:   # its last token is the step in flight's output
-                row = fed_row.get(seq_id)
-                if row is None or len(known) + 1 != q:
-                    return None
-                if rows is None:
-                    rows = [-1] * len(token_ids)
-                token_ids += known
-                token_ids.append(0)
-                rows += [-1] * len(known)
-                rows.append(row)
-            else:
-                token_ids += known
-                if rows is not None:
-                    rows += [-1] * q
-            positions += range(ctx - q, ctx)
-            computed.append((seq, ctx))
-        return token_ids, positions, computed, rows
+        return batch_inputs(reply.batch, self._seqs, fed_row)
 
     def _settle(self) -> bool:
         """Wait for every step in flight, oldest first, and take their tokens; whether there was any."""

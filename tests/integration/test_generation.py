@@ -92,6 +92,53 @@ def test_generation_matches_contiguous_cache_in_process():
             worker.stop()
 
 
+class ComputedAtSubmit:
+    """A runner with ``submit`` (overlap) that computes the step when it is submitted and hands
+    its rows back when they are waited for: overlap's bookkeeping without a thread."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def __call__(self, step):
+        return self.run(step)
+
+    def submit(self, step):
+        rows = self.run(step)
+        return lambda: rows
+
+
+def test_on_stage_reports_every_step_rpc_and_model_step_and_changes_no_token():
+    """The hook benchmarks/serving.py times the scheduler with: each Step RPC's round trip (the
+    same seconds as stats.step_latencies), each model call (plain) or each submit and its one
+    wait (overlap), with the step it ran; the tokens are those of the reference either way."""
+    with manager_sized_by_workers() as (client, service):
+        worker = CacheWorker(WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=64, num_cpu_blocks=64,
+                                          manager_address=client.target))
+        worker.start()
+        try:
+            requests = make_requests(8, 2)
+            expected = generate_contiguous(Decoder(MODEL), requests)
+            for overlap, runner in ((False, worker.execute_model), (True, ComputedAtSubmit(worker.execute_model))):
+                stages = []
+                scheduler = Scheduler(client, runner, BLOCK, overlap=overlap,
+                                      on_stage=lambda name, seconds, step: stages.append((name, seconds, step)))
+                outputs = scheduler.run(requests)
+                assert {r: o.samples for r, o in outputs.items()} == expected
+                rpcs = [seconds for name, seconds, step in stages if name == "step_rpc"]
+                assert rpcs == scheduler.stats.step_latencies and all(s > 0 for s in rpcs)
+                assert all(step is None for name, _, step in stages if name == "step_rpc")
+                steps = [step for name, _, step in stages if name in ("model", "submit")]
+                assert sum(len(step.token_ids) for step in steps) == scheduler.stats.tokens_computed
+                if overlap:
+                    assert {name for name, _, _ in stages} == {"step_rpc", "submit", "wait"}
+                    waited = [step for name, _, step in stages if name == "wait"]
+                    assert sorted(map(id, waited)) == sorted(map(id, steps))   # each submitted step waited once
+                else:
+                    assert {name for name, _, _ in stages} == {"step_rpc", "model"}
+        finally:
+            worker.stop()
+
+
 def test_generation_with_an_fp8_cache_matches_the_contiguous_cache_of_the_same_values():
     """KV stored as float8_e4m3fn with a scale (a quarter of the float32 cache's bytes): the
     tokens equal those of the contiguous cache holding the same quantized-then-dequantized K/V."""
