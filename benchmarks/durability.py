@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from kvpager import client as C
+from kvpager.numeric import ceil_div, percentile
 from kvpager.v1 import block_manager_pb2 as pb
 
 
@@ -40,11 +41,6 @@ def start(flags: list[str]) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise SystemExit(f"manager did not start: {flags}")
     return proc, match.group(1)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q * len(xs) + 0.5)) - 1))]
 
 
 def main() -> int:
@@ -59,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
 
     base = tempfile.mkdtemp(prefix="kvpager-durability-bench-", dir=args.dir or os.getcwd())
-    blocks = args.seqs * (-(-(args.prompt + args.reset_every + 1) // 16) + 1) + 64
+    blocks = args.seqs * (ceil_div(args.prompt + args.reset_every + 1, 16) + 1) + 64
     pool = ["--block-size", "16", "--num-gpu-blocks", str(blocks), "--num-cpu-blocks", "64"]
     servers: dict[str, tuple] = {}
     try:
@@ -103,8 +99,8 @@ def main() -> int:
         result = {}
         for name, xs in times.items():
             mean = sum(xs) / len(xs)
-            result[name] = dict(p50_ms=pct(xs, 0.5) * 1e3, p99_ms=pct(xs, 0.99) * 1e3, mean_ms=mean * 1e3,
-                                p50_ratio=pct(xs, 0.5) / pct(ref, 0.5), mean_ratio=mean / (sum(ref) / len(ref)))
+            result[name] = dict(p50_ms=percentile(xs, 50) * 1e3, p99_ms=percentile(xs, 99) * 1e3, mean_ms=mean * 1e3,
+                                p50_ratio=percentile(xs, 50) / percentile(ref, 50), mean_ratio=mean / (sum(ref) / len(ref)))
             r = result[name]
             print(f"{name:<16} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['mean_ms']:8.2f} {r['p50_ratio']:10.2f} "
                   f"{r['mean_ratio']:10.2f}")
