@@ -45,8 +45,10 @@ import time
 import pytest
 
 from kvpager import client as C
-from kvpager.manager import ManagerConfig, errors
+from kvpager import errors
+from kvpager.manager import ManagerConfig
 from kvpager.manager.service import create_server
+from kvpager.numeric import percentile
 from kvpager.v1 import block_manager_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -57,11 +59,6 @@ HEARTBEAT_TIMEOUT = 6.0  # well past the plan deadline, so the step fails at the
                          # stopped rank's heartbeats are missed (heartbeat interval: 1.2 s)
 LATENCY_LIMIT = 0.5
 MUTATORS = 4
-
-
-def quantile(samples: list[float], q: float) -> float:
-    samples = sorted(samples)
-    return samples[min(len(samples) - 1, int(q * len(samples)))]
 
 
 def load(target: str, kind: str, threads: int, ids, go, stop, results) -> None:
@@ -267,8 +264,8 @@ def test_a_stopped_worker_process_stalls_only_the_step_that_needs_it(ray_cluster
         for name in ("ping", "stats", "health", "heartbeat"):
             for label, latencies in (("while stuck", stuck), ("whole run", every)):
                 samples = latencies[name]
-                print(f"latency {name} {label}: n={len(samples)} p50={quantile(samples, 0.5) * 1e3:.1f} ms "
-                      f"p99={quantile(samples, 0.99) * 1e3:.1f} ms max={max(samples) * 1e3:.1f} ms")
+                print(f"latency {name} {label}: n={len(samples)} p50={percentile(samples, 50) * 1e3:.1f} ms "
+                      f"p99={percentile(samples, 99) * 1e3:.1f} ms max={max(samples) * 1e3:.1f} ms")
         stalled = [m for m in mutations if stopped_at <= m[0] < failed_at]
         after = [m for m in mutations if m[0] >= failed_at + 0.05]
         codes = {code: sum(1 for m in mutations if m[2] == code) for code in {m[2] for m in mutations}}
@@ -281,13 +278,13 @@ def test_a_stopped_worker_process_stalls_only_the_step_that_needs_it(ray_cluster
         for latencies in (stuck, every):
             for name, samples in latencies.items():
                 assert len(samples) >= 10, (name, len(samples))
-                assert quantile(samples, 0.99) < LATENCY_LIMIT, (name, quantile(samples, 0.99))
+                assert percentile(samples, 99) < LATENCY_LIMIT, (name, percentile(samples, 99))
         assert not dropped and forgotten == 0, (dropped, forgotten)   # rank 0 was never dropped
         # No-plan mutations went on beside the stuck dispatch, all of them, without waiting for it;
         # after it failed, with rank 1 dropped, they went on too.
         assert set(codes) == {"OK"}, codes
         assert stalled and after, (stalled, after)
-        assert quantile([m[1] for m in stalled], 0.99) < LATENCY_LIMIT, sorted(m[1] for m in stalled)[-5:]
+        assert percentile([m[1] for m in stalled], 99) < LATENCY_LIMIT, sorted(m[1] for m in stalled)[-5:]
 
         # 4. Resumed: rank 1 registers again with the same cache (no epoch change), health SERVING.
         wait_for(lambda: client.health() == "SERVING", 10, "rank 1 registered again after SIGCONT")
