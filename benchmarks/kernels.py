@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpager.kernels import cuda, debug, reference
+from kvpager.numeric import ceil_div
 
 HQ, HKV, D, B, LAYERS = 32, 8, 128, 16, 2
 DTYPE = torch.bfloat16
@@ -662,7 +663,7 @@ def bench_prefill() -> None:
     prefixes = [int(x) for x in torch.randint(0, 2048, (8,), generator=gen)]
     q_lens = news + [1] * 64
     ctxs = [n + p for n, p in zip(news, prefixes)] + [int(x) for x in torch.randint(256, 4096, (64,), generator=gen)]
-    width = max(-(-c // B) for c in ctxs)
+    width = max(ceil_div(c, B) for c in ctxs)
     n_blocks = cache.shape[0]
     tables = torch.randint(0, n_blocks, (len(ctxs), width), dtype=torch.int32, device="cuda")
     lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
@@ -745,7 +746,7 @@ def bench_prefill_kernel() -> None:
     table = []
     for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
         gen = torch.Generator(device="cuda").manual_seed(len(seqs))
-        nblk = [-(-c // B) for _, c in seqs]
+        nblk = [ceil_div(c, B) for _, c in seqs]
         total = sum(nblk)
         cache = torch.randn(total, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda", generator=gen)
         perm = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
@@ -791,8 +792,8 @@ def bench_prefill_kernel() -> None:
         q4s, ks, vs, masks = [], [], [], []
         for (q, c), ids in groups.items():
             idx = torch.tensor(ids, device="cuda")
-            ks.append(gather(k, tables[idx, :-(-c // B)]).contiguous()[:, :, :c].contiguous())
-            vs.append(gather(v, tables[idx, :-(-c // B)]).contiguous()[:, :, :c].contiguous())
+            ks.append(gather(k, tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
+            vs.append(gather(v, tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
             sel = torch.cat([torch.arange(starts_l[i], starts_l[i] + q, device="cuda") for i in ids])
             q4s.append(query[sel].view(len(ids), q, HQ, D).transpose(1, 2).contiguous())
             masks.append((None, True) if q == c else (causal_lower_right(q, c), False))

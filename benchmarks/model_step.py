@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvpager.numeric import ceil_div
 from kvpager.step import StepInput
 from kvpager.worker.decode_graphs import DecodeGraphs
 from kvpager.worker.kv_cache import CacheSpec, KVCache
@@ -55,15 +56,15 @@ def main() -> None:
     rng = random.Random(0)
     lens = [rng.randint(args.context // 4, args.context * 7 // 4) for _ in range(args.batch)]
     B = args.block_size
-    width = -(-max(lens) // B)
-    num_blocks = sum(-(-n // B) for n in lens) + 1
+    width = ceil_div(max(lens), B)
+    num_blocks = sum(ceil_div(n, B) for n in lens) + 1
     cache = KVCache(CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, B, cfg.cache_dtype), num_blocks, 1, dev)
     cache.blocks.normal_()
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     tables = []
     for n in lens:
-        row = [free.pop() for _ in range(-(-n // B))]
+        row = [free.pop() for _ in range(ceil_div(n, B))]
         tables.append(row + [0] * (width - len(row)))
     step = StepInput(step_id=1, plan_step_id=0, token_ids=[rng.randrange(cfg.vocab_size) for _ in lens],
                      positions=[n - 1 for n in lens], slot_mapping=[t[(n - 1) // B] * B + (n - 1) % B

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvpager.numeric import ceil_div
+
 HEADER = 4
 ALIGN = 64          # a piece's token count is a multiple of this (kPartitionAlign)
 MAX_PIECES = 256    # pieces of one sequence (kMaxSplits: the merge stages one weight per piece)
@@ -67,13 +69,13 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
         raise ValueError(f"capacity {capacity} is below the {num_seqs} rows (one item each at least)")
     hi = longest_item // ALIGN * ALIGN
     longest = int(ctx.max()) if num_seqs else 0
-    lo = max(ALIGN, _align_up(-(-longest // MAX_PIECES)))
+    lo = max(ALIGN, _align_up(ceil_div(longest, MAX_PIECES)))
     if hi < lo:
         raise ValueError(f"a context of {longest} tokens needs pieces of {lo} tokens, above the kernel's "
                          f"{hi} (at most {MAX_PIECES} pieces per sequence)")
     total = int(ctx.sum())
     floor = max(lo, min(min_item, hi))
-    sizes = {hi} | {min(hi, max(floor, _align_up(-(-total // (r * workers))))) for r in ROUNDS}
+    sizes = {hi} | {min(hi, max(floor, _align_up(ceil_div(total, r * workers)))) for r in ROUNDS}
     best = None
     for size in sorted(sizes, reverse=True):
         pieces = np.maximum(1, -(-ctx // size))
@@ -102,7 +104,7 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
 
 
 def _align_up(x: int) -> int:
-    return -(-x // ALIGN) * ALIGN
+    return ceil_div(x, ALIGN) * ALIGN
 
 
 def _sorted_items(ctx: np.ndarray, pieces: np.ndarray, size: int,

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvpager.numeric import ceil_div
 from . import reference
 
 DecodeFn = Callable[..., torch.Tensor]
@@ -131,7 +132,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             rows = slice(starts[seqs_list[0]], starts[seqs_list[-1]] + q)
         else:
             rows = (torch.tensor([starts[i] for i in seqs_list])[:, None] + torch.arange(q)).flatten().to(dev)
-        n_blocks = -(-c // block_size)
+        n_blocks = ceil_div(c, block_size)
         tables = block_tables[seqs, :n_blocks].to(dev, torch.int64).flatten()   # all inside the context
 
         def gather(cache: torch.Tensor, cache_scale: float) -> torch.Tensor:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpager.numeric import ceil_div
+
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "copy_blocks", "swap_blocks",
            "FP8", "FP8_MAX", "quantize_fp8"]
 
@@ -135,7 +137,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         return out
 
     # Gather each sequence's K/V: [num_seqs, num_kv_heads, max_ctx_pad, head_dim].
-    n_blocks = -(-max_ctx // block_size)
+    n_blocks = ceil_div(max_ctx, block_size)
     tables = block_tables[:, :n_blocks].to(dev, torch.int64)                         # [S, n_blocks]
     used = torch.arange(n_blocks, device=dev) * block_size < ctx[:, None]            # [S, n_blocks]
     tables = torch.where(used, tables, torch.zeros_like(tables))  # padding entries never dereferenced

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvpager.kernels import cuda, debug, reference
+from kvpager.numeric import ceil_div
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -34,7 +35,7 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dt
     """(query, k view, v view, block_tables, context_lens) over a NaN-filled block-major cache
     (of cache_dtype, default dtype; an fp8 cache holds K / k_scale and V / v_scale)."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-c // block_size) for c in lens]
+    need = [ceil_div(c, block_size) for c in lens]
     num_blocks = sum(need) + 3
     cache = torch.full((num_blocks, LAYERS, 2, num_kv_heads, block_size, head_dim), float("nan"),
                        dtype=cache_dtype or dtype, device=DEV)

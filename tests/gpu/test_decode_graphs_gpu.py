@@ -19,6 +19,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
+from kvpager.numeric import ceil_div  # noqa: E402
 from kvpager.step import StepInput  # noqa: E402
 from kvpager.worker.block_plan import BlockMoves, BlockPlan  # noqa: E402
 from kvpager.worker.decode_graphs import DecodeGraphs, supported  # noqa: E402
@@ -48,10 +49,10 @@ def random_step(rng: random.Random, model: Decoder, lens: list[int], step_id: in
     padded to the widest row plus a few extra columns; returns it and the blocks it owns."""
     free = list(range(1, NUM_BLOCKS))
     rng.shuffle(free)
-    width = max(-(-n // BLOCK) for n in lens) + rng.randrange(3)
+    width = max(ceil_div(n, BLOCK) for n in lens) + rng.randrange(3)
     rows, owned = [], set()
     for n in lens:
-        row = [free.pop() for _ in range(-(-n // BLOCK))]
+        row = [free.pop() for _ in range(ceil_div(n, BLOCK))]
         owned.update(row)
         rows.append(row + [rng.randrange(NUM_BLOCKS)] * (width - len(row)))   # padding: never read
     step = StepInput(step_id=step_id, plan_step_id=0, token_ids=[rng.randrange(model.cfg.vocab_size) for _ in lens],

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpager.kernels import reference
+from kvpager.numeric import ceil_div
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -17,10 +18,10 @@ def _paged(num_blocks, num_kv_heads, block_size, head_dim, dtype, context_lens, 
     layers = 2
     cache = torch.randn(num_blocks, layers, 2, num_kv_heads, block_size, head_dim, generator=gen).to(DEV, dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    max_blocks = max(-(-c // block_size) for c in context_lens)
+    max_blocks = max(ceil_div(c, block_size) for c in context_lens)
     tables, truth = [], []
     for ctx in context_lens:
-        n = -(-ctx // block_size)
+        n = ceil_div(ctx, block_size)
         table = [perm.pop() for _ in range(n)]
         k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)

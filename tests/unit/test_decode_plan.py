@@ -12,6 +12,7 @@ import torch
 
 from kvpager.kernels import decode_plan, reference
 from kvpager.kernels.decode_plan import HEADER, plan_decode_work
+from kvpager.numeric import ceil_div
 
 
 def _parts(plan: np.ndarray, rows: int, workers: int):
@@ -113,7 +114,7 @@ def test_executing_a_plan_equals_attention():
     torch.manual_seed(0)
     lens = [1, 15, 16, 17, 700, 3000, 0, 1299]
     bs, kv_heads, group, dim = 16, 2, 4, 32
-    need = [max(1, -(-n // bs)) for n in lens]
+    need = [max(1, ceil_div(n, bs)) for n in lens]
     num_blocks = sum(need) + 2
     k_cache = torch.randn(num_blocks, kv_heads, bs, dim, dtype=torch.float64)
     v_cache = torch.randn(num_blocks, kv_heads, bs, dim, dtype=torch.float64)

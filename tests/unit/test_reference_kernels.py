@@ -16,6 +16,7 @@ import torch
 from kvpager.kernels import prefill as sdpa_prefill
 from kvpager.kernels.reference import (FP8, copy_blocks, paged_decode_attention, paged_prefill_attention,
                                        quantize_fp8, swap_blocks, write_kv)
+from kvpager.numeric import ceil_div
 
 NUM_LAYERS, LAYER, NUM_KV_HEADS = 3, 1, 2
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -46,7 +47,7 @@ class Paged:
 
     def __init__(self, context_lens, block_size, head_dim, dtype, gen, spare_blocks=5):
         self.block_size, self.dtype = block_size, dtype
-        needed = [-(-c // block_size) for c in context_lens]
+        needed = [ceil_div(c, block_size) for c in context_lens]
         num_blocks = sum(needed) + spare_blocks
         self.kv_cache = torch.full((num_blocks, NUM_LAYERS, 2, NUM_KV_HEADS, block_size, head_dim),
                                    float("nan"), dtype=dtype)
