@@ -125,7 +125,7 @@ def remote(args: argparse.Namespace) -> Iterator[Deployment]:
     """The running manager at --manager and the named workers on the Ray cluster at --ray-address."""
     import ray
 
-    from kvpager.commands.worker import connect_ray
+    from kvpager.commands.ray_cluster import connect_ray
     from kvpager.worker.ray_group import RayWorkerGroup
 
     client = C.BlockManagerClient(args.manager, **security.client_security(args))

@@ -442,24 +442,24 @@ def test_worker_with_another_block_size_exits_1_at_once_with_one_line(default_ma
 
 
 def test_the_local_ray_line_says_where_to_join_and_a_joining_worker_presents_the_token(monkeypatch, tmp_path):
-    from kvpager.commands import worker as launcher
+    from kvpager.commands import ray_cluster
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    line = launcher.local_ray_line("127.0.0.2:6379")
+    line = ray_cluster.local_ray_line("127.0.0.2:6379")
     assert line.startswith("Ray: started a local cluster at 127.0.0.2:6379,") and "\n" not in line
     assert "--ray-address 127.0.0.2:6379 --join" in line and "token" not in line
     token = tmp_path / "token"
     token.write_text("secret")
     env = {"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(token)}
-    launcher.present_ray_token(env)
+    ray_cluster.present_ray_token(env)
     assert env["RAY_AUTH_MODE"] == "disabled"  # an explicit mode stays
     monkeypatch.delenv("RAY_AUTH_MODE")
-    assert "(its token: ~/.ray/auth_token)" in launcher.local_ray_line("127.0.0.2:6379")
+    assert "(its token: ~/.ray/auth_token)" in ray_cluster.local_ray_line("127.0.0.2:6379")
     env = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")}
-    launcher.present_ray_token(env)
+    ray_cluster.present_ray_token(env)
     assert "RAY_AUTH_MODE" not in env  # no token here: Ray's default
     env = {"RAY_AUTH_TOKEN_PATH": str(token)}
-    launcher.present_ray_token(env)
+    ray_cluster.present_ray_token(env)
     assert env["RAY_AUTH_MODE"] == "token"  # as Ray does for the cluster it starts
 
 
