@@ -6,6 +6,9 @@ thread blocks still reading while the rest of the GPU idles. Here the step's tok
 into pieces of one size P and ordered so that every thread block of the launch (a fixed number of
 "workers" per KV head, as many as stay resident together) gets about the same number of tokens.
 
+The worker runs this planner's C++ twin (``kernels/csrc/decode_plan.cu`` ``plan_decode_work``,
+equal to this one: tests/gpu compares them); this one is the readable reference.
+
 Plan once per step, run per layer: the list depends only on the step's context lengths, so every
 layer's launch reads the same list (and a CUDA graph replays it: the launch geometry is fixed by
 the model and the device, ``cuda.decode_work_geometry``, only the list's contents change).
