@@ -247,11 +247,25 @@ non_negative_float = _bounded("non_negative_float", number, lambda v: v >= 0, "m
 def quiet_ray_startup() -> None:
     """Keep Ray's own lines off the terminal when a command starts or joins a Ray cluster: its
     "Token authentication is enabled ..." warning, "Started a local Ray instance", "Connected to
-    Ray cluster" (each command says what it runs on, in its own words). Ray's errors still show.
-    Every subcommand (``main``, ``run_main``); nothing is imported."""
+    Ray cluster" (each command says what it runs on, in its own words), and the report of a
+    dashboard that did not start (``_NoDashboard``). Ray's other errors still show. Every
+    subcommand (``main``, ``run_main``); nothing is imported."""
     for name, level in (("ray._private.worker", logging.WARNING),
                         ("ray._private.authentication.authentication_token_setup", logging.ERROR)):
         logging.getLogger(name).setLevel(level)
+    services = logging.getLogger("ray._private.services")
+    if not any(isinstance(f, _NoDashboard) for f in services.filters):
+        services.addFilter(_NoDashboard())
+
+
+class _NoDashboard(logging.Filter):
+    """Drops Ray's lines about its dashboard process: the commands start Ray without a dashboard
+    (``include_dashboard=False``), yet Ray starts its API server anyway and, when that dies at
+    start (seen here under load: return code -6), logs five ERROR lines about dashboard.log and
+    goes on without it. Nothing the user asked for failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "dashboard" not in record.getMessage()
 
 
 def log_to_stderr() -> None:

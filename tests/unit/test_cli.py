@@ -5,6 +5,7 @@ tests/integration/test_cli.py)."""
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import socket
@@ -181,6 +182,18 @@ def test_bad_flags_end_with_one_line_and_exit_2(argv, env, fragments):
 
 def test_demo_rejects_half_a_deployment():
     assert_one_line_error(kvpager("demo", "--manager", "127.0.0.1:1"), 2, "--manager needs --ray-address")
+
+
+def test_rays_report_of_a_dashboard_nobody_asked_for_stays_off_the_terminal(caplog):
+    cli.quiet_ray_startup()
+    cli.quiet_ray_startup()   # once is enough: no second filter
+    services = logging.getLogger("ray._private.services")
+    assert sum(isinstance(f, cli._NoDashboard) for f in services.filters) == 1
+    with caplog.at_level(logging.ERROR, logger="ray._private.services"):
+        services.error("Failed to start the dashboard , return code -6")
+        services.error("Couldn't read dashboard.log file. Error: no such file")
+        services.error("Failed to start the raylet")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to start the raylet"]
 
 
 # ---- progress: a bar on a terminal, a few lines elsewhere ---------------------------------------------
