@@ -1,5 +1,5 @@
-"""``kvpager``: one command with a subcommand per job (``manager``, ``worker``, ``demo``, ``stats``,
-``bench``).
+"""``kvpager``: one command with a subcommand per job (``manager``, ``worker``, ``generate``, ``demo``,
+``stats``, ``bench``).
 
 This module holds the conventions every subcommand shares and wires them together; each
 subcommand lives in its own module, which provides ``configure(parser)`` (its flags) and
@@ -20,13 +20,11 @@ Conventions:
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import inspect
 import logging
 import os
 import re
-import subprocess
 import sys
 
 # gRPC core's INFO lines (fork handlers skipped while Ray starts its processes, GOAWAY at
@@ -34,7 +32,6 @@ import sys
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 import traceback
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from kvpager import package_version
@@ -324,58 +321,6 @@ def _exit_code(body: Callable[[], int]) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
-# ---- bench: the repository's benchmark scripts -----------------------------------------------------
-BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "step-rpc": "step_rpc.py",
-              "layout": "cache_layout.py", "kernels": "kernels.py", "serving": "serving.py",
-              "model-step": "model_step.py"}
-
-
-def benchmarks_dir() -> Path:
-    # An editable install imports kvpager from the repository, whose benchmarks/ sit beside it.
-    return Path(__file__).resolve().parents[2] / "benchmarks"  # kvpager/commands/cli.py -> the repository
-
-
-def _summary(script: Path) -> str:
-    """The first sentence of a script's docstring, on one line, read without importing the script
-    (some need CUDA)."""
-    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
-    first = " ".join(doc.split("\n\n")[0].split())
-    return first.split(". ")[0].rstrip(".") + "." if first else ""
-
-
-class _Bench:
-    """``kvpager bench NAME [ARGS...]``: run a benchmark script of the repository's benchmarks/
-    folder with this Python, passing ARGS through (``kvpager bench NAME --help`` shows its own
-    flags). Needs a source checkout: wheels do not ship benchmarks/."""
-
-    EPILOG = None  # no flags of its own read the environment
-
-    @staticmethod
-    def configure(parser: Parser) -> None:
-        parser.add_argument("--list", action="store_true", help="list the benchmarks with what each measures")
-        parser.add_argument("name", nargs="?", choices=sorted(BENCHMARKS), metavar="NAME",
-                            help=f"one of: {', '.join(f'{k} ({v})' for k, v in BENCHMARKS.items())}")
-        parser.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to the script")
-
-    @staticmethod
-    def run(args: argparse.Namespace) -> int:
-        folder = benchmarks_dir()
-        if not folder.is_dir():
-            raise Failure(f"no benchmarks folder at {folder}: the benchmarks come with a source checkout "
-                          "of kvpager (pip install -e .), not with the wheel")
-        if args.list:
-            for name, file in BENCHMARKS.items():
-                print(f"{name:8s} {file:17s} {_summary(folder / file)}")
-            return 0
-        if args.name is None:
-            raise UsageError("name a benchmark (or --list)")
-        script = folder / BENCHMARKS[args.name]
-        if not script.is_file():
-            raise Failure(f"benchmark script {script} is missing")
-        code = subprocess.call([sys.executable, str(script), *args.args])
-        return 128 - code if code < 0 else code  # killed by a signal: 128 + its number
-
-
 # ---- wiring ---------------------------------------------------------------------------------------
 # name: (module providing configure/run, one-line help)
 COMMANDS = {
@@ -384,7 +329,7 @@ COMMANDS = {
     "generate": ("kvpager.commands.generate", "generate text with a local Hugging Face checkpoint"),
     "demo": ("kvpager.commands.demo", "serve a request mix end to end and check every token (what `make demo` runs)"),
     "stats": ("kvpager.commands.stats_view", "a live table of a running manager's pools, sequences and workers"),
-    "bench": (None, "run a benchmark script of the repository's benchmarks/ folder"),
+    "bench": ("kvpager.commands.bench", "run a benchmark script of the repository's benchmarks/ folder"),
 }
 
 
@@ -397,8 +342,8 @@ def build_parser(argv: Sequence[str]) -> tuple[Parser, dict[str, Parser]]:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parsers = {}
     for name, (module_name, summary) in COMMANDS.items():
-        module = _Bench if module_name is None else None
-        if name == chosen and module is None:
+        module = None
+        if name == chosen:
             try:
                 module = importlib.import_module(module_name)
             except ImportError as err:  # an optional dependency missing (torch, ray...)
