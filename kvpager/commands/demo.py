@@ -9,6 +9,9 @@ plain contiguous cache, checks the manager's invariants, and prints throughput a
 figures. The manager and every worker serve Prometheus /metrics on 127.0.0.1 while it runs; at
 the end it scrapes them all and checks them against the manager's own stats.
 
+It says on stderr what it is doing as it goes (starting, serving, checking: a progress bar on a
+terminal, else a line per tenth of the work or every 5 s); --quiet leaves only the report.
+
 With --manager and --ray-address it serves the same mix on a running deployment instead: the
 manager at --manager and the workers that `kvpager worker` started on that Ray cluster (found
 by name in --namespace), with the model the workers run. The manager's invariants cannot be
@@ -304,7 +307,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="a local Hugging Face checkpoint to serve (embedded)")
     cli.dtype_flag(parser, "bfloat16 for --model on CUDA, else float32 (embedded)")
     cli.device_flag(parser, "CUDA when there is a GPU (embedded)")
-    f(parser, "--check", env="KVPAGER_DEMO_CHECK", type=cli.parse_bool, default_help="on, off with --model",
+    f(parser, "--check", env="KVPAGER_DEMO_CHECK", type=cli.parse_bool, metavar="BOOL", default_help="on, off with --model",
       help="compare every token with a float32 contiguous-cache reference (true/false)")
     f(parser, "--block-size", env="KVPAGER_BLOCK_SIZE", type=cli.positive_int, default=16, metavar="N",
       help="tokens per KV block (embedded; a running manager has its own)")
