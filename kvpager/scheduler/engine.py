@@ -44,7 +44,6 @@ same Step again with the same request id: applied once, answered once, and the r
 from __future__ import annotations
 
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -58,6 +57,7 @@ from kvpager.step import StepInput, WorkerDied
 from kvpager.v1 import block_manager_pb2 as pb
 
 from .batch_inputs import batch_inputs
+from .manager_link import ManagerLink
 from .request import Group, Request, RequestOutput, SeqState, sample
 
 # Runs one step on the workers: for each sequence that computed tokens, the float32 logits of its
@@ -125,6 +125,7 @@ class Scheduler:
         self._steps_in_flight: deque[_InFlight] = deque()
         self.recover = recover
         self.recover_timeout = recover_timeout
+        self._link = ManagerLink(client)
         self._in_flight: list[Group] = []   # groups out of every queue while a Step is on the wire
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
@@ -400,11 +401,7 @@ class Scheduler:
         self._steps_in_flight.clear()   # their workers are gone; their groups restart below
         if self.recover is not None:
             self.runner = self.recover()
-        deadline = time.monotonic() + self.recover_timeout
-        while self._health() != "SERVING":
-            if time.monotonic() > deadline:
-                raise errors.Unavailable(f"the manager's workers did not come back within {self.recover_timeout} s")
-            time.sleep(0.1)
+        self._link.wait_until_serving(self.recover_timeout)
         # Every group the manager may hold: running, swapped, and those a failed Step carried
         # (an admission the manager never applied frees as NOT_FOUND, which is fine).
         groups = list(dict.fromkeys([*self._in_flight, *self.running, *self.swapped]))
@@ -486,7 +483,7 @@ class Scheduler:
         the cheapest form on both sides (docs/performance.md, "Step RPC for a decode batch")."""
         self.stats.overlapped_steps += bool(self._steps_in_flight)
         started = time.perf_counter()
-        reply = self._send_step(ops)
+        reply = self._link.step(ops, self.recover_timeout)
         took = time.perf_counter() - started
         self.stats.step_latencies.append(took)
         if self.on_stage is not None:
@@ -496,41 +493,6 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(self)
         return reply
-
-    def _send_step(self, ops: list[pb.Operation]) -> pb.StepResponse:
-        """The Step RPC with one request id. While the manager cannot be reached (it restarts and
-        recovers its state: docs/durability.md) it is sent again with the same id, so that it is
-        applied once, until ``recover_timeout``; an UNAVAILABLE from a manager that answers pings
-        (its workers are gone) is raised for ``step`` to recover from."""
-        request_id = uuid.uuid4().hex
-        deadline = time.monotonic() + self.recover_timeout
-        answered = False  # the manager answered a ping since the last failed attempt
-        while True:
-            try:
-                return self.client.step(ops, request_id=request_id, table_layout=pb.TABLE_LAYOUT_PADDED_PACKED)
-            except (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled):
-                if answered or time.monotonic() > deadline:
-                    raise
-            answered = self._wait_for_manager(deadline)
-
-    def _wait_for_manager(self, deadline: float) -> bool:
-        """Ping the manager with backoff until it answers (True) or ``deadline`` passes (False)."""
-        delay = 0.05
-        while True:
-            try:
-                self.client.ping()
-                return True
-            except errors.ManagerError:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-
-    def _health(self) -> str:
-        try:
-            return self.client.health()
-        except errors.ManagerError:  # the manager is restarting: not serving yet
-            return "UNREACHABLE"
 
     def _new_group(self, request: Request, previous: Optional[Group] = None) -> Group:
         """The request's sequences, from its prompt; ``previous``: the group it restarts, whose
