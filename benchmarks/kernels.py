@@ -822,8 +822,8 @@ def smoke() -> None:
         for loads in (2, 4):            # both kernel instances
             for splits in (1, 3):
                 debug.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits, loads=loads)
-        geometry = cuda.decode_work_geometry(q, k)  # a work list
-        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, 3,
+        geometry = cuda.decode_work_geometry(q, k)  # a work list, its longer sequences in pieces (fused merge)
+        step = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry, min_item=64), geometry, 3,
                                     num_q_heads=q.shape[1], head_dim=d)
         cuda.paged_decode_run(step, q, k, v, tables, lens, d ** -0.5)
         if dtype != torch.float32:      # fp8 cache: write (quantizing) and decode
