@@ -349,6 +349,43 @@ def bench_plan_once() -> None:
         torch.cuda.empty_cache()
 
 
+SMALL_STEP_CONFIGS = [("uniform", 8, 512), ("uniform", 16, 1024), ("ragged", 32, 4096), ("ragged", 16, 16384)]
+
+
+def bench_list_loads(ceiling: float) -> None:
+    """The same work lists with each kernel instance (2 or 4 loads in flight per lane, so 66 or
+    49 workers per KV head on an H100) beside the grid plan, at the ragged configs and a few
+    small steps: whether small steps would want the 4-loads geometry."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print("\nwork list with 2 vs 4 loads in flight, and the grid (us, % of the copy ceiling):")
+    for kind, batch, longest in RAGGED_CONFIGS + SMALL_STEP_CONFIGS:
+        q, cache, tables, lens = make_case(batch, longest, gen=gen)
+        if kind == "ragged":
+            lens = torch.randint(1, longest + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        host_lens = lens.tolist()
+        nbytes = 2 * sum(host_lens) * HKV * D * q.element_size()
+        out = torch.empty_like(q)
+        cells = []
+        for loads in (2, 4):
+            geometry = debug.decode_work_geometry(q, k, loads=loads)
+            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(host_lens, geometry), geometry, batch,
+                                        num_q_heads=HQ, head_dim=D)
+            fn = lambda: cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out)  # noqa: E731
+            warm_up(fn, 0.2)
+            t = timed(fn)
+            cells.append(f"loads {loads} ({geometry.workers} workers) {t * 1e6:8.1f} us {100 * nbytes / t / ceiling:5.1f}%")
+        grid = cuda.plan_decode_grid(q, k, v, tables, lens)
+        fn = lambda: cuda.paged_decode_grid_run(grid, q, k, v, tables, lens, scale, out=out)  # noqa: E731
+        warm_up(fn, 0.2)
+        t = timed(fn)
+        print(f"{kind:>7} {batch:>4} x {longest:<6} | " + " | ".join(cells) +
+              f" | grid (loads {grid.loads}, splits {grid.num_splits}) {t * 1e6:8.1f} us {100 * nbytes / t / ceiling:5.1f}%")
+        del q, cache, k, v
+        torch.cuda.empty_cache()
+
+
 def bench_fp8(ceiling: float) -> None:
     """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales) against the same kernel
     over the bf16 cache, same shapes and block tables; GB/s counts the fp8 bytes read."""
@@ -865,7 +902,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of plan,ragged,decode,gqa,copy,swap,write_kv,flex,prefill,fp8,"
+                    help="comma-separated subset of plan,ragged,list_loads,decode,gqa,copy,swap,write_kv,flex,"
+                         "prefill,fp8,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
@@ -883,7 +921,8 @@ def main() -> None:
                                                            "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
-    steps = [("plan", bench_plan_once), ("ragged", lambda: bench_ragged(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+    steps = [("plan", bench_plan_once), ("ragged", lambda: bench_ragged(ceiling)),
+             ("list_loads", lambda: bench_list_loads(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]
