@@ -177,10 +177,10 @@ def run(args: argparse.Namespace) -> int:
         _stop_on_signals()  # ray.init installs its own SIGTERM handler
         group = start_group(args, node_id, gpus, creds)
         _stop_on_signals()
-        announce(group, args, creds)
-        try:
+        try:  # from "workers ready" on, SIGTERM or SIGINT is the normal way to stop (exit 0)
+            announce(group, args, creds)
             watch(group.addresses, creds, ManagerWatch(args, creds))  # returns only by raising
-        except KeyboardInterrupt:  # SIGTERM or SIGINT: the normal way to stop
+        except KeyboardInterrupt:
             pass
     finally:
         _stop(group, node)

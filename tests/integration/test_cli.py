@@ -225,8 +225,9 @@ def test_a_second_worker_joins_the_ray_cluster_the_first_one_printed(start_manag
                               "--node-ip", "127.0.0.3", "--namespace", "second")
         second.wait_for(rf"^Ray: on the cluster at {re.escape(ray)}, through this machine's node 127\.0\.0\.3", 90)
         second.wait_for(r"^workers ready: .* registered with " + re.escape(second_manager), 90)
-        assert second.stop() == 0 and first.proc.poll() is None  # leaving stops only the joined node
-        assert first.stop() == 0
+        assert second.stop() == 0, second.transcript()
+        assert first.proc.poll() is None  # leaving stops only the joined node
+        assert first.stop() == 0, first.transcript()
     finally:
         if second is not None:
             second.stop()
