@@ -12,8 +12,15 @@ TORCH_INDEX ?=
 demo: $(STAMP)
 	$(VENV)/bin/kvpager demo
 
+# The tests run on PYTEST_WORKERS processes (pytest-xdist; 0: in pytest's own process), a module at a
+# time, so that a module's fixtures (servers, Ray clusters, checkpoints) are set up once in one
+# process; tests/gpu is one unit (tests/conftest.py: pytest_xdist_make_scheduler), and the longest
+# modules start first (LONGEST_FIRST there). Two workers keep CI's two cores busy: one test waiting
+# for a server or a Ray cluster to start leaves the other core to the other worker.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) lint tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The house's rules, checked before the tests: the import layers (pyproject.toml's
 # [tool.importlinter] contracts: commands on top, the manager free of torch/Ray, the scheduler and
