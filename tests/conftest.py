@@ -72,9 +72,12 @@ def pytest_sessionfinish(session):
         time.sleep(0.5)
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write("\n")  # after the progress line
         for pid, cmdline in left:
             if reporter is not None:
-                reporter.write_line(f"left running by the tests, ended: {pid} {cmdline}", red=True)
+                reporter.write_line(f"FAILED: the tests left this process running (ended now): {pid} {cmdline}",
+                                    red=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if session.exitstatus == pytest.ExitCode.OK:
