@@ -6,6 +6,8 @@ CUDA tensors. Decode attention is split as FlashInfer splits it: a plan made onc
 workspace; or ``DecodeGridPlan`` from the table's width) and a run per layer
 (``paged_decode_run``, ``paged_decode_grid_run``) that checks its inputs and launches, never
 re-plans and never allocates. ``paged_decode_attention`` is the one-shot form (plan + run).
+Prefill likewise: ``PrefillKernelPlan`` (the step's work list, uploaded once; the instance) made by
+``plan_prefill``, run per layer by ``paged_prefill_run``; ``paged_prefill_attention`` is one-shot.
 These are what serving calls; benchmark and test knobs are in ``kernels/debug.py``. The extension (``kernels/csrc``) is JIT-built with
 ``torch.utils.cpp_extension`` (ninja) on first use and cached; the build directory is
 ``$KVPAGER_EXT_DIR`` if set, else ``<tempdir>/kvpager_ext/<torch version>-<source hash>``,
@@ -48,7 +50,7 @@ from . import decode_plan as work_plan
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
            "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work",
-           "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
+           "PrefillKernelPlan", "plan_prefill", "paged_prefill_run", "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
            "silu_and_mul"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -389,42 +391,69 @@ def prefill_work(starts, context_lens, group: int, warps: int | None = None, seq
     return np.ascontiguousarray(np.stack([seq[order], tile[order]], axis=1).astype(np.int32))
 
 
-_work_cache: dict = {}
+@dataclass(frozen=True)
+class PrefillKernelPlan:
+    """One step's prefill-kernel plan, made once (:func:`plan_prefill`) and read by every layer's
+    :func:`paged_prefill_run`: the kernel instance and the step's work list on the device."""
+    work: torch.Tensor          # [num_items, 2] int32 (sequence, row tile), on the device
+    warps: int                  # 4 or 8 warps per block
+    wgmma: bool                 # the Hopper (wgmma) instance, else mma.sync
 
 
-def _device_work(starts, context_lens, group: int, warps: int, seqs, device: torch.device) -> torch.Tensor:
-    """prefill_work on the device, reused while the lengths stay the same (every layer of a step
-    passes the same lists): one small pinned upload per step, no sync."""
-    key = (tuple(starts), tuple(context_lens), group, warps, None if seqs is None else tuple(seqs), device)
-    hit = _work_cache.get("last")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    work = torch.from_numpy(prefill_work(starts, context_lens, group, warps, seqs))
-    if device.type == "cuda":
-        work = work.pin_memory().to(device, non_blocking=True)
-    _work_cache["last"] = (key, work)
-    return work
+def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, seqs=None) -> PrefillKernelPlan:
+    """The step's prefill plan for queries like ``query_like`` ([*, num_q_heads, head_dim], its
+    device) over ``k_cache``'s layout: ``prefill_work`` of ``host_lengths`` ((query starts,
+    context lengths) as host ints), uploaded once through pinned memory (no sync), and the 8-warp
+    instance (wgmma where built for the device). ``seqs``: as in :func:`prefill_work`."""
+    return _plan_prefill(query_like, k_cache, host_lengths, seqs, PREFILL_WARPS, None)
+
+
+def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None) -> PrefillKernelPlan:
+    group = query_like.shape[1] // k_cache.shape[1]
+    work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs))
+    if query_like.device.type == "cuda":
+        work = work.pin_memory().to(query_like.device, non_blocking=True)
+    use_wgmma = (prefill_wgmma(query_like.device) and warps == 8) if wgmma is None else bool(wgmma)
+    return PrefillKernelPlan(work, warps, use_wgmma)
+
+
+def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                      scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's prefill attention as the step's plan says: ``reference.paged_prefill_attention``
+    on tensor cores, one launch for the whole ragged batch, K/V read straight from the pages.
+
+    query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous)
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
+                      float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
+    block_tables, context_lens, query_start_loc: int32 on the device, as in the reference (the
+                      lengths the plan was made from)
+    out:              optional output; rows of sequences the plan does not cover are left as they are
+
+    No host work beyond the launcher's checks and the launch (no planning, no upload, no sync).
+    """
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if plan.work.shape[0] == 0:
+        return out
+    _load().paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, plan.work,
+                          float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma)
+    return out
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
                             host_lengths=None, seqs=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``reference.paged_prefill_attention`` on tensor cores, one launch for the whole ragged
-    batch, K/V read straight from the pages (no gather).
+    """One-shot prefill (:func:`plan_prefill`, then :func:`paged_prefill_run`), tensors as there.
 
-    query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous)
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
-                      float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
-    block_tables, context_lens, query_start_loc: int32, as in the reference
     host_lengths:     (query_start_loc, context_lens) as host lists, equal to the tensors (no
                       sync; without it they are read from the device once)
     seqs:             the sequences to compute (default: all with new tokens); the rows of the
                       others are left as they are in ``out``
 
-    The kernel instance: 8 warps, wgmma where built for this device (``prefill_wgmma``), else
-    mma.sync (kernels/debug.py runs the others). The work list is planned from the host lengths
-    and uploaded once while they stay the same (every layer of a step passes the same lists).
+    A step that attends in every layer plans once instead (``kernels/prefill.py`` ``plan``).
     """
     return _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
                     host_lengths, seqs, out, PREFILL_WARPS, None)
@@ -432,21 +461,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
              host_lengths, seqs, out, warps: int, wgmma: bool | None) -> torch.Tensor:
-    mod = _load()
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if host_lengths is None:
         n = context_lens.shape[0]
         lengths = torch.cat([query_start_loc.to("cpu", torch.int64), context_lens.to("cpu", torch.int64)]).tolist()
         host_lengths = (lengths[:n + 1], lengths[n + 1:])
-    group = query.shape[1] // k_cache.shape[1]
-    work = _device_work(host_lengths[0], host_lengths[1], group, warps, seqs, query.device)
-    if work.shape[0] == 0:
-        return out
-    use_wgmma = (prefill_wgmma(query.device) and warps == 8) if wgmma is None else bool(wgmma)
-    mod.paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, work, float(scale),
-                      float(k_scale), float(v_scale), int(warps), use_wgmma)
-    return out
+    plan = _plan_prefill(query, k_cache, host_lengths, seqs, warps, wgmma)
+    return paged_prefill_run(plan, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                             k_scale, v_scale, out=out)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

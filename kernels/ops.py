@@ -139,16 +139,54 @@ def decode_planner(query_like: torch.Tensor, k_cache: torch.Tensor) -> Optional[
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                             k_scale=1.0, v_scale=1.0, host_lengths=None, decode=None):
-    """``host_lengths``: optional (query_start_loc, context_lens) as host lists, sparing the CUDA
-    path a host sync per call (see ``kernels/prefill.py``). ``decode``: how the one-token
-    sequences of a mixed step attend (``paged_decode_attention``'s signature; the caller binds it
-    to a plan made once for the step), default the one-shot ``paged_decode_attention``."""
+    """One-shot prefill attention (plans and runs in one call), for tests and benchmarks; a step
+    that attends in every layer plans once (``plan_prefill``) and runs each layer
+    (``paged_prefill_run``). ``host_lengths``: optional (query_start_loc, context_lens) as host
+    lists, sparing the CUDA path a host sync (see ``kernels/prefill.py``). ``decode``: how the
+    one-token sequences of a mixed step attend (``paged_decode_attention``'s signature), default
+    the one-shot ``paged_decode_attention``."""
     if query.device.type == "cuda":
         return prefill.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
                                                query_start_loc, scale, k_scale, v_scale,
                                                decode=decode or paged_decode_attention, host_lengths=host_lengths)
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens,
                                              query_start_loc, scale, k_scale, v_scale)
+
+
+def plan_prefill(query_like, k_cache, block_tables, context_lens, query_start_loc, scale, *, host_lengths=None,
+                 decode_plan=None) -> prefill.PrefillPlan:
+    """A step's prefill attention planned once (``kernels/prefill.py`` ``plan``; FlashInfer's
+    plan/run split): ``query_like`` [*, num_q_heads, head_dim] of the queries' dtype and device,
+    ``k_cache`` any layer's K view, the step's int32 tensors (kept in the plan), ``host_lengths``
+    (query starts, context lengths) as host ints, ``decode_plan``: the step's
+    ``DecodePlanner.step_plan`` for its one-token rows (planned from their context lengths, in
+    row order), if any. On CUDA: the kernel-or-SDPA choice, the work list or the groups, and the
+    one-token rows' decode (the work list of ``decode_plan``, else one grid plan over them).
+    Elsewhere: a plan the torch reference runs."""
+    if query_like.device.type != "cuda":
+        return prefill.plan(query_like, k_cache, block_tables, context_lens, query_start_loc, scale,
+                            host_lengths=host_lengths, reference_only=True)
+    if decode_plan is not None:
+        def decode(q, k_cache, v_cache, tables, context, scale, k_scale=1.0, v_scale=1.0):
+            return paged_decode_run(decode_plan, q, k_cache, v_cache, tables, context, scale, k_scale, v_scale)
+        return prefill.plan(query_like, k_cache, block_tables, context_lens, query_start_loc, scale,
+                            host_lengths=host_lengths, decode=decode)
+
+    def plan_decode(tables, context):
+        """One grid plan for the one-token rows (the reference where our kernel does not serve)."""
+        like = query_like.new_empty(context.shape[0], *query_like.shape[1:])
+        grid = plan_decode_grid(like, k_cache, k_cache, tables, context)
+
+        def decode(q, k_cache, v_cache, tables, context, scale, k_scale=1.0, v_scale=1.0):
+            return paged_decode_grid_run(grid, q, k_cache, v_cache, tables, context, scale, k_scale, v_scale)
+        return decode
+    return prefill.plan(query_like, k_cache, block_tables, context_lens, query_start_loc, scale,
+                        host_lengths=host_lengths, plan_decode=plan_decode)
+
+
+def paged_prefill_run(plan, query, k_cache, v_cache, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+    """One layer's prefill attention over the step's plan (``plan_prefill``): no re-planning."""
+    return prefill.run(plan, query, k_cache, v_cache, k_scale, v_scale)
 
 
 def copy_blocks(kv_cache, src, dst) -> None:

@@ -193,15 +193,14 @@ class Decoder:
             return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer,
                                                   decode_plan))
         k_scale, v_scale = self.cfg.cache_scales
-        decode = None
-        if decode_plan is not None:
-            def decode(q, k_cache, v_cache, decode_tables, decode_context, scale, k_scale=1.0, v_scale=1.0):
-                return ops.paged_decode_run(decode_plan, q, k_cache, v_cache, decode_tables, decode_context, scale,
-                                            k_scale, v_scale)
+        # The step's prefill plan, made once here too: our kernel or gather + SDPA groups, the
+        # kernel's work list or the groups' block ids and masks, and the one-token rows bound to
+        # the decode plan above; every layer's attention runs it without re-planning.
+        prefill_plan = ops.plan_prefill(self._query_like(), layer_cache(0)[0], tables, context, query_starts,
+                                        self.scale, host_lengths=(starts, context_lens), decode_plan=decode_plan)
 
         def attention(q, k_cache, v_cache):
-            return ops.paged_prefill_attention(q, k_cache, v_cache, tables, context, query_starts, self.scale,
-                                               k_scale, v_scale, host_lengths=(starts, context_lens), decode=decode)
+            return ops.paged_prefill_run(prefill_plan, q, k_cache, v_cache, k_scale, v_scale)
 
         hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
         return self.logits(hidden.index_select(0, query_starts[1:].long() - 1))
@@ -236,13 +235,16 @@ class Decoder:
         timer = attention_timer if attention_timer is not None else nullcontext()
         return self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
 
+    def _query_like(self) -> torch.Tensor:
+        """[0, local q heads, head_dim] of the activations' dtype and device: what planners read."""
+        return torch.empty(0, self.q_heads, self.cfg.head_dim, dtype=self.embed.dtype, device=self.device)
+
     def decode_planner(self, layer_cache: LayerCache) -> Optional[ops.DecodePlanner]:
         """The planner of our CUDA decode kernel for this model over this cache (one per worker:
         the cache never changes), or None where attention runs the per-call path."""
         if not self._planner_known:
             k_cache, _ = layer_cache(0)
-            query_like = torch.empty(0, self.q_heads, self.cfg.head_dim, dtype=self.embed.dtype, device=self.device)
-            self._planner = ops.decode_planner(query_like, k_cache)
+            self._planner = ops.decode_planner(self._query_like(), k_cache)
             self._planner_known = True
         return self._planner
 

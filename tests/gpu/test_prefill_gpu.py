@@ -154,3 +154,43 @@ def test_prefill_dispatch_with_and_without_the_kernel(use_kernel, monkeypatch):
                                       host_lengths=(starts.tolist(), paged.context_lens.tolist())).cpu()
     ref = reference_attention(queries, paged, scale)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_a_step_plan_serves_every_layer_like_one_shot_calls(use_kernel, monkeypatch):
+    """Plan once per step (``ops.plan_prefill``, the one-token rows on the step's decode work
+    list), run per layer (``ops.paged_prefill_run``) over two layers' caches: equal to one-shot
+    calls of each layer with the same decode plan, and to float64 on the first."""
+    monkeypatch.setattr(prefill, "use_kernel", use_kernel)
+    gen = seeded("prefill plan gpu", use_kernel)
+    b, head_dim, dtype = 16, 128, torch.bfloat16
+    cases = [(300, 100), (3 * b, 1), (40, 40), (17, 1), (300, 100), (90, 2)]
+    paged, queries, starts = _kernel_case(gen, b, head_dim, dtype, 4, cases, share=False)
+    other = 0 if LAYER else 1
+    paged.kv_cache[:, other] = torch.randn(paged.kv_cache[:, other].shape, generator=gen).to(dtype)
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    scale = head_dim ** -0.5
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    planner = ops.DecodePlanner(query, kv[:, LAYER, 0])
+    decode_lens = [c for c, q in cases if q == 1]
+    decode_plan = planner.step_plan(torch.from_numpy(planner.plan(decode_lens)).to(DEV), len(decode_lens))
+    step = ops.plan_prefill(query[:0], kv[:, LAYER, 0], tables, lens, starts_d, scale, host_lengths=host,
+                            decode_plan=decode_plan)
+    assert (step.kernel is not None) == use_kernel and (len(step.groups) > 0) != use_kernel
+    assert step.decodes is not None
+
+    def decode(q, kc, vc, bt, cl, sc, k_scale=1.0, v_scale=1.0):
+        return ops.paged_decode_run(decode_plan, q, kc, vc, bt, cl, sc, k_scale, v_scale)
+
+    for layer in (LAYER, other):
+        out = ops.paged_prefill_run(step, query, kv[:, layer, 0], kv[:, layer, 1])
+        once = ops.paged_prefill_attention(query, kv[:, layer, 0], kv[:, layer, 1], tables, lens, starts_d, scale,
+                                           host_lengths=host, decode=decode)
+        assert torch.equal(out, once)
+        if layer == LAYER:
+            assert rel_err(out.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]

@@ -102,6 +102,38 @@ def paged_generate(model: Decoder, choose=lambda logits: logits.argmax(-1).tolis
     return prefill_logits, tokens
 
 
+def test_a_step_plans_its_prefill_attention_once_and_every_layer_runs_that_plan(monkeypatch):
+    """Issue 12 (plan once per step, run per layer) for prefill and mixed steps: the model calls
+    ``ops.plan_prefill`` once per step and each layer's attention runs that same plan; a pure
+    decode step makes no prefill plan. On CPU the plan carries the step's lengths (the torch
+    reference runs it)."""
+    from kvpager.kernels import ops
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=96, vocab_size=128, seed=5)
+    model = Decoder(cfg)
+    plans, runs = [], []
+    plan_prefill, paged_prefill_run = ops.plan_prefill, ops.paged_prefill_run
+
+    def counting_plan(*args, **kwargs):
+        plans.append(plan_prefill(*args, **kwargs))
+        return plans[-1]
+
+    def counting_run(plan, *args, **kwargs):
+        runs.append(plan)
+        return paged_prefill_run(plan, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "plan_prefill", counting_plan)
+    monkeypatch.setattr(ops, "paged_prefill_run", counting_run)
+    run = PagedRun(model, 3)
+    run.step([[1, 2, 3], [4, 5], [6]])             # prompts
+    run.step([[7], [8, 9], []])                    # mixed: a decode, a chunk, a sequence computing nothing
+    assert len(plans) == 2 and [id(p) for p in runs] == [id(plans[0])] * 2 + [id(plans[1])] * 2
+    assert plans[1].starts == (0, 1, 3) and plans[1].context == (4, 4) and plans[1].reference
+    run.step([[10], [11], [12]])                   # pure decode: the decode plan, no prefill plan
+    assert len(plans) == 2 and len(runs) == 4
+
+
 def hf_reference(path):
     import transformers
 

@@ -162,6 +162,43 @@ def test_prefill_skips_a_sequence_with_no_new_tokens(impl):
     assert rel_err(out, reference_attention(queries, paged, 0.125)) < TOL[torch.float32]
 
 
+def test_a_prefill_plan_made_once_serves_every_layer():
+    """kernels/prefill.py's plan/run split on CPU (its gather + SDPA path): one plan for the step
+    holds the groups (two sequences of one shape share a group, non-adjacent) and the one-token
+    rows; runs of it over two layers' caches equal one-shot calls, and the plan is never rebuilt."""
+    gen = seeded("prefill plan")
+    b, head_dim = 8, 64
+    cases = [(2 * b, b), (b + 1, 1), (2 * b, b), (3 * b + 2, 3 * b + 2), (4 * b, 1)]
+    paged = Paged([c for c, _ in cases], b, head_dim, torch.float32, gen)
+    other = 0 if LAYER else 1                     # a second layer, its own values in the same blocks
+    paged.kv_cache[:, other] = torch.randn(paged.kv_cache[:, other].shape, generator=gen)
+    queries = [torch.randn(q, NUM_KV_HEADS * 4, head_dim, generator=gen) for _, q in cases]
+    query = torch.cat(queries)
+    starts = torch.tensor([0] + [q for _, q in cases]).cumsum(0).to(torch.int32)
+    scale = head_dim ** -0.5
+    decodes = []
+
+    def decode(*args, **kwargs):
+        decodes.append(args[0].shape[0])
+        return paged_decode_attention(*args, **kwargs)
+
+    plan = sdpa_prefill.plan(query, paged.k_cache, paged.block_tables, paged.context_lens, starts, scale,
+                             host_lengths=(starts.tolist(), paged.context_lens.tolist()), decode=decode)
+    assert sorted((g.q, g.c, g.n) for g in plan.groups) == [(b, 2 * b, 2), (3 * b + 2, 3 * b + 2, 1)]
+    assert plan.decodes is not None and plan.kernel is None and not plan.reference
+    for layer in (LAYER, other):
+        k_cache, v_cache = paged.kv_cache[:, layer, 0], paged.kv_cache[:, layer, 1]
+        out = sdpa_prefill.run(plan, query, k_cache, v_cache)
+        once = sdpa_prefill.paged_prefill_attention(query, k_cache, v_cache, paged.block_tables, paged.context_lens,
+                                                    starts, scale)
+        assert torch.equal(out, once)
+        if layer == LAYER:
+            assert rel_err(out, reference_attention(queries, paged, scale)) < TOL[torch.float32]
+    assert decodes == [2, 2]                      # the two one-token rows, one decode call per layer
+    with pytest.raises(ValueError, match="plan"):
+        sdpa_prefill.run(plan, query[1:], paged.k_cache, paged.v_cache)
+
+
 def test_empty_batch():
     cache = torch.zeros(4, NUM_KV_HEADS, 8, 64)
     out = paged_decode_attention(torch.zeros(0, 2, 64), cache, cache, torch.zeros(0, 3, dtype=torch.int32),
