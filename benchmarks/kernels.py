@@ -36,7 +36,9 @@ each built in its own directory and timed in its own process, with ``--variants`
      python benchmarks/kernels.py --variants "base=;rows8=-DKVPAGER_DECODE_ROWS=8"
 
 And (``--only plan``, issue 12) a 32-layer decode step planned in every layer's call against
-planned once per step (grid plan, work list): host and device time per step.
+planned once per step (grid plan, work list): host and device time per step; ``--only
+prefill_plan`` the same for prefill and mixed steps (``ops.plan_prefill`` once, then
+``ops.paged_prefill_run`` per layer, against the one-shot call per layer).
 
 Run: python benchmarks/kernels.py            (needs CUDA; builds the extension on first use)
      python benchmarks/kernels.py --only swap,write_kv,flex,prefill,copy   (a subset)
@@ -346,6 +348,88 @@ def bench_plan_once() -> None:
             cells.append(f"{host * 1e6:8.1f} / {timed(fn, 9) * 1e6:8.1f}")
         print(f"{batch:>5} x {ctx:<6} per call {cells[0]} | grid once {cells[1]} | work list once {cells[2]}")
         del q, cache, k, v
+        torch.cuda.empty_cache()
+
+
+PREFILL_PLAN_STEPS = [   # (name, [(new tokens, context)] per sequence, prefill.use_kernel)
+    ("mixed: 8 chunks 64-1K over 0-2K + 64 decodes (kernel)", None, None),
+    ("small mixed: 2 x 128 over 1K + 32 decodes (kernel)", [(128, 1152)] * 2 + [(1, 1024)] * 32, None),
+    ("4 x 512 prompts + 16 decodes (gather+SDPA)", [(512, 512)] * 4 + [(1, 2048)] * 16, None),
+    ("8 distinct chunks + 64 decodes, kernel off (gather+SDPA)", None, False),
+]
+
+
+def bench_prefill_plan() -> None:
+    """Issue 12 for prefill: a 32-layer prefill/mixed step's attention (one layer's cache read 32
+    times) planned in every layer's call (the one-shot ``ops.paged_prefill_attention`` with the
+    step's host lengths, as the model called it before) against planned once per step
+    (``ops.plan_prefill``, then ``ops.paged_prefill_run`` per layer). The one-token rows run the
+    step's decode work list in both (``ops.DecodePlanner``, as the worker does). Host time to
+    issue the step (no sync inside) / device time of the step (events, L2 flushed), in us. On a
+    tree without ``ops.plan_prefill`` (the code before) only the first column is measured."""
+    from kvpager.kernels import ops, prefill
+
+    scale, layers = D ** -0.5, 32
+    gen = torch.Generator().manual_seed(5)
+    news = [int(x) for x in torch.randint(64, 1024, (8,), generator=gen)]
+    prefixes = [int(x) for x in torch.randint(0, 2048, (8,), generator=gen)]
+    mixed = [(n, n + p) for n, p in zip(news, prefixes)] + [(1, int(x)) for x in torch.randint(256, 4096, (64,),
+                                                                                              generator=gen)]
+    once_available = hasattr(ops, "plan_prefill")
+    print(f"\nprefill planned per layer call vs once per step ({layers} layers; host us per step / device us per step):")
+    for name, seqs, kernel_mode in PREFILL_PLAN_STEPS:
+        seqs = seqs or mixed
+        q_lens, ctxs = [q for q, _ in seqs], [c for _, c in seqs]
+        width = max(ceil_div(c, B) for c in ctxs)
+        n_blocks = sum(ceil_div(c, B) for c in ctxs)
+        cache = torch.randn(n_blocks, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda")
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        tables = torch.randint(0, n_blocks, (len(ctxs), width), dtype=torch.int32, device="cuda")
+        lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+        starts_l = [0]
+        for q in q_lens:
+            starts_l.append(starts_l[-1] + q)
+        starts = torch.tensor(starts_l, dtype=torch.int32, device="cuda")
+        query = torch.randn(starts_l[-1], HQ, D, dtype=DTYPE, device="cuda")
+        host = (starts_l, ctxs)
+        planner = ops.DecodePlanner(query, k)
+        decode_lens = [c for q, c in seqs if q == 1]
+        work = torch.from_numpy(planner.plan(decode_lens)).to("cuda")
+        decode_plan = planner.step_plan(work, len(decode_lens))
+
+        def decode(q, kc, vc, bt, cl, sc, k_scale=1.0, v_scale=1.0):
+            return ops.paged_decode_run(decode_plan, q, kc, vc, bt, cl, sc, k_scale, v_scale)
+
+        def per_call():
+            for _ in range(layers):
+                ops.paged_prefill_attention(query, k, v, tables, lens, starts, scale, host_lengths=host, decode=decode)
+
+        def once():
+            plan = ops.plan_prefill(query[:0], k, tables, lens, starts, scale, host_lengths=host,
+                                    decode_plan=decode_plan)
+            for _ in range(layers):
+                ops.paged_prefill_run(plan, query, k, v)
+
+        prefill.use_kernel = kernel_mode
+        cells = []
+        for fn in (per_call, once) if once_available else (per_call,):
+            warm_up(fn, 0.3)
+            torch.cuda.synchronize()
+            reps = 10
+            started = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host_s = (time.perf_counter() - started) / reps
+            torch.cuda.synchronize()
+            cells.append(f"{host_s * 1e6:8.1f} / {timed(fn, 9) * 1e6:8.1f}")
+        if once_available:
+            a = ops.paged_prefill_attention(query, k, v, tables, lens, starts, scale, host_lengths=host, decode=decode)
+            b = ops.paged_prefill_run(ops.plan_prefill(query[:0], k, tables, lens, starts, scale, host_lengths=host,
+                                                       decode_plan=decode_plan), query, k, v)
+            cells.append(f"equal {torch.equal(a, b)}")
+        prefill.use_kernel = None
+        print(f"{name:58} per call {cells[0]}" + (f" | once {cells[1]} | {cells[2]}" if once_available else ""))
+        del cache, k, v, query
         torch.cuda.empty_cache()
 
 
@@ -902,7 +986,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of plan,ragged,list_loads,decode,gqa,copy,swap,write_kv,flex,"
+                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,decode,gqa,copy,swap,write_kv,flex,"
                          "prefill,fp8,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
@@ -917,11 +1001,11 @@ def main() -> None:
         smoke()
         return
     print(torch.cuda.get_device_name(), torch.__version__)
-    parts = set(filter(None, args.only.split(","))) or {"plan", "ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
+    parts = set(filter(None, args.only.split(","))) or {"plan", "prefill_plan", "ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
                                                            "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
-    steps = [("plan", bench_plan_once), ("ragged", lambda: bench_ragged(ceiling)),
+    steps = [("plan", bench_plan_once), ("prefill_plan", bench_prefill_plan), ("ragged", lambda: bench_ragged(ceiling)),
              ("list_loads", lambda: bench_list_loads(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
