@@ -37,7 +37,7 @@ def main() -> int:
     torch.cuda.is_available = lambda: True  # the compiler needs no device; the loader only asks
     started = time.monotonic()
     try:
-        cuda._load()
+        cuda.load()
     except RuntimeError as err:
         print(f"build_kernels: {err}", file=sys.stderr)
         return 1

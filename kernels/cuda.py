@@ -8,11 +8,9 @@ workspace; or ``DecodeGridPlan`` from the table's width) and a run per layer
 re-plans and never allocates. ``paged_decode_attention`` is the one-shot form (plan + run).
 Prefill likewise: ``PrefillKernelPlan`` (the step's work list, uploaded once; the instance) made by
 ``plan_prefill``, run per layer by ``paged_prefill_run``; ``paged_prefill_attention`` is one-shot.
-These are what serving calls; benchmark and test knobs are in ``kernels/debug.py``. The extension (``kernels/csrc``) is JIT-built with
-``torch.utils.cpp_extension`` (ninja) on first use and cached; the build directory is
-``$KVPAGER_EXT_DIR`` if set, else ``<tempdir>/kvpager_ext/<torch version>-<source hash>``,
-never inside the repository. Set ``TORCH_CUDA_ARCH_LIST`` (e.g. ``9.0a``) to choose the
-target; by default torch builds for the visible GPU.
+These are what serving calls; benchmark and test knobs are in ``kernels/debug.py``; building and
+loading the extension (``kernels/csrc``, JIT with ninja, cached outside the repository) is
+``kernels/extension.py``.
 
 Cache layout (``kvpager.worker.kv_cache``): one block-major tensor
 ``kv_cache[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``; attention reads a
@@ -33,85 +31,19 @@ dereferenced), and a context longer than its table row is clamped to the row.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import tempfile
-import threading
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import torch
 
 from . import decode_plan as work_plan
+from .extension import available, load, load_error
 
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
            "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work",
            "PrefillKernelPlan", "plan_prefill", "paged_prefill_run", "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
            "silu_and_mul"]
-
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("binding.cpp", "launch.cu", "decode_plan.cu", "layer_ops.cu", "paged_prefill.cu")
-_HEADERS = ("launch.h", "decode_plan.h", "paged_decode.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh")
-
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_error: str | None = None
-
-def _extra_cuda_flags() -> list[str]:
-    """Extra nvcc flags for experiments (e.g. ``-DKVPAGER_DECODE_ROWS=8``, see paged_decode.cuh),
-    from KVPAGER_EXT_CUDA_FLAGS; part of the build cache key."""
-    return os.environ.get("KVPAGER_EXT_CUDA_FLAGS", "").split()
-
-
-def _build_dir() -> Path:
-    explicit = os.environ.get("KVPAGER_EXT_DIR")
-    if explicit:
-        return Path(explicit)
-    digest = hashlib.sha256(" ".join(_extra_cuda_flags() + [os.environ.get("TORCH_CUDA_ARCH_LIST", "")]).encode())
-    for name in _SOURCES + _HEADERS:
-        digest.update(name.encode())
-        digest.update((_CSRC / name).read_bytes())
-    tag = f"{torch.__version__}-{torch.version.cuda}-{digest.hexdigest()[:16]}".replace("+", "_")
-    return Path(tempfile.gettempdir()) / "kvpager_ext" / tag
-
-
-def _load() -> ModuleType:
-    global _module, _error
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is not None:
-            return _module
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            if not torch.cuda.is_available():
-                raise RuntimeError("CUDA is not available")
-            from torch.utils import cpp_extension
-
-            if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.get_device_capability() == (9, 0):
-                # Hopper: build for sm_90a, so that the prefill kernel's wgmma instances exist.
-                os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
-            build = _build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(
-                name="kvpager_cuda_ext",
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *_extra_cuda_flags()],
-                build_directory=str(build),
-                verbose=os.environ.get("KVPAGER_EXT_VERBOSE") == "1",
-            )
-        except Exception as exc:  # remember why, so available() is cheap afterwards
-            _error = f"kvpager CUDA kernels unavailable: {type(exc).__name__}: {exc}"
-            raise RuntimeError(_error) from exc
-        return _module
-
 
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (8, 16, 32)
@@ -127,35 +59,6 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     dtypes_ok = query.dtype in DTYPES and (
         query.dtype == k_cache.dtype or (k_cache.dtype == FP8 and query.dtype != torch.float32))
     return k_cache.shape[3] in HEAD_DIMS and k_cache.shape[2] in BLOCK_SIZES and dtypes_ok
-
-
-def available() -> bool:
-    """True when a CUDA device is visible and the extension builds (or is cached) and loads.
-    The first call may take a minute (the JIT build); later calls are free."""
-    if _module is not None:
-        return True
-    if _error is not None or not torch.cuda.is_available():
-        return False
-    if shutil.which("ninja") is None and not _ninja_module():
-        return False
-    try:
-        _load()
-    except RuntimeError:
-        return False
-    return True
-
-
-def load_error() -> str | None:
-    """Why the extension could not be built or loaded, if it could not."""
-    return _error
-
-
-def _ninja_module() -> bool:
-    try:
-        import ninja  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---- paged decode: planned once per step, run per layer (FlashInfer's plan/run split) ----
@@ -226,7 +129,7 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
     geometry = _geometries.get(key)
     if geometry is None:
         q = query_like.new_empty(1, *query_like.shape[1:])
-        geometry = DecodeGeometry(*(int(x) for x in _load().decode_work_geometry(q, k_cache, int(loads))))
+        geometry = DecodeGeometry(*(int(x) for x in load().decode_work_geometry(q, k_cache, int(loads))))
         _geometries[key] = geometry
     return geometry
 
@@ -242,7 +145,7 @@ def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min
                item_cost: int) -> np.ndarray:
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
     out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
-    _load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
+    load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
                              torch.from_numpy(out))
     return out
 
@@ -280,7 +183,7 @@ def paged_decode_run(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tenso
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     g = plan.geometry
     part_out, part_ml = plan.workspace
-    _load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, plan.work, part_out, part_ml,
+    load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, plan.work, part_out, part_ml,
                               g.workers, g.loads, g.head_tile, float(scale), float(k_scale), float(v_scale))
     return out
 
@@ -295,7 +198,7 @@ def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def _plan_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits: int, loads: int) -> DecodeGridPlan:
-    splits, partition, tile, chosen = (int(x) for x in _load().decode_grid_plan(
+    splits, partition, tile, chosen = (int(x) for x in load().decode_grid_plan(
         query, k_cache, v_cache, block_tables, context_lens, int(num_splits), int(loads)))
     rows = query.shape[0] * splits
     workspace = decode_workspace(rows, query.shape[1], query.shape[2], query.device) if splits > 1 and rows else None
@@ -316,7 +219,7 @@ def _run_grid(plan: DecodeGridPlan, query, k_cache, v_cache, block_tables, conte
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_out, part_ml = plan.workspace if plan.workspace is not None else (None, None)
-    _load().paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, plan.num_splits,
+    load().paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, plan.num_splits,
                          plan.partition_tokens, plan.head_tile, plan.loads, int(prefetch_steps), float(scale),
                          float(k_scale), float(v_scale))
     return out
@@ -354,7 +257,7 @@ def has_wgmma(device: torch.device) -> bool:
     """Whether the extension's prefill wgmma instances hold wgmma code for ``device`` (probed once)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _wgmma_built:
-        _wgmma_built[index] = bool(_load().prefill_has_wgmma(index))
+        _wgmma_built[index] = bool(load().prefill_has_wgmma(index))
     return _wgmma_built[index]
 
 
@@ -437,7 +340,7 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: tor
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.work.shape[0] == 0:
         return out
-    _load().paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, plan.work,
+    load().paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, plan.work,
                           float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma)
     return out
 
@@ -489,7 +392,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
         slot_mapping = slot_mapping.long()
     slot_mapping = slot_mapping.to(k_cache.device).contiguous()
-    _load().write_kv(key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
+    load().write_kv(key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -507,7 +410,7 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     if src.numel() == 0:
         return
     dev = kv_cache.device
-    _load().copy_blocks(kv_cache, src.to(dev, torch.int64).contiguous(), dst.to(dev, torch.int64).contiguous())
+    load().copy_blocks(kv_cache, src.to(dev, torch.int64).contiguous(), dst.to(dev, torch.int64).contiguous())
 
 
 SWAP_MODES = ("dma", "batch", "kernel")
@@ -542,7 +445,7 @@ def _swap(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, d
         raise ValueError(f"src and dst must be [num_pairs], got {tuple(src.shape)} and {tuple(dst.shape)}")
     if src.numel() == 0:
         return
-    mod = _load()
+    mod = load()
     if mode == "kernel":
         dev = src_cache.device if src_cache.is_cuda else dst_cache.device
         mod.swap_blocks_kernel(src_cache, dst_cache, src.to(dev, torch.int64, non_blocking=True).contiguous(),
@@ -559,13 +462,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     ``out`` (a new tensor if None). float32/float16/bfloat16, last dims contiguous."""
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _load().add_rms_norm(out, x, delta, weight, float(eps))
+    load().add_rms_norm(out, x, delta, weight, float(eps))
     return out
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` in place by cos/sin ``[T, D]``; returns them."""
-    _load().rope(q, k, cos, sin)
+    load().rope(q, k, cos, sin)
     return q, k
 
 
@@ -573,5 +476,5 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     """``silu(gate) * up`` ``[rows, width]`` for gate_up ``[rows, 2 * width]``."""
     if out is None:
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    _load().silu_and_mul(out, gate_up)
+    load().silu_and_mul(out, gate_up)
     return out
