@@ -146,12 +146,7 @@ def plan(query_like: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     prefill attention happens here: O(num_seqs) Python, one small upload per group's block ids
     and index, one for the kernel's work list."""
     reference._check_query(query_like, k_cache)
-    num_seqs = context_lens.shape[0]
-    if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must be [num_seqs, max_blocks] and [num_seqs]")
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    num_seqs = reference._check_tables(block_tables, context_lens, query_start_loc)
     if host_lengths is None:
         starts, ctx = host_lengths_of(query_start_loc, context_lens)
     else:

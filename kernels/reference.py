@@ -244,18 +244,24 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"k_cache is {k_cache.dtype} on {k_cache.device}, v_cache {v_cache.dtype} on {v_cache.device}")
 
 
-def _check_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale,
-                   v_scale) -> tuple[int, int, int, int]:
-    """Shapes and dtypes of a prefill call: (num_tokens, num_q_heads, head_dim, num_seqs)."""
-    _check_caches(k_cache, v_cache)
-    num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
-    _check_scales(k_cache, k_scale, v_scale)
+def _check_tables(block_tables, context_lens, query_start_loc) -> int:
+    """The number of sequences of a prefill's tables and lengths, checked to agree."""
     num_seqs = context_lens.shape[0]
     if context_lens.dim() != 1 or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"must be [num_seqs, max_blocks] and [num_seqs]")
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    return num_seqs
+
+
+def _check_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, k_scale,
+                   v_scale) -> tuple[int, int, int, int]:
+    """Shapes and dtypes of a prefill call: (num_tokens, num_q_heads, head_dim, num_seqs)."""
+    _check_caches(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = _check_query(query, k_cache)
+    _check_scales(k_cache, k_scale, v_scale)
+    num_seqs = _check_tables(block_tables, context_lens, query_start_loc)
     return num_tokens, num_q_heads, head_dim, num_seqs
 
 
