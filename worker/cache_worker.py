@@ -3,15 +3,16 @@ plans over gRPC, and runs the model step by step.
 
 A plain class, made a Ray actor where it is created (``ray.remote(num_gpus=1)(CacheWorker)``
 on a GPU node, CPU-only otherwise), so it is unit-tested without Ray and touches the device
-only once Ray has assigned one. ``start()`` sizes and allocates the cache, joins the
-tensor-parallel group, starts the gRPC server (and, with ``metrics_port``, the Prometheus
-/metrics server: ``worker.metrics``) and registers with the manager; a daemon thread then
-sends heartbeats (registering again if the manager forgot it). Plans (from the
-gRPC thread) and model steps (from the actor's caller) are serialized by one lock; the
-manager's Step answers only after every worker enqueued its plan, and the scheduler runs
-the model only after Step answered, so each step's plan precedes its K/V writes (on CUDA the
-plan runs on the cache's swap stream and the model's compute stream waits for its event
-before the first write or attention: see ``worker.kv_cache``).
+only once Ray has assigned one. Its configuration is a ``WorkerConfig`` (``worker.config``).
+``start()`` sizes (a size the configuration leaves unset: ``worker.cache_sizing``) and allocates
+the cache, joins the tensor-parallel group, starts the gRPC server (and, with ``metrics_port``,
+the Prometheus /metrics server: ``worker.metrics``) and registers with the manager; a daemon
+thread then sends heartbeats (registering again if the manager forgot it:
+``worker.registration``). Plans (from the gRPC thread) and model steps (from the actor's caller)
+are serialized by one lock; the manager's Step answers only after every worker enqueued its
+plan, and the scheduler runs the model only after Step answered, so each step's plan precedes
+its K/V writes (on CUDA the plan runs on the cache's swap stream and the model's compute stream
+waits for its event before the first write or attention: see ``worker.kv_cache``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent import futures
-from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
 import grpc
@@ -39,77 +38,29 @@ from kvpager.metrics_http import MetricsServer
 from kvpager.numeric import ceil_div
 from kvpager.step import FeedbackUnavailable, PlanNotApplied, StepInput
 from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 from kvpager.v1 import worker_pb2_grpc
 
 from .addresses import advertised_host, host_port
+from .applied_plans import AppliedPlans
 from .block_plan import BlockPlan
+from .cache_sizing import default_device_blocks, default_swap_blocks
+from .config import WorkerConfig
 from .kv_cache import CacheSpec, KVCache, PlanExpired
 from .launched_steps import LaunchedSteps
 from .memory_stats import MemoryStats, PlanCounts
 from .metrics import StepTiming, WorkerInfo, WorkerMetrics
 from .decode_graphs import DecodeGraphs, supported as graphs_supported
-from .model import Decoder, ModelConfig
+from .model import Decoder
+from .registration import ManagerRegistration
 from .service import CacheWorkerService
 
 log = logging.getLogger("kvpager.worker")
-APPLIED_PLANS_KEPT = 4096  # plan step ids remembered for PlanNotApplied checks
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    block_size: int = 16
-    num_gpu_blocks: Optional[int] = None  # explicit cache size; else default_device_blocks()
-    memory_fraction: float = 0.5
-    num_cpu_blocks: Optional[int] = 256   # swap space; None: default_swap_blocks()
-    rank: int = 0
-    tensor_parallel_size: int = 1
-    manager_address: Optional[str] = None  # register with this block manager; None: standalone
-    dist_init_method: Optional[str] = None  # torch.distributed rendezvous (tcp://127.0.0.1:PORT) when TP > 1
-    host: str = "127.0.0.1"               # bind address of the worker's gRPC (and metrics) server
-    advertise_host: Optional[str] = None  # the host the manager and Prometheus reach it at; default: host
-    metrics_port: Optional[int] = None    # serve Prometheus /metrics here (0: a free port); None: off
-    device: Optional[str] = None          # default: the CUDA device Ray assigned, else the CPU
-    # TLS and tokens (kvpager.auth.WorkerCredentials); None: plaintext, no token check (loopback, tests).
-    credentials: Optional[auth.WorkerCredentials] = None
-    # Decode steps of up to this many sequences replay CUDA graphs (worker.decode_graphs); 0: eager.
-    cuda_graph_max_batch: int = 512
-
-
-def free_device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# Default sizes (`kvpager worker --help` states them). On the CPU the "device" cache is host RAM,
-# shared by the ranks: a fraction of it would be gigabytes no CPU model step can use.
-CPU_CACHE_BYTES = 256 << 20   # device cache of one CPU rank, at most
-DEFAULT_SWAP_BLOCKS = 4096    # swap space of one rank: the manager's default CPU pool (--num-cpu-blocks)...
-SWAP_BYTES = 4 << 30          # ...at most this much host memory
-
-
-def default_device_blocks(device: torch.device, block_bytes: int, memory_fraction: float, ranks_sharing: int) -> int:
-    """Device cache blocks of a rank when none are asked for: ``memory_fraction`` of the free device
-    memory; on the CPU, that share of available RAM divided among the ``ranks_sharing`` ranks, and
-    at most CPU_CACHE_BYTES."""
-    budget = free_device_memory(device) * memory_fraction
-    if device.type == "cpu":
-        budget = min(budget / ranks_sharing, CPU_CACHE_BYTES)
-    return int(budget) // block_bytes
-
-
-def default_swap_blocks(block_bytes: int) -> int:
-    """CPU swap blocks of a rank when none are asked for: DEFAULT_SWAP_BLOCKS, at most SWAP_BYTES."""
-    return max(1, min(DEFAULT_SWAP_BLOCKS, SWAP_BYTES // block_bytes))
 
 
 class CacheWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.worker_id = ""
+        self.worker_id = ""        # the manager's id for this worker, set by each registration
         # This process's cache: a restarted worker sends another, and the manager marks the
         # sequences whose K/V was here lost (manager/epochs.py).
         self.cache_id = uuid.uuid4().hex
@@ -122,16 +73,13 @@ class CacheWorker:
         self._lock = threading.Lock()
         self._server: Optional[grpc.Server] = None
         self._metrics_server: Optional[MetricsServer] = None
-        self._stop = threading.Event()
-        self._heartbeat: Optional[threading.Thread] = None
+        self._registration: Optional[ManagerRegistration] = None   # with a manager_address, once started
         self._plan_counts = PlanCounts()
-        # Step ids of the plans applied, newest last (bounded: a step needs a recent plan).
-        self._applied_plans: deque[int] = deque(maxlen=APPLIED_PLANS_KEPT)
+        self._applied_plans = AppliedPlans()       # for the PlanNotApplied check of each step
         # The last greedy step's token ids, on the device, for a step that takes its tokens from
         # them (StepInput.feedback_rows); its step id (0: none).
         self._last_ids: Optional[torch.Tensor] = None
         self._last_ids_step = 0
-        self._applied_set: set[int] = set()
         self._launched = LaunchedSteps()           # steps launched, their outputs not fetched yet
         self._tickets = itertools.count(1)         # execute_model's own tickets
 
@@ -168,9 +116,9 @@ class CacheWorker:
         if cfg.metrics_port is not None:
             self._serve_metrics()
         if cfg.manager_address:
-            self._register()
-            self._heartbeat = threading.Thread(target=self._beat, name="kvpager-heartbeat", daemon=True)
-            self._heartbeat.start()
+            self._registration = ManagerRegistration(cfg.manager_address, cfg.credentials, self._registration_request,
+                                                     self._registered)
+            self._registration.start()
         log.info("worker rank %d on %s: %d cache + %d swap blocks of %d bytes, serving %s, metrics %s", cfg.rank,
                  device, num_blocks, num_swap_blocks, spec.block_bytes, self.address, self.metrics_address or "off")
         return self.address
@@ -203,7 +151,8 @@ class CacheWorker:
         return dataclasses.replace(self.config, credentials=None)
 
     def stop(self) -> None:
-        self._stop.set()
+        if self._registration is not None:
+            self._registration.stop()
         if self._server is not None:
             self._server.stop(None)
         if self._metrics_server is not None:
@@ -246,34 +195,19 @@ class CacheWorker:
     def _attention_backend(self) -> str:
         return ops.backend(self.cache.blocks[:, 0, 0])  # layer 0's K view, without KVCache.layer's stream wait
 
-    def _register(self) -> None:
+    def _registration_request(self) -> pb.RegisterWorkerRequest:
         cfg = self.config
-        with self._manager_channel() as channel:
-            reply = pb_grpc.BlockManagerStub(channel).RegisterWorker(pb.RegisterWorkerRequest(
-                address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
-                num_gpu_blocks=self.cache.num_blocks, num_cpu_blocks=self.cache.num_swap_blocks,
-                block_size=cfg.block_size, metrics_address=self.metrics_address,
-                block_bytes=self.cache.spec.block_bytes, cache_id=self.cache_id), timeout=30)
-        self.worker_id = reply.worker_id
-        self._interval = reply.heartbeat_interval_s
+        return pb.RegisterWorkerRequest(
+            address=self.address, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
+            num_gpu_blocks=self.cache.num_blocks, num_cpu_blocks=self.cache.num_swap_blocks,
+            block_size=cfg.block_size, metrics_address=self.metrics_address,
+            block_bytes=self.cache.spec.block_bytes, cache_id=self.cache_id)
+
+    def _registered(self, worker_id: str) -> None:
+        """Called by each registration (the heartbeat thread's too) with the manager's id."""
+        self.worker_id = worker_id
         if self.metrics is not None:
             self.metrics.set_info(self._info())
-
-    def _manager_channel(self) -> grpc.Channel:
-        """To the block manager: TLS and the worker token when the configuration has them."""
-        creds = self.config.credentials or auth.WorkerCredentials()
-        return creds.manager_channel(self.config.manager_address)
-
-    def _beat(self) -> None:
-        with self._manager_channel() as channel:
-            stub = pb_grpc.BlockManagerStub(channel)
-            while not self._stop.wait(self._interval):
-                try:
-                    if not stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.worker_id), timeout=5).registered:
-                        log.warning("the manager forgot worker %s; registering again", self.worker_id)
-                        self._register()
-                except grpc.RpcError as exc:
-                    log.warning("heartbeat failed: %s", exc.code().name)
 
     # ---- work ----------------------------------------------------------------------------------------
     def execute_plan(self, step_id: int, plan: BlockPlan, still_wanted: Optional[Callable[[], bool]] = None) -> None:
@@ -304,10 +238,7 @@ class CacheWorker:
             counts.blocks_swapped_in += len(plan.swap_in)
             counts.blocks_copied += len(plan.copy)
             counts.last_step_id = step_id
-            if len(self._applied_plans) == self._applied_plans.maxlen:
-                self._applied_set.discard(self._applied_plans[0])
-            self._applied_plans.append(step_id)
-            self._applied_set.add(step_id)
+            self._applied_plans.add(step_id)
 
     def execute_model(self, step: StepInput) -> Optional[torch.Tensor]:
         """Run one step (``kvpager.step``); rank 0 returns, on the CPU, for each sequence that
@@ -393,8 +324,9 @@ class CacheWorker:
     def _require_plan(self, step: StepInput) -> None:
         """Under the lock: refuse a step whose plan has not been applied (delayed, dropped or
         reordered on the way), before any K/V is written."""
-        if step.plan_step_id and step.plan_step_id not in self._applied_set:
-            last = self._applied_plans[-1] if self._applied_plans else "none"
+        if step.plan_step_id and step.plan_step_id not in self._applied_plans:
+            last = self._applied_plans.last
+            last = "none" if last is None else last
             raise PlanNotApplied(
                 f"rank {self.config.rank}: step {step.step_id} needs the swap/copy plan of step "
                 f"{step.plan_step_id}, which this worker has not applied (last applied plan: step {last}); "

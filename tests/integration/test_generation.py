@@ -183,7 +183,7 @@ def test_missed_heartbeats_drop_the_worker_and_health_says_so():
         client.allocate("a", num_tokens=5)
         client.fork("a", "b")
         assert client.health() == "SERVING"
-        worker._stop.set()  # heartbeats stop; the worker itself stays up
+        worker._registration.stop()  # heartbeats stop; the worker itself stays up
         deadline = time.monotonic() + 10
         while client.health() == "SERVING" and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -290,7 +290,7 @@ def test_guarded_turns_every_failure_into_one_line(capsys):
 
 
 def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
-    from kvpager.commands.worker import _cause
+    from kvpager.commands.worker_refusals import ray_error_cause
 
     class RayTaskErrorLike(Exception):
         traceback_str = ('Traceback (most recent call last):\n  File "x.py", line 1, in start\n'
@@ -298,51 +298,47 @@ def test_a_registration_failure_inside_ray_is_reported_by_its_grpc_status():
                          "\tstatus = StatusCode.FAILED_PRECONDITION\n"
                          '\tdetails = "register worker: its block size 8 differs from the manager\'s 16"\n>')
 
-    assert _cause(RayTaskErrorLike()) == ("FAILED_PRECONDITION: register worker: its block size 8 differs from "
-                                          "the manager's 16")
+    assert ray_error_cause(RayTaskErrorLike()) == ("FAILED_PRECONDITION: register worker: its block size 8 "
+                                                   "differs from the manager's 16")
 
     class OtherError(Exception):
         traceback_str = 'Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: no room for a block'
 
-    assert _cause(OtherError()) == "RuntimeError: no room for a block"
+    assert ray_error_cause(OtherError()) == "RuntimeError: no room for a block"
 
 
 # ---- the worker's defaults and the manager's ----------------------------------------------------------
 def test_worker_default_cache_sizes_are_modest_on_the_cpu_and_unchanged_on_cuda(monkeypatch):
     import torch
 
-    from kvpager.commands import worker as launcher
-    from kvpager.worker import cache_worker
+    from kvpager.worker import cache_sizing
 
-    # --help states the sizes cache_worker uses (the launcher keeps copies so --help needs no torch).
-    assert (launcher.CPU_CACHE_BYTES, launcher.DEFAULT_SWAP_BLOCKS, launcher.SWAP_BYTES) == (
-        cache_worker.CPU_CACHE_BYTES, cache_worker.DEFAULT_SWAP_BLOCKS, cache_worker.SWAP_BYTES)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     free = {"cpu": 20 << 30, "cuda": 80 << 30}
-    monkeypatch.setattr(cache_worker, "free_device_memory", lambda device: free[device.type])
+    monkeypatch.setattr(cache_sizing, "free_device_memory", lambda device: free[device.type])
     # The CPU: 256 MiB per rank, not half of 20 GiB of RAM...
-    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=1) == (256 << 20) // 8192
-    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=2) == (256 << 20) // 8192
+    assert cache_sizing.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=1) == (256 << 20) // 8192
+    assert cache_sizing.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=2) == (256 << 20) // 8192
     # ...and less where the fraction of the available RAM shared by the ranks is smaller.
     free["cpu"] = 1 << 30
-    assert cache_worker.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=4) == (128 << 20) // 8192
+    assert cache_sizing.default_device_blocks(cpu, 8192, 0.5, ranks_sharing=4) == (128 << 20) // 8192
     # CUDA: the fraction of the free GPU memory, as before.
-    assert cache_worker.default_device_blocks(cuda, 1 << 20, 0.5, ranks_sharing=1) == 40 * 1024
+    assert cache_sizing.default_device_blocks(cuda, 1 << 20, 0.5, ranks_sharing=1) == 40 * 1024
     # Swap: the manager's default CPU pool, at most 4 GiB.
-    assert cache_worker.default_swap_blocks(8192) == 4096
-    assert cache_worker.default_swap_blocks(2 << 20) == 2048
+    assert cache_sizing.default_swap_blocks(8192) == 4096
+    assert cache_sizing.default_swap_blocks(2 << 20) == 2048
 
 
 def test_worker_defaults_fit_the_managers_default_pools():
-    from kvpager.worker import cache_worker
+    from kvpager.worker import cache_sizing
     from kvpager.worker.kv_cache import CacheSpec
     from kvpager.worker.model import preset
 
     tiny = preset("tiny")  # the CPU's default model, one rank
     block_bytes = CacheSpec(tiny.num_layers, tiny.num_kv_heads, tiny.head_dim, 16, tiny.cache_dtype).block_bytes
     defaults = ManagerConfig()
-    assert cache_worker.CPU_CACHE_BYTES // block_bytes >= defaults.num_gpu_blocks
-    assert cache_worker.default_swap_blocks(block_bytes) >= defaults.num_cpu_blocks
+    assert cache_sizing.CPU_CACHE_BYTES // block_bytes >= defaults.num_gpu_blocks
+    assert cache_sizing.default_swap_blocks(block_bytes) >= defaults.num_cpu_blocks
     assert parse("worker", "--manager", "127.0.0.1:1").block_size == defaults.block_size
 
 
@@ -375,7 +371,7 @@ def register(target: str, **fields) -> str:
 
 
 def test_a_refused_registration_becomes_one_line_naming_both_values_and_the_flags(default_manager):
-    from kvpager.commands.worker import explain_refusal
+    from kvpager.commands.worker_refusals import explain_refusal
 
     target = default_manager
     line = explain_refusal(f"FAILED_PRECONDITION: {register(target, block_size=32)}", target)
@@ -394,13 +390,13 @@ def test_a_refused_registration_becomes_one_line_naming_both_values_and_the_flag
 
 
 def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
-    from kvpager.commands import worker as launcher
+    from kvpager.commands import worker_checks
 
     target = default_manager
 
     def agrees(*flags: str) -> str:
         try:
-            launcher.check_manager_agrees(parse("worker", "--manager", target, *flags))
+            worker_checks.check_manager_agrees(parse("worker", "--manager", target, *flags))
         except cli.Failure as err:
             return str(err)
         return ""
@@ -424,7 +420,7 @@ def test_worker_checks_the_managers_stats_before_starting_ray(default_manager):
 
 def test_worker_checks_a_manager_waiting_for_its_pools_and_leaves_a_guarded_one_to_registration():
     from kvpager import auth
-    from kvpager.commands import worker as launcher
+    from kvpager.commands import worker_checks
 
     waiting, port, service, _ = create_server(ManagerConfig(num_gpu_blocks=0, num_cpu_blocks=0))  # sized by workers
     tokens = auth.TokenTable.from_json({"tokens": [{"token": "worker-token-0123456789", "role": "worker"}]})
@@ -433,14 +429,14 @@ def test_worker_checks_a_manager_waiting_for_its_pools_and_leaves_a_guarded_one_
     guarded.start()
     try:
         args = parse("worker", "--manager", f"127.0.0.1:{port}", "--block-size", "16")
-        launcher.check_manager_agrees(args)  # no pools yet: the block size agrees, no pool to compare with
+        worker_checks.check_manager_agrees(args)  # no pools yet: the block size agrees, no pool to compare with
         args = parse("worker", "--manager", f"127.0.0.1:{port}", "--block-size", "8")
         with pytest.raises(cli.Failure, match="block size mismatch"):  # its block size shows without a pool
-            launcher.check_manager_agrees(args)
+            worker_checks.check_manager_agrees(args)
         args = parse("worker", "--manager", f"127.0.0.1:{guarded_port}", "--block-size", "8")
         creds = auth.WorkerCredentials(auth_token="worker-token-0123456789")
-        assert launcher.manager_stats(args.manager, creds) is None  # the worker role may not read stats
-        launcher.check_manager_agrees(args, credentials=creds)
+        assert worker_checks.manager_stats(args.manager, creds) is None  # the worker role may not read stats
+        worker_checks.check_manager_agrees(args, credentials=creds)
     finally:
         for server, svc in ((waiting, service), (guarded, guarded_service)):
             server.stop(None)
@@ -569,28 +565,28 @@ def test_stats_shows_a_manager_waiting_for_its_workers():
 def test_worker_model_is_a_preset_or_a_checkpoint_read_before_any_actor_starts(tmp_path):
     pytest.importorskip("transformers")
     from kvpager.checkpoints import build_random_checkpoint
-    from kvpager.commands import worker as launcher
+    from kvpager.commands import worker_checks
 
     path = build_random_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=320, tokenizer=False)
-    model = launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
+    model = worker_checks.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
     assert (model.model_type, model.path, model.dtype) == ("qwen2", str(path), "float32")
-    model = launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=True)
+    model = worker_checks.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=True)
     assert model.dtype == "bfloat16"
-    assert launcher.model_config(parse("worker", "--manager", "127.0.0.1:1"), use_gpu=False).path is None  # tiny
+    assert worker_checks.model_config(parse("worker", "--manager", "127.0.0.1:1"), use_gpu=False).path is None  # tiny
     config = (path / "config.json").read_text().replace('"qwen2"', '"phi3"')
     (path / "config.json").write_text(config)
     with pytest.raises(cli.Failure, match="cannot serve --model .*phi3.*llama, mistral, qwen2, qwen3"):
-        launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
+        worker_checks.model_config(parse("worker", "--manager", "127.0.0.1:1", "--model", str(path)), use_gpu=False)
 
 
 def test_worker_model_errors_a_flag_caused_name_the_flag_not_the_field(tmp_path):
     pytest.importorskip("transformers")
     from kvpager.checkpoints import build_random_checkpoint
-    from kvpager.commands import worker as launcher
+    from kvpager.commands import worker_checks
 
     def refusal(*flags: str) -> str:
         with pytest.raises(cli.Failure) as failure:
-            launcher.model_config(parse("worker", "--manager", "127.0.0.1:1", *flags), use_gpu=False)
+            worker_checks.model_config(parse("worker", "--manager", "127.0.0.1:1", *flags), use_gpu=False)
         return str(failure.value)
 
     assert refusal("--tensor-parallel-size", "3") == (
