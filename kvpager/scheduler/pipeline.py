@@ -14,7 +14,7 @@ so the GPU goes from step N to N+1 without waiting for the scheduler's loop; the
 the tokens of the oldest step in flight only once ``PIPELINE_DEPTH`` (2) are out, so while it
 prepares step N+2 the GPU has N+1 queued behind N. A step that needs a token no step in flight
 can feed (a sequence that skipped a step) first takes every step in flight. Steps that may move
-blocks (swap-ins, preemption, forked samples whose appends may copy on write) first wait for
+blocks (swap-ins, preemption, the first appends of forked samples, which copy on write) first wait for
 every step in flight, so a plan never reaches the workers ahead of a step queued before it. The
 tokens are those of the plain loop.
 """
@@ -90,13 +90,12 @@ class StepPipeline:
     # ---- what the next Step may do while steps are in flight ------------------------------------------
     def may_overlap(self) -> bool:
         """Whether the next Step may go out while a step is in flight: it moves no blocks (no
-        swapped group has room to come back in this step, and no running group has forked samples
-        whose appends may copy on write); preemption settles on its own (``Scheduler``'s
-        ``_preempt_if_short``). A swapped group that does not fit yet waits while steps overlap.
-        O(running groups)."""
+        swapped group has room to come back in this step, and no append may copy on write);
+        preemption settles on its own (``Scheduler``'s ``_preempt_if_short``). A swapped group
+        that does not fit yet waits while steps overlap. O(running sequences)."""
         if self._queues.swap_in_fits():
             return False
-        return all(len(group.seqs) == 1 for group in self._queues.running)
+        return not any(_may_copy_on_write(group) for group in self._queues.running)
 
     def ends_in_flight(self, seq: SeqState, group: Group) -> bool:
         """The steps in flight give this sequence its last token (its limit), so it needs no
@@ -200,3 +199,15 @@ class StepPipeline:
             rows = pending.wait()
             self.on_stage("wait", time.perf_counter() - started, pending.step)
         self._outputs.take(pending.computed, pending.greedy, rows)
+
+
+def _may_copy_on_write(group: Group) -> bool:
+    """Whether an append of ``group`` may copy a block on write: its samples, forked from the
+    prompt, share the prompt's last (partly filled) block until each has appended its first
+    token into its own copy; taken as done once every unfinished sample's cache holds more than
+    the prompt (an answer still in flight keeps it True: the safe side). O(samples)."""
+    if len(group.seqs) == 1:
+        return False
+    prompt = len(group.request.prompt)
+    return any(seq.num_cached <= prompt for seq in group.unfinished())
+

@@ -277,7 +277,7 @@ def test_overlapped_steps_generate_what_the_plain_loop_generates(ray_cluster):
                                                          stop_token_ids=stops))
                for i, r in enumerate(make_requests(6, 6))]
     with manager_sized_by_workers() as (client, service):
-        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=41, num_cpu_blocks=64,
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=26, num_cpu_blocks=64,
                               manager_address=client.target)
         group = RayWorkerGroup(config, tensor_parallel_size=1, use_gpu=False)
         try:
