@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from grpc_health.v1 import health_pb2
 
@@ -50,8 +50,7 @@ class WorkerRegistration:
     _stop: threading.Event
     _monitor: Optional[threading.Thread]
 
-    def _dispatch(self, plan: ExecutionPlan) -> None:
-        raise NotImplementedError  # the service's: sends a plan to the workers
+    _dispatch: Callable[[ExecutionPlan], None]  # the service's method: sends a plan to the workers
 
     def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
         try:
