@@ -77,7 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cli.flag(parser, "--metrics-port", env="KVPAGER_METRICS_PORT", type=cli.port_number, metavar="PORT",
              default_help="unset: no metrics endpoint",
              help="serve /metrics and /sd/workers on this port (0: a free one)")
-    security_flags(parser)
+    security.server_security_flags(parser, "the manager", "to the workers", _INSECURE, _CREDENTIAL_FILES)
     for f in fields(ManagerConfig):
         cli.flag(parser, f"--{f.name.replace('_', '-')}", env=f"KVPAGER_{f.name.upper()}",
                  default=_CLI_DEFAULTS.get(f.name, f.default),
@@ -102,13 +102,9 @@ _CREDENTIAL_FILES = (
 )
 
 
-def security_flags(parser: argparse.ArgumentParser) -> None:
-    """TLS, tokens and --insecure (docs/security.md)."""
-    security.insecure_flag(
-        parser, "serve without credentials (no token check; plaintext unless --tls-cert): anyone who reaches the "
-                "port can call everything, including RegisterWorker. Required when --auth-tokens is not given")
-    security.tls_server_flags(parser, "the manager", "to the workers")
-    security.file_flags(parser, _CREDENTIAL_FILES)
+# --insecure's help: who may do what without credentials.
+_INSECURE = ("serve without credentials (no token check; plaintext unless --tls-cert): anyone who reaches the "
+             "port can call everything, including RegisterWorker. Required when --auth-tokens is not given")
 
 
 def server_security(args: argparse.Namespace) -> dict:

@@ -17,26 +17,25 @@ def file_flag(parser: argparse.ArgumentParser, name: str, env: str, unset: str, 
     cli.flag(parser, name, env=env, metavar="FILE", default_help=f"unset: {unset}", help=help)
 
 
-def file_flags(parser: argparse.ArgumentParser, rows: tuple[tuple[str, str, str, str], ...]) -> None:
-    """``file_flag`` for each row of a table: (name, env, unset, help)."""
-    for name, env, unset, text in rows:
-        file_flag(parser, name, env, unset, text)
+# A command's own credential files: (flag, environment variable, what happens without it, help).
+CredentialFiles = tuple[tuple[str, str, str, str], ...]
 
 
-def insecure_flag(parser: argparse.ArgumentParser, consequence: str) -> None:
-    """``--insecure``: run without credentials; ``consequence`` says who may then do what."""
-    cli.flag(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False, help=consequence)
-
-
-def tls_server_flags(parser: argparse.ArgumentParser, who: str, client_role: str) -> None:
-    """``--tls-cert``, ``--tls-key`` and ``--tls-client-ca`` of a gRPC server (``who`` serves; its
-    certificate is also its client certificate towards ``client_role``'s peer)."""
+def server_security_flags(parser: argparse.ArgumentParser, who: str, client_role: str, insecure: str,
+                          credential_files: CredentialFiles) -> None:
+    """The security flags of a command that serves gRPC (docs/security.md): ``--insecure`` (run
+    without credentials; ``insecure`` says who may then do what), ``--tls-cert``, ``--tls-key`` and
+    ``--tls-client-ca`` (``who`` serves; its certificate is also its client certificate towards
+    ``client_role``'s peer), then the command's own ``credential_files``."""
+    cli.flag(parser, "--insecure", env="KVPAGER_INSECURE", type=bool, default=False, help=insecure)
     file_flag(parser, "--tls-cert", "KVPAGER_TLS_CERT", "plaintext",
               f"PEM certificate (chain) {who} serve(s) TLS with (with --tls-key); also the client certificate "
               f"shown {client_role}")
     cli.flag(parser, "--tls-key", env="KVPAGER_TLS_KEY", metavar="FILE", help="PEM private key of --tls-cert")
     file_flag(parser, "--tls-client-ca", "KVPAGER_TLS_CLIENT_CA", "no client certificate",
               f"mutual TLS on {who}'s service: accept only clients with a certificate signed by this PEM CA")
+    for name, env, unset, text in credential_files:
+        file_flag(parser, name, env, unset, text)
 
 
 def check_mutual_tls(args: argparse.Namespace) -> None:

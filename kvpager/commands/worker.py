@@ -95,7 +95,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
       default_help="unset: no metrics",
       help="rank r serves Prometheus /metrics on PORT + r (0: free ports); HTTPS with --tls-cert, and without it "
            "only on a loopback --host unless --insecure")
-    security_flags(parser)
+    security.server_security_flags(parser, "the ranks", "to the manager", _INSECURE, _CREDENTIAL_FILES)
 
 
 # The workers' credential files: (flag, environment variable, without it, help).
@@ -111,13 +111,9 @@ _CREDENTIAL_FILES = (
 )
 
 
-def security_flags(parser: argparse.ArgumentParser) -> None:
-    """TLS, tokens and --insecure (docs/security.md)."""
-    security.insecure_flag(
-        parser, "run without credentials: the ranks' CacheWorker service accepts plans from anyone who reaches it. "
-                "Required unless --auth-token and one of --manager-token or --tls-client-ca are given")
-    security.tls_server_flags(parser, "the ranks", "to the manager")
-    security.file_flags(parser, _CREDENTIAL_FILES)
+# --insecure's help: who may do what without credentials.
+_INSECURE = ("run without credentials: the ranks' CacheWorker service accepts plans from anyone who reaches it. "
+             "Required unless --auth-token and one of --manager-token or --tls-client-ca are given")
 
 
 def credentials(args: argparse.Namespace):
