@@ -72,13 +72,25 @@ SPLIT_SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 SPLIT_SWEEP_CONFIGS = {(8, 4096), (32, 2048), (64, 4096), (32, 16384)}
 
 _flush = None
+_flush_read = None
+FLUSH_MODE = "write"   # --flush: how the L2 is emptied before each timed run (see flush_l2)
 
 
 def flush_l2() -> None:
-    global _flush
+    """Empties the L2 of the timed kernel's data. "write" (the default, and every table in
+    docs/performance.md before 2026-11-25): a 256 MiB write, which leaves up to the whole L2 (50 MiB
+    on an H100) holding dirty lines that the timed kernel's own reads must write back to DRAM.
+    "clean": the same write, then a 256 MiB read of another buffer, so the L2 holds clean lines of
+    unrelated data (as after a GEMM that read weights) and the kernel pays for its own bytes only.
+    The dirty write-back weighs most on short kernels (about 50 MiB against the 134 MB of 8 x 4K)."""
+    global _flush, _flush_read
     if _flush is None:
         _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     _flush.zero_()
+    if FLUSH_MODE == "clean":
+        if _flush_read is None:
+            _flush_read = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+        _flush_read.sum()
 
 
 def warm_up(fn, seconds: float = 0.3) -> None:
@@ -991,7 +1003,12 @@ def main() -> None:
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
+    ap.add_argument("--flush", choices=("write", "clean"), default="write",
+                    help="L2 flush before each timing: a 256 MiB write (dirty L2), or that write then a 256 MiB "
+                         "read of another buffer (clean L2); see flush_l2")
     args = ap.parse_args()
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
     if args.variants:
         run_variants(args.variants)
         return
@@ -1000,7 +1017,7 @@ def main() -> None:
     if args.smoke:
         smoke()
         return
-    print(torch.cuda.get_device_name(), torch.__version__)
+    print(torch.cuda.get_device_name(), torch.__version__, f"L2 flush: {FLUSH_MODE}")
     parts = set(filter(None, args.only.split(","))) or {"plan", "prefill_plan", "ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
                                                            "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
