@@ -311,6 +311,51 @@ def bench_ragged(ceiling: float) -> None:
     print(f"(work list: {geometry.workers} workers per KV head, kernel instance with {geometry.loads} loads)")
 
 
+FLUSH_CONFIGS = [(8, 4096), (1, 32768), (32, 2048), (64, 4096), (32, 16384)]
+
+
+def bench_flush(ceiling: float) -> None:
+    """Uniform decode shapes timed under both L2 flushes (see flush_l2), side by side in one run:
+    our kernel (grid planned once; work list planned from the lengths) and torch SDPA over a
+    contiguous cache, in % of the copy ceiling. Shows how much of the short kernels' time is the
+    write-back of the dirty lines a write flush leaves in the L2."""
+    global FLUSH_MODE
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    kept = FLUSH_MODE
+    print("\ndecode under a dirty (write) and a clean (write + read) L2 flush; % of the copy ceiling "
+          "(bf16 32q/8kv d128 block 16)")
+    hdr = f"{'batch x ctx':>12} | {'grid w':>7} {'grid c':>7} | {'list w':>7} {'list c':>7} | {'sdpa w':>7} {'sdpa c':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for batch, ctx in FLUSH_CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
+        out = torch.empty_like(q)
+        grid_plan = cuda.plan_decode_grid(q, k, v, tables, lens)
+        geometry = cuda.decode_work_geometry(q, k)
+        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
+                                    num_q_heads=HQ, head_dim=D)
+        kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
+        q4 = q.view(batch, HQ, 1, D)
+        fns = {
+            "grid": lambda: cuda.paged_decode_grid_run(grid_plan, q, k, v, tables, lens, scale, out=out),
+            "list": lambda: cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out),
+            "sdpa": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
+        }
+        cells = []
+        for fn in fns.values():
+            warm_up(fn)
+            for mode in ("write", "clean"):
+                FLUSH_MODE = mode
+                cells.append(f"{100 * nbytes / timed(fn) / ceiling:6.1f}%")
+            FLUSH_MODE = kept
+        print(f"{batch:>5} x {ctx:<6} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]} | {cells[4]} {cells[5]}")
+        del q, cache, k, v, kc, vc
+        torch.cuda.empty_cache()
+
+
 PLAN_ONCE_CONFIGS = [(8, 512), (32, 2048), (128, 2048)]
 
 
@@ -998,7 +1043,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,decode,gqa,copy,swap,write_kv,flex,"
+                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,decode,gqa,copy,swap,write_kv,flex,"
                          "prefill,fp8,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
@@ -1023,7 +1068,7 @@ def main() -> None:
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("plan", bench_plan_once), ("prefill_plan", bench_prefill_plan), ("ragged", lambda: bench_ragged(ceiling)),
-             ("list_loads", lambda: bench_list_loads(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+             ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]
