@@ -2,19 +2,30 @@
 the top kernels and host-side ops, for a batch of ragged contexts over the paged cache.
 
     python benchmarks/model_step.py --checkpoint DIR [--batch 110] [--context 1430] [--steps 5]
+    python benchmarks/model_step.py --model 1b --launch-cost 32,64,128,256   # issue 13's launch target
 
 Runs ``worker.model.Decoder.forward_paged`` in this process (no Ray, no manager) on one CUDA
 device, in the checkpoint's dtype (bf16 by default), with random block tables; prints the step's
 wall time, the sum of its GPU kernel times, their ratio (how launch-bound the step is) and its
 HBM roofline (weights plus K/V bytes over a measured device copy ceiling). A tool for finding
 what to fix; the serving figures come from benchmarks/serving.py.
+
+``--launch-cost B1,B2,..`` measures instead, per batch size, a decode step's CPU launch cost against
+its GPU time, the way the worker runs it (``DecodeGraphs.run``: host inputs, the work list planned
+on the host, one pinned upload, device copies into the graph's buffers, one replay, the logits):
+with the GPU idle first, the host time of that call (it returns without waiting for the device),
+of ``graph.replay()`` alone, and of the eager ``forward_paged`` launch for contrast, against the
+step's device time from CUDA events. ``--model 1b`` / ``8b`` builds (once, under ``--workdir``) the
+random checkpoint that benchmarks/serving.py uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import random
+import statistics
 import time
 
 import torch
@@ -41,18 +52,108 @@ def copy_ceiling(device: torch.device) -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
+def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, tables_from: list[int],
+                rng: random.Random) -> tuple[StepInput, list[list[int]]]:
+    """A decode step over ``lens`` with random tokens and tables drawn from ``tables_from``."""
+    tables = []
+    for n in lens:
+        row = [tables_from.pop() for _ in range(ceil_div(n, block))]
+        tables.append(row + [0] * (width - len(row)))
+    step = StepInput(step_id=1, plan_step_id=0, token_ids=[rng.randrange(cfg.vocab_size) for _ in lens],
+                     positions=[n - 1 for n in lens], slot_mapping=[t[(n - 1) // block] * block + (n - 1) % block
+                                                                  for t, n in zip(tables, lens)],
+                     query_lens=[1] * len(lens), context_lens=lens, block_tables=[b for t in tables for b in t],
+                     max_blocks=width, greedy=True)
+    return step, tables
+
+
+def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: int, block: int, reps: int) -> None:
+    """Per batch: host time of the graph step's launch call, of the replay alone and of the eager
+    launch (each with the GPU idle before it), against the step's device time (CUDA events)."""
+    dev = torch.device("cuda")
+    rng = random.Random(1)
+    all_lens = {b: [rng.randint(context // 4, context * 7 // 4) for _ in range(b)] for b in batches}
+    width = max(ceil_div(max(lens), block) for lens in all_lens.values())
+    num_blocks = max(sum(ceil_div(n, block) for n in lens) for lens in all_lens.values()) + 1
+    cache = KVCache(CacheSpec(cfg.num_layers, model.kv_heads, cfg.head_dim, block, cfg.cache_dtype), num_blocks, 1, dev)
+    cache.blocks.normal_()
+    graphs = DecodeGraphs(model, cache, max_batch=max(batches), max_blocks=width)
+    captured = graphs.capture_all()
+    print(f"launch cost of a decode step, {cfg.num_layers} layers, hidden {cfg.hidden_size}; {captured} graphs "
+          f"captured; contexts uniform in [{context // 4}, {context * 7 // 4}]; p50 of {reps} steps, the GPU idle "
+          "before each launch")
+    hdr = (f"{'batch':>5} | {'GPU ms':>7} | {'graph launch ms':>15} {'% of GPU':>8} | {'replay ms':>9} {'%':>5} | "
+           f"{'eager launch ms':>15} {'%':>5}")
+    print(hdr)
+    print("-" * len(hdr))
+    for b in batches:
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        step, _ = random_step(cfg, all_lens[b], width, block, free, rng)
+        graph_host, replay_host, eager_host, device = [], [], [], []
+        bucket = graphs.batch_buckets[bisect.bisect_left(graphs.batch_buckets, b)]
+        graph = graphs._graphs[(bucket, graphs.max_blocks)]
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            graphs.run(step)
+            graph_host.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            device.append(start.elapsed_time(end) / 1e3)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            replay_host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.forward_paged(step, cache.layer)
+            eager_host.append(time.perf_counter() - t0)
+        gpu, launch, replay, eager = (statistics.median(x[3:]) * 1e3 for x in (device, graph_host, replay_host, eager_host))
+        print(f"{b:>5} | {gpu:7.2f} | {launch:15.3f} {100 * launch / gpu:7.1f}% | {replay:9.3f} {100 * replay / gpu:4.1f}% | "
+              f"{eager:15.2f} {100 * eager / gpu:4.0f}%")
+    # Where the graph launch's host time goes, at the last batch size (GPU idle before each call).
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        prof.enable()
+        graphs.run(step)
+        prof.disable()
+    torch.cuda.synchronize()
+    print(f"\nhost profile of DecodeGraphs.run at batch {batches[-1]} ({reps} calls), by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", help="a checkpoint directory (or --model)")
+    ap.add_argument("--model", choices=("1b", "8b"), help="the random checkpoint of benchmarks/serving.py")
+    ap.add_argument("--workdir", default="~/.cache/kvpager-bench", help="where --model checkpoints are built")
+    ap.add_argument("--launch-cost", default="", help="comma-separated batch sizes: launch cost vs GPU time")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=110)
     ap.add_argument("--context", type=int, default=1430, help="mean context; lengths uniform in [context/4, 7/4]")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
+    if args.model:
+        from serving_common import ensure_checkpoint
+
+        args.checkpoint = str(ensure_checkpoint(args, cuda=True))
+    if not args.checkpoint:
+        raise SystemExit("--checkpoint DIR or --model 1b|8b")
     dev = torch.device("cuda")
     cfg = ModelConfig.from_pretrained(args.checkpoint, dtype=args.dtype)
     model = Decoder(cfg, device=dev)
+    if args.launch_cost:
+        launch_cost(model, cfg, [int(b) for b in args.launch_cost.split(",")], args.context, args.block_size, args.steps)
+        return
     rng = random.Random(0)
     lens = [rng.randint(args.context // 4, args.context * 7 // 4) for _ in range(args.batch)]
     B = args.block_size
@@ -62,15 +163,7 @@ def main() -> None:
     cache.blocks.normal_()
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    tables = []
-    for n in lens:
-        row = [free.pop() for _ in range(ceil_div(n, B))]
-        tables.append(row + [0] * (width - len(row)))
-    step = StepInput(step_id=1, plan_step_id=0, token_ids=[rng.randrange(cfg.vocab_size) for _ in lens],
-                     positions=[n - 1 for n in lens], slot_mapping=[t[(n - 1) // B] * B + (n - 1) % B
-                                                                  for t, n in zip(tables, lens)],
-                     query_lens=[1] * len(lens), context_lens=lens, block_tables=[b for t in tables for b in t],
-                     max_blocks=width, greedy=True)
+    step, _ = random_step(cfg, lens, width, B, free, rng)
     for _ in range(3):
         model.forward_paged(step, cache.layer).argmax(-1).cpu()
     torch.cuda.synchronize()
