@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -134,7 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a checkpoint directory (or --model)")
     ap.add_argument("--model", choices=("1b", "8b"), help="the random checkpoint of benchmarks/serving.py")
-    ap.add_argument("--workdir", default="~/.cache/kvpager-bench", help="where --model checkpoints are built")
+    ap.add_argument("--workdir", default=os.environ.get("KVPAGER_BENCH_WORKDIR", "~/.cache/kvpager/serving-bench"),
+                    help="where --model checkpoints are built (benchmarks/serving.py's default too)")
     ap.add_argument("--launch-cost", default="", help="comma-separated batch sizes: launch cost vs GPU time")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=110)

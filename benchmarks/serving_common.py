@@ -204,10 +204,13 @@ def ensure_checkpoint(args: argparse.Namespace, cuda: bool) -> Path:
         return path
     log(f"building a random {MODEL_NAMES[args.model]} checkpoint in {path} (once; reused by later runs)")
     if cuda:   # generate the weights on the GPU, in a child: this process stays off the GPU
-        child = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--workdir", args.workdir,
-                 "--_child", "build"]
+        # (serving.py's child_main builds it: this module has no command line of its own.)
+        child = [sys.executable, str(Path(__file__).resolve().with_name("serving.py")), "--model", args.model,
+                 "--workdir", args.workdir, "--_child", "build"]
         if subprocess.run(child, stdout=sys.stderr, timeout=3600).returncode != 0:
             raise SystemExit("building the checkpoint failed (above)")
+        if not (path / DONE_MARKER).exists():
+            raise SystemExit(f"building the checkpoint left nothing complete at {path}")
     else:
         build_checkpoint(path, args.model, cuda)
     return path
