@@ -29,6 +29,7 @@ import random
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from kvpager.numeric import ceil_div
@@ -63,7 +64,9 @@ def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, table
     step = StepInput(step_id=1, plan_step_id=0, token_ids=[rng.randrange(cfg.vocab_size) for _ in lens],
                      positions=[n - 1 for n in lens], slot_mapping=[t[(n - 1) // block] * block + (n - 1) % block
                                                                   for t, n in zip(tables, lens)],
-                     query_lens=[1] * len(lens), context_lens=lens, block_tables=[b for t in tables for b in t],
+                     query_lens=[1] * len(lens), context_lens=lens,
+                     block_tables=np.asarray([b for t in tables for b in t], dtype="<i4"),   # as from_step_reply gives it
+                    
                      max_blocks=width, greedy=True)
     return step, tables
 
@@ -71,6 +74,10 @@ def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, table
 def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: int, block: int, reps: int) -> None:
     """Per batch: host time of the graph step's launch call, of the replay alone and of the eager
     launch (each with the GPU idle before it), against the step's device time (CUDA events)."""
+    from kvpager.kernels import cuda
+
+    if not cuda.available():   # the graphs need our decode kernel
+        raise SystemExit(cuda.load_error() or "the CUDA extension is not available")
     dev = torch.device("cuda")
     rng = random.Random(1)
     all_lens = {b: [rng.randint(context // 4, context * 7 // 4) for _ in range(b)] for b in batches}

@@ -44,7 +44,7 @@ from kvpager.kernels import ops
 from kvpager.step import StepInput
 
 from .kv_cache import KVCache
-from .model import Decoder, feed_tokens, host_ints, to_device
+from .model import Decoder, feed_tokens
 
 log = logging.getLogger("kvpager.worker")
 
@@ -122,9 +122,8 @@ class DecodeGraphs:
                                                       np.zeros(batch - s, np.int32)]))
         plan64 = np.concatenate([plan, np.zeros(len(plan) % 2, np.int32)]).view(np.int64)   # rides as int64 pairs
         fed = [] if step.feedback_rows is None else [step.feedback_rows]
-        host = host_ints([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
-                          step.context_lens, pad[0], plan64, *fed, step.block_tables], np.int64)
-        staged = to_device(host, self.cache.device)
+        staged = self.model.staging.upload([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
+                                            step.context_lens, pad[0], plan64, *fed, step.block_tables], np.int64)
         self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
         self._context[:batch].copy_(staged[3 * batch:4 * batch])
         rows_at = 4 * batch + len(plan64)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 from . import checkpoint
 from .hf_config import PRESETS, ModelConfig, UnsupportedModel, preset
+from .staging import StagingRing
 
 __all__ = ["Decoder", "ModelConfig", "PRESETS", "UnsupportedModel", "preset"]
 
@@ -59,23 +60,6 @@ class _Layer:
     gate_up_bias: Optional[torch.Tensor]
     down: torch.Tensor                  # [hidden, local intermediate]
     down_bias: Optional[torch.Tensor]   # added after the all-reduce
-
-
-def host_ints(parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
-    """The parts (lists or numpy arrays) one after the other, as one host tensor of ``dtype``
-    (np.int32 or np.int64). Through numpy: a list of Python ints converts about 4x faster than
-    with ``torch.tensor``, and an array of the right dtype is not converted at all. O(total)."""
-    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device`` without making the host wait: on CUDA through pinned memory, copied
-    in stream order behind the work already queued (torch's caching host allocator keeps the
-    pinned buffer until the copy has run). A plain ``.to(device)`` from pageable memory waits
-    for the whole stream, which would stall a step launched while the previous one computes."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def feed_tokens(tokens: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor) -> None:
@@ -103,6 +87,7 @@ class Decoder:
         self._dist = None
         self._planner: Optional[ops.DecodePlanner] = None
         self._planner_known = False
+        self.staging = StagingRing(self.device)   # the steps' integer inputs go up through its pinned buffers
         if tp_size > 1:
             import torch.distributed as dist
 
@@ -155,10 +140,10 @@ class Decoder:
         ``previous_ids``: the previous greedy step's ids on the device, for the tokens that
         ``step.feedback_rows`` takes from them."""
         timer = attention_timer if attention_timer is not None else nullcontext()
-        dev, n = self.device, len(step.token_ids)
+        n = len(step.token_ids)
         # Two host-to-device copies: the int64 token data, the int32 tables and lengths.
         fed = [] if step.feedback_rows is None else [step.feedback_rows]
-        longs = to_device(host_ints([step.token_ids, step.positions, step.slot_mapping, *fed], np.int64), dev)
+        longs = self.staging.upload([step.token_ids, step.positions, step.slot_mapping, *fed], np.int64)
         tokens, positions, slots = longs[:n], longs[n:2 * n], longs[2 * n:3 * n]
         if fed:
             feed_tokens(tokens, longs[3 * n:], previous_ids)
@@ -179,7 +164,7 @@ class Decoder:
         decode_lens = context_lens if decoding is None else [context_lens[i] for i in decoding]
         plan = [planner.plan(decode_lens)] if planner is not None and decode_lens else []
         rows = [] if computing is None else [computing]
-        ints = to_device(host_ints([step.block_tables, context_lens, starts, *plan, *rows], np.int32), dev)
+        ints = self.staging.upload([step.block_tables, context_lens, starts, *plan, *rows], np.int32)
         tables = ints[:table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
             tables = tables.index_select(0, ints[len(ints) - len(computing):])
