@@ -569,9 +569,9 @@ def bench_fp8(ceiling: float) -> None:
     torch.cuda.empty_cache()
 
 
-def run_variants(spec: str) -> None:
+def run_variants(spec: str, parts: str = "quick", flush: str = "write") -> None:
     """Build each ``name=nvcc flags`` variant (in parallel, separate build directories), then
-    time each with ``--only quick`` in its own process."""
+    time each with ``--only PARTS`` (default: quick) in its own process, one after the other."""
     variants = [item.split("=", 1) for item in spec.split(";") if item.strip()]
     envs = {}
     for name, flags in variants:
@@ -584,7 +584,7 @@ def run_variants(spec: str) -> None:
     for name, env in envs.items():
         print(f"\n=== variant {name}: {env['KVPAGER_EXT_CUDA_FLAGS'] or '(defaults)'}", flush=True)
         if built[name]:
-            subprocess.run([sys.executable, __file__, "--only", "quick"], env=env, check=False)
+            subprocess.run([sys.executable, __file__, "--only", parts, "--flush", flush], env=env, check=False)
         else:
             print("build failed")
 
@@ -1055,7 +1055,7 @@ def main() -> None:
     global FLUSH_MODE
     FLUSH_MODE = args.flush
     if args.variants:
-        run_variants(args.variants)
+        run_variants(args.variants, args.only or "quick", args.flush)
         return
     if not cuda.available():
         raise SystemExit(cuda.load_error() or "needs CUDA")
