@@ -22,8 +22,9 @@ bf16 into random slots; bytes = K,V read + written); torch FlexAttention decode 
 block tables; and prefill (kernels/prefill.py, gather + SDPA; and the reference's batched torch
 prefill) against SDPA over contiguous K/V.
 
-And (``--only fp8``) decode over an fp8 e4m3 cache against the same kernel over the bf16 cache,
-and write_kv quantizing into fp8.
+And (``--only fp8``) decode over an fp8 e4m3 cache on both of its kernel instances (FMA, tensor
+cores; grid plans and work lists) against the kernel over the bf16 cache, and write_kv quantizing
+into fp8; ``--only fp8_sweep`` the tensor-core instance's knobs (loads, L2 prefetch, splits).
 
 And (``--only prefill_kernel``) our paged prefill kernel (kernels/csrc/paged_prefill.cuh; its
 mma.sync instances with 4 and 8 warps and the wgmma one) on prompts, chunked prefill over cached
@@ -527,35 +528,91 @@ def bench_list_loads(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+def quantize_in_chunks(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """``reference.quantize_fp8`` a few thousand blocks at a time (its float32 copy of a whole
+    17 GB bf16 cache does not fit beside it)."""
+    out = torch.empty(cache.shape, dtype=reference.FP8, device=cache.device)
+    for i in range(0, cache.shape[0], 4096):
+        out[i:i + 4096] = reference.quantize_fp8(cache[i:i + 4096], scale)
+    return out
+
+
+FP8_RAGGED = [("ragged", 128, 8192), ("ragged", 64, 32768), ("ragged", 256, 2048), ("ragged", 276, 2600)]
+
+
 def bench_fp8(ceiling: float) -> None:
-    """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales) against the same kernel
-    over the bf16 cache, same shapes and block tables; GB/s counts the fp8 bytes read."""
+    """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales), side by side in one run: our
+    kernel over the bf16 cache, over the fp8 cache on the FMA instance (kernels/debug.py mma=False,
+    the only fp8 path before issue 13) and on the tensor-core instance (mma=True, the planner's
+    default for head_dim 64/128); same shapes and block tables; GB/s and % of the copy ceiling count
+    the fp8 bytes read. Grid plans (the planner's splits and loads for each instance), then work
+    lists planned from the lengths (what serving runs) at the uniform and ragged shapes."""
     scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("\nfp8 e4m3 KV cache (bf16 query) vs bf16 cache, our decode kernel:")
-    for batch, ctx in CONFIGS:
+    print("\nfp8 e4m3 KV cache (bf16 query) vs bf16 cache, our decode kernel, grid plans "
+          "(% = fp8 bytes / time / copy ceiling):")
+    hdr = (f"{'batch x ctx':>13} | {'bf16 us':>8} | {'fp8 FMA us':>10} {'%':>5} | {'fp8 MMA us':>10} {'%':>5} "
+           f"{'GB/s':>6} | {'MMA/bf16':>8} {'MMA/FMA':>7} | plans (loads, splits) | err MMA vs FMA")
+    print(hdr)
+    print("-" * len(hdr))
+    listed = []
+    for kind, batch, ctx in [("uniform", b, c) for b, c in CONFIGS] + FP8_RAGGED:
         q, cache, tables, lens = make_case(batch, ctx, gen=gen)
-        cache8 = reference.quantize_fp8(cache, 0.05)
+        if kind == "ragged":
+            lens = torch.randint(1, ctx + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        cache8 = quantize_in_chunks(cache, 0.05)
         del cache
         k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
-        bf = (cache8.to(DTYPE) * 0.05)                       # the same values, dequantized, as bf16
-        k, v = bf[:, 0, 0], bf[:, 0, 1]
+        host_lens = lens.tolist()
+        nbytes = 2 * sum(host_lens) * HKV * D              # one byte per element
         out = torch.empty_like(q)
-        warm_up(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
-        t_bf16 = timed(lambda: cuda.paged_decode_attention(q, k, v, tables, lens, scale, out=out))
-        del bf, k, v
-        torch.cuda.empty_cache()
-        run = lambda: cuda.paged_decode_attention(q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
-                                                  k_scale=0.05, v_scale=0.05)
-        warm_up(run)
-        t_fp8 = timed(run)
-        nbytes = 2 * batch * ctx * HKV * D              # one byte per element
-        splits, _, _, loads = debug.decode_plan(q, k8, v8, tables, lens)
-        print(f"{batch:>5} x {ctx:<6} bf16 {t_bf16 * 1e6:7.1f} us | fp8 {t_fp8 * 1e6:7.1f} us "
-              f"{nbytes / t_fp8 / 1e9:6,.0f} GB/s {100 * nbytes / t_fp8 / ceiling:5.1f}% (loads {loads}, splits "
-              f"{splits}) | fp8 / bf16 time {t_fp8 / t_bf16:.2f}")
+        row = {}
+        if kind == "uniform":
+            bf = (cache8.to(DTYPE) * 0.05)                   # the same values, dequantized, as bf16
+            k, v = bf[:, 0, 0], bf[:, 0, 1]
+            plan_bf = cuda.plan_decode_grid(q, k, v, tables, lens)
+            fn = lambda: cuda.paged_decode_grid_run(plan_bf, q, k, v, tables, lens, scale, out=out)  # noqa: E731
+            warm_up(fn)
+            row["bf16"] = timed(fn)
+            del bf, k, v, plan_bf
+            torch.cuda.empty_cache()
+            outs = {}
+            plans = {}
+            for name, mma in (("fma", False), ("mma", True)):
+                plan = debug.plan_decode_grid(q, k8, v8, tables, lens, mma=mma)
+                plans[name] = f"{plan.loads},{plan.num_splits}"
+                o = torch.empty_like(q)
+                fn = lambda: cuda.paged_decode_grid_run(plan, q, k8, v8, tables, lens, scale, out=o,  # noqa: E731
+                                                        k_scale=0.05, v_scale=0.05)
+                warm_up(fn)
+                row[name] = timed(fn)
+                outs[name] = o
+            err = float(((outs["mma"].float() - outs["fma"].float()).norm(dim=-1) /
+                         outs["fma"].float().norm(dim=-1)).max())
+            print(f"{batch:>5} x {ctx:<6} | {row['bf16'] * 1e6:8.1f} | {row['fma'] * 1e6:10.1f} "
+                  f"{100 * nbytes / row['fma'] / ceiling:5.1f} | {row['mma'] * 1e6:10.1f} "
+                  f"{100 * nbytes / row['mma'] / ceiling:5.1f} {nbytes / row['mma'] / 1e9:6,.0f} | "
+                  f"{row['mma'] / row['bf16']:8.2f} {row['mma'] / row['fma']:7.2f} | FMA {plans['fma']:>5} "
+                  f"MMA {plans['mma']:>5} | {err:.1e}")
+        cells = []
+        for name, mma in (("fma", False), ("mma", True)):
+            geometry = debug.decode_work_geometry(q, k8, mma=mma)
+            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(host_lens, geometry), geometry, batch,
+                                        num_q_heads=HQ, head_dim=D)
+            fn = lambda: cuda.paged_decode_run(step, q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
+                                               k_scale=0.05, v_scale=0.05)
+            warm_up(fn, 0.2)
+            t = timed(fn)
+            cells.append((name, geometry.workers, t))
+        listed.append((kind, batch, ctx, nbytes, cells))
         del q, cache8, k8, v8
         torch.cuda.empty_cache()
+    print("\nfp8 work lists planned from the lengths (what serving runs), FMA vs tensor cores:")
+    for kind, batch, ctx, nbytes, cells in listed:
+        (_, wf, tf), (_, wm, tm) = cells
+        print(f"{kind:>7} {batch:>4} x {ctx:<6} | FMA ({wf} workers) {tf * 1e6:8.1f} us "
+              f"{100 * nbytes / tf / ceiling:5.1f}% | MMA ({wm} workers) {tm * 1e6:8.1f} us "
+              f"{100 * nbytes / tm / ceiling:5.1f}% | MMA/FMA {tm / tf:.2f}")
     tokens, blocks = 65536, 8192
     cache8 = torch.zeros(blocks, LAYERS, 2, HKV, B, D, dtype=reference.FP8, device="cuda")
     key = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
@@ -567,6 +624,45 @@ def bench_fp8(ceiling: float) -> None:
           f"({100 * moved / t / ceiling:.1f}% of the copy ceiling)")
     del cache8, key, value
     torch.cuda.empty_cache()
+
+
+def bench_fp8_sweep(ceiling: float) -> None:
+    """The tensor-core fp8 instance's knobs at the uniform shapes: 16 or 32 tokens a warp iteration
+    (loads 2 / 4) x L2 prefetch distance 0-3 iterations, grid plans with the planner's splits for
+    each; and work lists with each instance. % of the copy ceiling in fp8 bytes."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("\nfp8 tensor-core instance: loads x prefetch distance (grid), loads (work list); % of the copy ceiling:")
+    splits_sweep = {(1, 32768): (16, 32, 64, 128), (8, 4096): (2, 4, 8, 16), (32, 2048): (1, 2, 4)}
+    for batch, ctx in CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+        cache8 = quantize_in_chunks(cache, 0.05)
+        del cache
+        k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
+        nbytes = 2 * batch * ctx * HKV * D
+        out = torch.empty_like(q)
+        cells = []
+        for loads in (2, 4):
+            plan = debug.plan_decode_grid(q, k8, v8, tables, lens, loads=loads, mma=True)
+            for pd in (0, 1, 2):
+                fn = lambda: cuda._run_grid(plan, q, k8, v8, tables, lens, scale, out, 0.05, 0.05, pd)  # noqa: E731
+                warm_up(fn, 0.1)
+                cells.append(f"l{loads}s{plan.num_splits}p{pd}={100 * nbytes / timed(fn, reps=9) / ceiling:.1f}")
+            geometry = debug.decode_work_geometry(q, k8, loads=loads, mma=True)
+            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
+                                        num_q_heads=HQ, head_dim=D)
+            fn = lambda: cuda.paged_decode_run(step, q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
+                                               k_scale=0.05, v_scale=0.05)
+            warm_up(fn, 0.1)
+            cells.append(f"list-l{loads}({geometry.workers})={100 * nbytes / timed(fn, reps=9) / ceiling:.1f}")
+            for splits in splits_sweep.get((batch, ctx), ()):   # forced split counts, no prefetch
+                forced = debug.plan_decode_grid(q, k8, v8, tables, lens, num_splits=splits, loads=loads, mma=True)
+                fn = lambda: cuda._run_grid(forced, q, k8, v8, tables, lens, scale, out, 0.05, 0.05, 0)  # noqa: E731
+                warm_up(fn, 0.1)
+                cells.append(f"l{loads}s{forced.num_splits}={100 * nbytes / timed(fn, reps=9) / ceiling:.1f}")
+        print(f"{batch:>5} x {ctx:<6} " + " ".join(cells))
+        del q, cache8, k8, v8
+        torch.cuda.empty_cache()
 
 
 def run_variants(spec: str, parts: str = "quick", flush: str = "write") -> None:
@@ -989,7 +1085,8 @@ def bench_prefill_kernel() -> None:
 
 def smoke() -> None:
     """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
-    write_kv, copy_blocks, swaps in every mode)."""
+    fp8 decode on tensor cores and FMAs, grid and work list, write_kv, copy_blocks, swaps in every
+    mode)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dtype, d, group in ((torch.bfloat16, 128, 4), (torch.float32, 256, 8), (torch.float16, 64, 3)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
@@ -1009,10 +1106,18 @@ def smoke() -> None:
             key8 = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
             cuda.write_kv(key8, key8, cache8[:, 1, 0], cache8[:, 1, 1], torch.tensor([0, -1, 17, 639, 100],
                                                                                      device="cuda"), 0.5, 0.25)
-            for loads in (2, 4):
-                for splits in (1, 3):
-                    debug.paged_decode_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5, splits,
-                                                 loads=loads, k_scale=0.5, v_scale=0.25)
+            mmas = (True, False) if d in (64, 128) else (False,)   # tensor-core instance and FMA one
+            for mma in mmas:
+                for loads in (2, 4):
+                    for splits in (1, 3):
+                        debug.paged_decode_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5,
+                                                     splits, loads=loads, k_scale=0.5, v_scale=0.25, mma=mma,
+                                                     prefetch_steps=1 if mma and splits == 3 else None)
+                geometry8 = debug.decode_work_geometry(q, cache8[:, 1, 0], mma=mma)
+                step8 = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry8, min_item=64),
+                                             geometry8, 3, num_q_heads=q.shape[1], head_dim=d)
+                cuda.paged_decode_run(step8, q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, d ** -0.5,
+                                      k_scale=0.5, v_scale=0.25)
         key = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
         slots = torch.tensor([0, -1, 17, 639, 100], device="cuda")
         cuda.write_kv(key, key, k, v, slots)
@@ -1044,7 +1149,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
                     help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,decode,gqa,copy,swap,write_kv,flex,"
-                         "prefill,fp8,"
+                         "prefill,fp8,fp8_sweep,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
@@ -1069,6 +1174,7 @@ def main() -> None:
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("plan", bench_plan_once), ("prefill_plan", bench_prefill_plan), ("ragged", lambda: bench_ragged(ceiling)),
              ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+             ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]

@@ -20,7 +20,8 @@ layer through the views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_c
 
 Supported: float32, float16 and bfloat16, and float8_e4m3fn caches (per-tensor k_scale and
 v_scale) with float16/bfloat16 queries and K/V; head_dim 64, 128, 256; block_size 8, 16, 32;
-any GQA ratio (query heads a multiple of KV heads). Prefill (``paged_prefill_attention``, one
+any GQA ratio (query heads a multiple of KV heads). Decode over float8_e4m3fn caches of head_dim
+64/128 runs on tensor cores (``mma`` in the plans; ``kernels/debug.py`` forces the FMA instance). Prefill (``paged_prefill_attention``, one
 launch per ragged batch, tensor cores: wgmma on Hopper, mma.sync elsewhere): float16/bfloat16
 queries over caches of their dtype or float8_e4m3fn, head_dim 64/128, block_size 8-64; the rest
 falls back to ``kernels/prefill.py``'s gather + SDPA. Inputs are checked (device, dtype, shape, strides,
@@ -72,12 +73,13 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class DecodeGeometry:
     """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
-    blocks per (KV head, head chunk), the kernel instance (``loads``), query heads per block, and
-    the most tokens one item may hold."""
+    blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: the tensor-core
+    instance of fp8 caches), query heads per block, and the most tokens one item may hold."""
     workers: int
     loads: int
     head_tile: int
     longest_item: int
+    mma: bool = False
 
     def capacity(self, num_seqs: int) -> int:
         """Item slots a plan for ``num_seqs`` rows needs."""
@@ -112,6 +114,7 @@ class DecodeGridPlan:
     partition_tokens: int       # tokens per split
     head_tile: int              # query heads per thread block
     loads: int                  # kernel instance: 16-byte K (and V) loads in flight per lane
+    mma: bool                   # the tensor-core instance (fp8 e4m3 caches, head_dim 64/128)
     num_seqs: int
     table_width: int            # block-table width (entries) the plan covers
     workspace: Workspace | None   # [num_seqs * num_splits, ...] rows when num_splits > 1
@@ -120,16 +123,20 @@ class DecodeGridPlan:
 _geometries: dict[tuple, DecodeGeometry] = {}
 
 
-def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int = 0) -> DecodeGeometry:
+def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int = 0,
+                         mma: int = -1) -> DecodeGeometry:
     """The work-list geometry for queries like ``query_like`` ([*, num_q_heads, head_dim], its
     dtype and device) over ``k_cache``'s layout. Cached: planned once per configuration.
-    (``loads``: 0, the planner's instance; kernels/debug.py forces 2 or 4.)"""
+    (``loads``: 0, the planner's instance; ``mma``: -1, the planner's choice; kernels/debug.py
+    forces them.)"""
     key = (query_like.device, query_like.dtype, tuple(query_like.shape[1:]), k_cache.dtype, tuple(k_cache.shape[1:]),
-           loads)
+           loads, mma)
     geometry = _geometries.get(key)
     if geometry is None:
         q = query_like.new_empty(1, *query_like.shape[1:])
-        geometry = DecodeGeometry(*(int(x) for x in load().decode_work_geometry(q, k_cache, int(loads))))
+        workers, chosen, tile, longest, use_mma = (int(x) for x in load().decode_work_geometry(q, k_cache, int(loads),
+                                                                                              int(mma)))
+        geometry = DecodeGeometry(workers, chosen, tile, longest, bool(use_mma))
         _geometries[key] = geometry
     return geometry
 
@@ -184,7 +191,8 @@ def paged_decode_run(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tenso
     g = plan.geometry
     part_out, part_ml = plan.workspace
     load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, plan.work, part_out, part_ml,
-                              g.workers, g.loads, g.head_tile, float(scale), float(k_scale), float(v_scale))
+                              g.workers, g.loads, g.head_tile, int(g.mma), float(scale), float(k_scale),
+                              float(v_scale))
     return out
 
 
@@ -194,15 +202,17 @@ def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     layout, the block table's width), with its workspace: splits chosen from the batch size,
     num_kv_heads, the longest possible context (max_blocks * block_size: no device sync) and the
     SM count. Make it once per step; every layer's :func:`paged_decode_grid_run` reuses it."""
-    return _plan_grid(query, k_cache, v_cache, block_tables, context_lens, 0, 0)
+    return _plan_grid(query, k_cache, v_cache, block_tables, context_lens, 0, 0, -1)
 
 
-def _plan_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits: int, loads: int) -> DecodeGridPlan:
-    splits, partition, tile, chosen = (int(x) for x in load().decode_grid_plan(
-        query, k_cache, v_cache, block_tables, context_lens, int(num_splits), int(loads)))
+def _plan_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits: int, loads: int,
+               mma: int) -> DecodeGridPlan:
+    splits, partition, tile, chosen, use_mma = (int(x) for x in load().decode_grid_plan(
+        query, k_cache, v_cache, block_tables, context_lens, int(num_splits), int(loads), int(mma)))
     rows = query.shape[0] * splits
     workspace = decode_workspace(rows, query.shape[1], query.shape[2], query.device) if splits > 1 and rows else None
-    return DecodeGridPlan(splits, partition, tile, chosen, query.shape[0], block_tables.shape[1], workspace)
+    return DecodeGridPlan(splits, partition, tile, chosen, bool(use_mma), query.shape[0], block_tables.shape[1],
+                          workspace)
 
 
 def paged_decode_grid_run(plan: DecodeGridPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -220,7 +230,8 @@ def _run_grid(plan: DecodeGridPlan, query, k_cache, v_cache, block_tables, conte
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_out, part_ml = plan.workspace if plan.workspace is not None else (None, None)
     load().paged_decode(out, query, k_cache, v_cache, block_tables, context_lens, part_out, part_ml, plan.num_splits,
-                         plan.partition_tokens, plan.head_tile, plan.loads, int(prefetch_steps), float(scale),
+                         plan.partition_tokens, plan.head_tile, plan.loads, int(plan.mma), int(prefetch_steps),
+                         float(scale),
                          float(k_scale), float(v_scale))
     return out
 

@@ -1,7 +1,8 @@
 """Benchmark and test entry points of kvpager's CUDA kernels: the knobs that serving never
 turns, kept off the serving signatures of ``kernels/cuda.py``.
 
-- decode: a forced split count and kernel instance (2 or 4 16-byte loads in flight per lane),
+- decode: a forced split count and kernel instance (2 or 4 16-byte loads in flight per lane;
+  ``mma``: over fp8 caches, the tensor-core instance (True) or the FMA one (False)),
   the L2 prefetch distance, the split-KV workspace filled with NaN before the launch (a merge
   that reads a partial no split wrote then shows up as NaN), the work-list planner's knobs;
 - prefill: the kernel instance (4 or 8 warps, mma.sync or wgmma);
@@ -33,20 +34,32 @@ def _count(name: str, value: int | None, allowed: tuple[int, ...] | None = None)
     return value
 
 
+def _mma(value: bool | None) -> int:
+    """-1 for None (the planner's choice), else 1 (the tensor-core instance) or 0 (the FMA one)."""
+    if value is None:
+        return -1
+    if not isinstance(value, bool):
+        raise ValueError(f"mma must be True, False or None, got {value!r}")
+    return int(value)
+
+
 def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, *, num_splits: int | None = None,
-                     loads: int | None = None) -> cuda.DecodeGridPlan:
+                     context_lens: torch.Tensor, *, num_splits: int | None = None, loads: int | None = None,
+                     mma: bool | None = None) -> cuda.DecodeGridPlan:
     """``cuda.plan_decode_grid`` with a forced split count (about ``num_splits`` partitions:
-    fewer when the table is too narrow to give each one) and/or kernel instance (``loads``)."""
+    fewer when the table is too narrow to give each one) and/or kernel instance (``loads``;
+    ``mma``: True, the tensor-core instance of fp8 caches, ValueError where not built; False,
+    the FMA one)."""
     return cuda._plan_grid(query, k_cache, v_cache, block_tables, context_lens, _count("num_splits", num_splits),
-                           _count("loads", loads, (2, 4)))
+                           _count("loads", loads, (2, 4)), _mma(mma))
 
 
 def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                context_lens: torch.Tensor, num_splits: int | None = None, *,
-                loads: int | None = None) -> tuple[int, int, int, int]:
+                context_lens: torch.Tensor, num_splits: int | None = None, *, loads: int | None = None,
+                mma: bool | None = None) -> tuple[int, int, int, int]:
     """``(num_splits, partition_tokens, head_tile, loads)`` of the grid plan for these inputs."""
-    plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits, loads=loads)
+    plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits, loads=loads,
+                            mma=mma)
     return plan.num_splits, plan.partition_tokens, plan.head_tile, plan.loads
 
 
@@ -55,11 +68,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None, *, loads: int | None = None,
                            prefetch_steps: int | None = None, poison_workspace: bool = False,
                            out: torch.Tensor | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
-    """``cuda.paged_decode_attention`` (grid plan + run) with its knobs: ``num_splits`` and
-    ``loads`` as in :func:`plan_decode_grid`; ``prefetch_steps``: the L2 prefetch distance in
-    block iterations (None: the default, 1); ``poison_workspace``: NaN in the workspace first."""
-    plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits, loads=loads)
+                           v_scale: float = 1.0, mma: bool | None = None) -> torch.Tensor:
+    """``cuda.paged_decode_attention`` (grid plan + run) with its knobs: ``num_splits``, ``loads``
+    and ``mma`` as in :func:`plan_decode_grid`; ``prefetch_steps``: the L2 prefetch distance in
+    block iterations (None: the default, 1, or 0 on the tensor-core instance); ``poison_workspace``:
+    NaN in the workspace first."""
+    plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits, loads=loads,
+                            mma=mma)
     if poison_workspace and plan.workspace is not None:
         for part in plan.workspace:
             part.fill_(float("nan"))
@@ -67,10 +82,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                           -1 if prefetch_steps is None else int(prefetch_steps))
 
 
-def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *,
-                         loads: int | None = None) -> cuda.DecodeGeometry:
-    """``cuda.decode_work_geometry`` with a forced kernel instance (``loads`` 2 or 4)."""
-    return cuda.decode_work_geometry(query_like, k_cache, loads=_count("loads", loads, (2, 4)))
+def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int | None = None,
+                         mma: bool | None = None) -> cuda.DecodeGeometry:
+    """``cuda.decode_work_geometry`` with a forced kernel instance (``loads`` 2 or 4; ``mma`` as
+    in :func:`plan_decode_grid`)."""
+    return cuda.decode_work_geometry(query_like, k_cache, loads=_count("loads", loads, (2, 4)), mma=_mma(mma))
 
 
 def plan_decode_work(context_lens, geometry: cuda.DecodeGeometry, capacity: int | None = None, *,

@@ -228,24 +228,30 @@ void check_workspace(const Tensor& part_out, const Tensor& part_ml, const Tensor
            "part_ml must be contiguous float32 [>= ", rows, ", ", query.size(1), ", 2], got ", dims(part_ml.sizes()));
 }
 
+void check_mma(int64_t mma) {
+  KV_CHECK(mma >= -1 && mma <= 1, "mma must be -1 (the planner's choice), 0 or 1, got ", mma);
+}
+
 // The grid plan (decode_plan.h plan_decode_grid) for these inputs: (num_splits, partition_tokens,
-// head_tile, loads). num_splits / loads 0: the planner's choice (> 0: benchmarks and tests).
-std::tuple<int64_t, int64_t, int64_t, int64_t> decode_grid_plan(Tensor query, Tensor k_cache, Tensor v_cache,
-                                                                Tensor block_tables, Tensor context_lens,
-                                                                int64_t num_splits, int64_t loads) {
+// head_tile, loads, mma). num_splits / loads 0, mma -1: the planner's choice (else: benchmarks and tests).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> decode_grid_plan(Tensor query, Tensor k_cache, Tensor v_cache,
+                                                                         Tensor block_tables, Tensor context_lens,
+                                                                         int64_t num_splits, int64_t loads,
+                                                                         int64_t mma) {
   const c10::cuda::CUDAGuard guard(query.device());
   const kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, 1.0, 1.0, 1.0);
   KV_CHECK(num_splits >= 0 && num_splits <= kvpager::kMaxSplits, "num_splits must be in [1, ",
            kvpager::kMaxSplits, "] (or None/0 for automatic), got ", num_splits);
   check_loads(loads);
+  check_mma(mma);
   kvpager::DecodeGridPlan plan{};
   const cudaError_t err = kvpager::plan_decode_grid(to_dtype(query, "query"), to_cache_dtype(k_cache), decode_sizes(a),
                                                     static_cast<int>(num_splits), static_cast<int>(loads),
-                                                    query.device().index(), &plan);
-  KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits,
+                                                    static_cast<int>(mma), query.device().index(), &plan);
+  KV_CHECK(err == cudaSuccess, "no decode plan for these sizes with num_splits=", num_splits, ", mma=", mma,
            " (each split stages at most ", kvpager::kMaxTableEntries,
-           " block-table entries: ask for more splits)");
-  return {plan.num_splits, plan.partition_tokens, plan.head_tile, plan.loads};
+           " block-table entries: ask for more splits; the tensor-core instance serves fp8 caches of head_dim 64/128)");
+  return {plan.num_splits, plan.partition_tokens, plan.head_tile, plan.loads, plan.mma};
 }
 
 // Grid-mode decode as a plan says (decode_grid_plan, made once for the step's sizes): checks the
@@ -253,13 +259,14 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> decode_grid_plan(Tensor query, Te
 // part_out / part_ml: the split-KV workspace (>= num_seqs * num_splits rows) when num_splits > 1.
 void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                   Tensor context_lens, c10::optional<Tensor> part_out, c10::optional<Tensor> part_ml,
-                  int64_t num_splits, int64_t partition_tokens, int64_t head_tile, int64_t loads,
+                  int64_t num_splits, int64_t partition_tokens, int64_t head_tile, int64_t loads, int64_t mma,
                   int64_t prefetch_steps, double scale, double k_scale, double v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   check_out(out, query);
   KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
-  a.prefetch_steps = prefetch_steps < 0 ? kvpager::kDefaultPrefetchSteps : static_cast<int>(prefetch_steps);
+  const int default_prefetch = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
+  a.prefetch_steps = prefetch_steps < 0 ? default_prefetch : static_cast<int>(prefetch_steps);
   a.out = out.data_ptr();
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
@@ -271,7 +278,9 @@ void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tens
            "the decode plan (", num_splits, " splits of ", partition_tokens, " tokens) does not cover tables of ",
            width, " tokens: plan for these inputs");
   check_loads(loads);
+  KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
   a.loads = static_cast<int>(loads);
+  a.mma = static_cast<int>(mma);
   a.head_tile = static_cast<int>(head_tile);
   a.head_chunks = static_cast<int>((a.num_q_heads / a.num_kv_heads + head_tile - 1) / std::max<int64_t>(head_tile, 1));
   a.num_splits = static_cast<int>(num_splits);
@@ -289,8 +298,9 @@ void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tens
 
 // Work-list geometry (decode_plan.h plan_decode_work_geometry) of queries like `query` ([*,
 // num_q_heads, head_dim]) over k_cache's layout: (workers, loads, head_tile, longest item in
-// tokens). Fixed per (model, cache, device): the caller plans it once.
-std::tuple<int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query, Tensor k_cache, int64_t loads) {
+// tokens, mma). Fixed per (model, cache, device): the caller plans it once. mma -1: the planner's choice.
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query, Tensor k_cache,
+                                                                             int64_t loads, int64_t mma) {
   const c10::cuda::CUDAGuard guard(query.device());
   check_cuda(query, "query", query.device());
   check_cuda(k_cache, "k_cache", query.device());
@@ -302,11 +312,13 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Tensor query
   KV_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ", k_cache.size(3));
   const kvpager::DecodeSizes sizes{0, static_cast<int>(query.size(1)), static_cast<int>(k_cache.size(1)),
                                    static_cast<int>(query.size(2)), static_cast<int>(block_size), 0};
+  check_mma(mma);
   kvpager::DecodeWorkGeometry g{};
   const cudaError_t err = kvpager::plan_decode_work_geometry(to_dtype(query, "query"), to_cache_dtype(k_cache), sizes,
-                                                             static_cast<int>(loads), query.device().index(), &g);
-  KV_CHECK(err == cudaSuccess, "no work-list decode geometry for these sizes");
-  return {g.workers, g.loads, g.head_tile, g.longest_item};
+                                                             static_cast<int>(loads), static_cast<int>(mma),
+                                                             query.device().index(), &g);
+  KV_CHECK(err == cudaSuccess, "no work-list decode geometry for these sizes (mma=", mma, ")");
+  return {g.workers, g.loads, g.head_tile, g.longest_item, g.mma};
 }
 
 // The step's work list, planned on the host into `out` (CPU int32, launch.h layout) from the
@@ -341,7 +353,7 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
 // and launches; never re-plans.
 void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                        Tensor context_lens, Tensor work, Tensor part_out, Tensor part_ml, int64_t workers,
-                       int64_t loads, int64_t head_tile, double scale, double k_scale, double v_scale) {
+                       int64_t loads, int64_t head_tile, int64_t mma, double scale, double k_scale, double v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   check_out(out, query);
@@ -355,8 +367,10 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   check_workspace(part_out, part_ml, query, capacity);
   KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
   KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);
-  a.prefetch_steps = kvpager::kDefaultPrefetchSteps;
+  KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
+  a.prefetch_steps = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
   a.loads = static_cast<int>(loads);
+  a.mma = static_cast<int>(mma);
   a.head_tile = static_cast<int>(head_tile);
   a.head_chunks = static_cast<int>((a.num_q_heads / a.num_kv_heads + head_tile - 1) / head_tile);
   a.out = out.data_ptr();
@@ -731,24 +745,27 @@ void silu_and_mul(Tensor out, Tensor gate_up) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpager CUDA kernels (see kvpager.kernels.cuda for the typed wrappers)";
-  m.def("decode_grid_plan", &decode_grid_plan, "(num_splits, partition_tokens, head_tile, loads) of a grid decode",
-        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("num_splits"), py::arg("loads"));
+  m.def("decode_grid_plan", &decode_grid_plan,
+        "(num_splits, partition_tokens, head_tile, loads, mma) of a grid decode", py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("num_splits"), py::arg("loads"),
+        py::arg("mma"));
   m.def("paged_decode", &paged_decode, "paged decode attention into out as a grid plan says", py::arg("out"),
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("part_out"), py::arg("part_ml"), py::arg("num_splits"), py::arg("partition_tokens"),
-        py::arg("head_tile"), py::arg("loads"), py::arg("prefetch_steps"), py::arg("scale"), py::arg("k_scale"),
+        py::arg("head_tile"), py::arg("loads"), py::arg("mma"), py::arg("prefetch_steps"), py::arg("scale"),
+        py::arg("k_scale"),
         py::arg("v_scale"));
   m.def("decode_work_geometry", &decode_work_geometry,
-        "(workers, loads, head_tile, longest item in tokens) of work-list decode launches", py::arg("query"),
-        py::arg("k_cache"), py::arg("loads"));
+        "(workers, loads, head_tile, longest item in tokens, mma) of work-list decode launches", py::arg("query"),
+        py::arg("k_cache"), py::arg("loads"), py::arg("mma"));
   m.def("plan_decode_work", &plan_decode_work, "plan a step's decode work list on the host (launch.h layout)",
         py::arg("context_lens"), py::arg("workers"), py::arg("longest_item"), py::arg("min_item"),
         py::arg("item_cost"), py::arg("out"));
   m.def("paged_decode_work", &paged_decode_work, "paged decode attention over a work list planned for the step",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),
-        py::arg("loads"), py::arg("head_tile"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"));
+        py::arg("loads"), py::arg("head_tile"), py::arg("mma"), py::arg("scale"), py::arg("k_scale"),
+        py::arg("v_scale"));
   m.def("prefill_supported", &prefill_supported, "whether the paged prefill kernel serves these inputs",
         py::arg("query"), py::arg("k_cache"), py::arg("warps"));
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),

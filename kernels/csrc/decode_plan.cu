@@ -82,20 +82,34 @@ int snake_worker(int64_t k, int workers) {
 
 }  // namespace
 
-int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group) {
+int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma) {
+  const bool built = decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 1);
+  if (requested_mma == 0) return 0;
+  if (requested_mma > 0) return built ? 1 : -1;
+  return kDecodeMmaDefault && built ? 1 : 0;
+}
+
+int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group, int mma) {
   if (group < 1 || head_dim < 1) return 0;
+  if (mma != 0) {
+    const int tile = group > 4 ? 8 : group > 2 ? 4 : group;
+    return decode_instance_built(dtype, cache_dtype, head_dim, tile, 2, 1) ? tile : 0;
+  }
   int tile = group >= 8 ? 8 : group > 2 ? 4 : group;
   const int row_lanes = std::min(32, std::max(1, head_dim / vec_elems(cache_dtype)));
   const int lane_elems = std::max(1, head_dim / row_lanes);
   tile = std::max(1, std::min({tile, row_lanes, kMaxTileElems / lane_elems}));
-  return decode_instance_built(dtype, cache_dtype, head_dim, tile, 4) ? tile : 0;
+  return decode_instance_built(dtype, cache_dtype, head_dim, tile, 4, 0) ? tile : 0;
 }
 
 cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& z, int requested_splits,
-                             int requested_loads, int device, DecodeGridPlan* plan) {
+                             int requested_loads, int requested_mma, int device, DecodeGridPlan* plan) {
   if (!valid_sizes(z, requested_loads) || requested_splits < 0) return cudaErrorInvalidValue;
   const int group = z.num_q_heads / z.num_kv_heads;
-  plan->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group);
+  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma);
+  if (mma < 0) return cudaErrorInvalidValue;
+  plan->mma = mma;
+  plan->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
   if (plan->head_tile == 0) return cudaErrorInvalidValue;
   const int head_chunks = ceil_div(group, plan->head_tile);
   const int64_t max_ctx = static_cast<int64_t>(z.max_blocks_per_seq) * z.block_size;
@@ -111,7 +125,7 @@ cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& 
   // whole waves.
   const int64_t units = static_cast<int64_t>(z.num_seqs) * z.num_kv_heads * head_chunks;
   const int64_t sms = device_sm_count(device);
-  const int64_t slots2 = sms * decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, plan->head_tile, 2, device);
+  const int64_t slots2 = sms * decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, plan->head_tile, 2, mma, device);
   int max_s = std::max(1, ceil_div(max_ctx, kMinPartitionTokens));
   if (units * max_s < (19 * sms + 9) / 10) max_s = std::max(max_s, ceil_div(max_ctx, kMinPartitionTokensSmall));
   max_s = std::min(max_s, kMaxSplits);
@@ -129,7 +143,7 @@ cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& 
       splits = full > 0 ? full : max_s;
     } else {
       plan->loads = 4;
-      const int64_t slots4 = sms * decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, plan->head_tile, 4, device);
+      const int64_t slots4 = sms * decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, plan->head_tile, 4, mma, device);
       splits = splits_for_few_blocks(units, slots4, sms, max_s, max_ctx);
     }
     splits = std::max(splits, ceil_div(max_ctx, max_partition));   // the table slice must fit
@@ -143,18 +157,21 @@ cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& 
 }
 
 cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const DecodeSizes& z, int requested_loads,
-                                      int device, DecodeWorkGeometry* g) {
+                                      int requested_mma, int device, DecodeWorkGeometry* g) {
   if (!valid_sizes(z, requested_loads)) return cudaErrorInvalidValue;
   const int group = z.num_q_heads / z.num_kv_heads;
-  g->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group);
+  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma);
+  if (mma < 0) return cudaErrorInvalidValue;
+  g->mma = mma;
+  g->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
   if (g->head_tile == 0) return cudaErrorInvalidValue;
   g->loads = requested_loads != 0 ? requested_loads : kWorkDefaultLoads;
   const int64_t units = static_cast<int64_t>(z.num_kv_heads) * ceil_div(group, g->head_tile);
   const int64_t slots = static_cast<int64_t>(device_sm_count(device)) *
-                        decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads, device);
+                        decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads, mma, device);
   g->workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(slots / units, 65535)));
   // The launch reserves the merge's shared memory, which an item's table slice reuses.
-  const int merge_smem = decode_merge_smem(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads);
+  const int merge_smem = decode_merge_smem(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads, mma);
   const int64_t entries = std::min<int64_t>(merge_smem / static_cast<int>(sizeof(int)), kMaxTableEntries);
   g->longest_item = static_cast<int>(entries * z.block_size / kPartitionAlign * kPartitionAlign);
   return g->longest_item >= kPartitionAlign ? cudaSuccess : cudaErrorInvalidValue;

@@ -21,6 +21,9 @@ constexpr int kMinPartitionTokensSmall = 256;      // ... or this, when longer o
 constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
 constexpr int kWorkDefaultLoads = 2;               // kernel instance of work-list launches (a full resident grid)
 constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-list planner tries (decode_plan.py ROUNDS)
+// Whether plans over fp8 e4m3 caches take the tensor-core instance (paged_decode_mma.cuh) where it
+// is built (head_dim 64/128); requested_mma overrides it (kernels/debug.py: side-by-side runs).
+constexpr bool kDecodeMmaDefault = true;
 
 // The launch sizes a plan is made for (the run's DecodeArgs must carry the same).
 struct DecodeSizes {
@@ -30,10 +33,12 @@ struct DecodeSizes {
 
 // A grid-mode plan: one thread block per (KV head chunk, sequence, split), splits cut from the
 // table's width. requested_* (benchmarks and tests only; 0 = automatic): num_splits and the
-// kernel instance (2 or 4 loads in flight per lane).
+// kernel instance (2 or 4 loads in flight per lane; requested_mma: -1 automatic, 0 the FMA
+// instance, 1 the tensor-core one).
 struct DecodeGridPlan {
   int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
+  int mma;                         // 1: the tensor-core instance (DecodeArgs::mma)
   int num_splits;                  // 1 = unsplit (no merge kernel, no workspace)
   int partition_tokens;            // tokens per split (a multiple of kPartitionAlign and of block_size)
 };
@@ -42,23 +47,29 @@ struct DecodeGridPlan {
 // step), so a CUDA graph captured with it serves every later plan of the same size.
 struct DecodeWorkGeometry {
   int loads, head_tile;
+  int mma;                         // 1: the tensor-core instance (DecodeArgs::mma)
   int workers;                     // thread blocks per (KV head, head chunk): one resident wave
   int longest_item;                // tokens one item may hold (its table slice fits the reserved smem)
 };
 
-// Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group): the whole
-// group up to 8 (1, 2, 4 or 8), at most the lanes sharing a token row and at most
-// kMaxTileElems / (elements per lane). 0 when no kernel instance serves these sizes.
-int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group);
+// Whether plans for these take the tensor-core instance: requested_mma 0 no, 1 yes (when built),
+// -1 kDecodeMmaDefault where built. Returns -1 for a request of an instance that is not built.
+int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma);
+
+// Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group, instance): the
+// whole group up to 8 (1, 2, 4 or 8); the FMA instance at most the lanes sharing a token row and
+// at most kMaxTileElems / (elements per lane); the tensor-core one the group rounded up to a power
+// of two (its mma tile holds 8 heads whatever the tile). 0 when no kernel instance serves these sizes.
+int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group, int mma);
 
 // Grid-mode plan for these sizes. Returns cudaErrorInvalidValue for unsupported sizes or a
 // requested split count whose splits cannot stage their table slice.
 cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& sizes, int requested_splits,
-                             int requested_loads, int device, DecodeGridPlan* plan);
+                             int requested_loads, int requested_mma, int device, DecodeGridPlan* plan);
 
 // Work-list geometry for these sizes (num_seqs and max_blocks_per_seq unused).
 cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const DecodeSizes& sizes, int requested_loads,
-                                      int device, DecodeWorkGeometry* geometry);
+                                      int requested_mma, int device, DecodeWorkGeometry* geometry);
 
 // The step's work list (DecodeArgs::work layout) planned on the HOST from its context lengths:
 // pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *

@@ -1,7 +1,9 @@
 // Launchers: raw pointers, element strides, sizes and a cudaStream_t in; no torch here. They
 // check and launch what a plan says (decode_plan.cu makes the plans; no heuristics here).
 // Instantiates the decode kernel for fp32/fp16/bf16 x head_dim 64/128/256 x head tile 1/2/4/8 x
-// 2/4 loads in flight.
+// 2/4 loads in flight, and the tensor-core decode kernel (paged_decode_mma.cuh) for fp16/bf16
+// queries over fp8 e4m3 caches x head_dim 64/128 x 16 or 32 tokens per warp iteration (the plan's
+// loads 2 or 4), any head tile up to 8.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -11,6 +13,7 @@
 #include "cache_ops.cuh"
 #include "launch.h"
 #include "paged_decode.cuh"
+#include "paged_decode_mma.cuh"
 
 namespace kvpager {
 namespace {
@@ -18,11 +21,40 @@ namespace {
 template <typename T_, typename C_, int D_, int HT_, int LOADS_>
 struct DecodeCfg {
   using T = T_;   // query and output
-  using C = C_;   // cache
-  static constexpr int D = D_;
-  static constexpr int HT = HT_;
-  static constexpr int LOADS = LOADS_;
+  static constexpr int MERGE_SMEM = decode_merge_smem_bytes<D_, HT_>();   // the table slice reuses it
+  static constexpr int EXTRA_SMEM = 0;                                     // before the table slice
+  static constexpr auto kernel() { return paged_decode_kernel<T_, C_, D_, HT_, LOADS_>; }
 };
+
+// The tensor-core instance (fp8 e4m3 cache): CH 16-token chunks per warp iteration.
+template <typename T_, int D_, int CH_>
+struct MmaCfg {
+  using T = T_;
+  static constexpr int MERGE_SMEM = decode_merge_smem_bytes<D_, kMmaHeads>();
+  static constexpr int EXTRA_SMEM = decode_mma_q_bytes<D_>();   // the query fragments
+  static constexpr auto kernel() { return paged_decode_mma_kernel<T_, D_, CH_>; }
+};
+
+// Build-time switch of the tensor-core instances (0: not built, so never planned).
+#ifndef KVPAGER_DECODE_MMA
+#define KVPAGER_DECODE_MMA 1
+#endif
+
+template <typename T, typename F>
+bool dispatch_mma(int head_dim, int head_tile, int loads, F&& f) {
+#if KVPAGER_DECODE_MMA
+  if (head_tile != 1 && head_tile != 2 && head_tile != 4 && head_tile != 8) return false;
+  if (loads != 2 && loads != 4) return false;
+  switch (head_dim) {
+    case 64: loads == 2 ? f(MmaCfg<T, 64, 1>{}) : f(MmaCfg<T, 64, 2>{}); return true;
+    case 128: loads == 2 ? f(MmaCfg<T, 128, 1>{}) : f(MmaCfg<T, 128, 2>{}); return true;
+    default: return false;
+  }
+#else
+  (void)head_dim; (void)head_tile; (void)loads; (void)f;
+  return false;
+#endif
+}
 
 template <typename T, typename C, int D, int HT, typename F>
 bool dispatch_loads(int loads, F&& f) {
@@ -66,9 +98,18 @@ bool dispatch_dim(int head_dim, int head_tile, int loads, F&& f) {
   }
 }
 
-// (query, cache) types: the same 32/16-bit type, or a 16-bit query over an fp8 e4m3 cache.
+// (query, cache) types: the same 32/16-bit type, or a 16-bit query over an fp8 e4m3 cache (there,
+// mma != 0 names the tensor-core instance).
 template <typename F>
-bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, F&& f) {
+bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma, F&& f) {
+  if (mma != 0) {
+    if (cache_dtype != kFloat8E4M3) return false;
+    switch (dtype) {
+      case kFloat16: return dispatch_mma<__half>(head_dim, head_tile, loads, f);
+      case kBFloat16: return dispatch_mma<__nv_bfloat16>(head_dim, head_tile, loads, f);
+      default: return false;
+    }
+  }
   if (cache_dtype == dtype) {
     switch (dtype) {
       case kFloat32: return dispatch_dim<float, float>(head_dim, head_tile, loads, f);
@@ -92,7 +133,7 @@ int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 template <typename Cfg>
 int decode_smem_bytes(int partition_tokens, int block_size) {
   const int table = (partition_tokens / block_size) * static_cast<int>(sizeof(int));
-  return std::max(table, decode_merge_smem_bytes<Cfg::D, Cfg::HT>());
+  return Cfg::EXTRA_SMEM + std::max(table, Cfg::MERGE_SMEM);
 }
 
 }  // namespace
@@ -109,37 +150,35 @@ int device_sm_count(int device) {
   return n;
 }
 
-bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads) {
-  return dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, [](auto) {});
+bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma) {
+  return dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [](auto) {});
 }
 
-int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads) {
+int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma) {
   int bytes = 0;
-  dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, [&](auto cfg) {
-    using Cfg = decltype(cfg);
-    bytes = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
+  dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [&](auto cfg) {
+    bytes = decltype(cfg)::MERGE_SMEM;
   });
   return bytes;
 }
 
 // Cached: the occupancy query costs microseconds of host time, as much as a small decode kernel takes.
-int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int device) {
+int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma,
+                        int device) {
   constexpr int kDevices = 16;
-  static std::atomic<int> cache[kDevices][3][2][3][4][2];   // [device][dtype][fp8?][dim][tile][loads]; 0 = unknown
+  static std::atomic<int> cache[kDevices][3][2][3][4][2][2];   // [device][dtype][fp8?][dim][tile][loads][mma]; 0 = unknown
   const int dim_i = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
   const int tile_i = head_tile == 1 ? 0 : head_tile == 2 ? 1 : head_tile == 4 ? 2 : 3;
   const bool cacheable = device >= 0 && device < kDevices && dtype >= 0 && dtype < 3;
   const int fp8_i = cache_dtype == kFloat8E4M3 ? 1 : 0;
-  std::atomic<int>* slot = cacheable ? &cache[device][dtype][fp8_i][dim_i][tile_i][loads == 2 ? 0 : 1] : nullptr;
+  std::atomic<int>* slot = cacheable ? &cache[device][dtype][fp8_i][dim_i][tile_i][loads == 2 ? 0 : 1][mma != 0 ? 1 : 0]
+                                       : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
   int occupancy = 1;
-  dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, [&](auto cfg) {
+  dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    const int smem = decode_merge_smem_bytes<Cfg::D, Cfg::HT>();
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &occupancy, paged_decode_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::HT, Cfg::LOADS>,
-            kDecodeWarps * 32,
-            smem) != cudaSuccess)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, Cfg::kernel(), kDecodeWarps * 32,
+                                                      Cfg::EXTRA_SMEM + Cfg::MERGE_SMEM) != cudaSuccess)
       occupancy = 1;
   });
   occupancy = std::max(occupancy, 1);
@@ -160,18 +199,18 @@ cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs
       a.num_seqs > 65535)
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
-  const bool ok = dispatch_decode(dtype, cache_dtype, a.head_dim, a.head_tile, a.loads, [&](auto cfg) {
+  const bool ok = dispatch_decode(dtype, cache_dtype, a.head_dim, a.head_tile, a.loads, a.mma, [&](auto cfg) {
     using Cfg = decltype(cfg);
     using T = typename Cfg::T;
     // Work-list mode: the merge's shared memory, which bounds an item's table slice
     // (decode_plan.cu plan_decode_work_geometry: longest_item).
-    const int smem = listed ? decode_merge_smem_bytes<Cfg::D, Cfg::HT>()
-                            : decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
+    const int smem =
+        listed ? Cfg::EXTRA_SMEM + Cfg::MERGE_SMEM : decode_smem_bytes<Cfg>(a.partition_tokens, a.block_size);
     // grid: (num_kv_heads * head_chunks, num_seqs, num_splits) or, with a work list,
     // (num_kv_heads * head_chunks, work_workers); block: kDecodeWarps warps.
     const dim3 grid = listed ? dim3(a.num_kv_heads * a.head_chunks, a.work_workers)
                              : dim3(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
-    paged_decode_kernel<T, typename Cfg::C, Cfg::D, Cfg::HT, Cfg::LOADS><<<grid, kDecodeWarps * 32, smem, stream>>>(a);
+    Cfg::kernel()<<<grid, kDecodeWarps * 32, smem, stream>>>(a);
     err = cudaGetLastError();
     if (err != cudaSuccess || (!listed && a.num_splits == 1)) return;
     // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.

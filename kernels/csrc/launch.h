@@ -22,6 +22,8 @@ constexpr int kMaxSplits = 256;            // split-KV partitions of one sequenc
 constexpr int kMaxTableEntries = 8192;     // block-table entries one thread block stages in shared memory
 constexpr int kPartitionAlign = 64;        // a split's token count is a multiple of this (and of block_size)
 constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmarks/kernels.py sweeps it)
+constexpr int kDefaultPrefetchStepsMma = 0;    // ... of the tensor-core fp8 instance: none (--only fp8_sweep on an
+                                               // H100: 87.1% of the copy ceiling at 64 x 4096 without, 83.7% with 1)
 constexpr int kWorkHeader = 4;                 // ints before a work list's items (see DecodeArgs::work)
 constexpr int kMaxTileElems = 64;              // decode head tile x elements per lane (query + accumulators in registers)
 
@@ -58,20 +60,23 @@ struct DecodeArgs {
   int work_capacity;
   int work_workers;                // work-list mode: thread blocks per (KV head, head chunk)
   // The plan (decode_plan.h: plan_decode_grid, or plan_decode_work_geometry for a work list):
-  int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
+  int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4 (tensor-core
+                                   // instance: 16 or 32 tokens per warp iteration)
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
+  int mma;                         // 1: the tensor-core instance (fp8 e4m3 caches, head_dim 64/128; paged_decode_mma.cuh)
   int head_chunks;                 // ceil(group / head_tile) thread blocks per KV head
   int num_splits;                  // grid mode: 1 = unsplit path (no merge kernel)
   int partition_tokens;            // grid mode: tokens per split (multiple of kPartitionAlign and of block_size)
 };
 
 // Kernel facts the planner (decode_plan.cu) reads; the launcher owns the kernel instances.
-// Whether a decode instance exists for (dtype, cache dtype, head_dim, head_tile, loads).
-bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads);
+// Whether a decode instance exists for (dtype, cache dtype, head_dim, head_tile, loads, mma); mma != 0:
+// the tensor-core instance (fp8 e4m3 caches with fp16/bf16 queries, head_dim 64/128, head tiles up to 8).
+bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma);
 // Shared memory a work-list launch reserves per block (the merge's; an item's table slice reuses it); 0 if no instance.
-int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads);
+int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma);
 // Resident blocks per SM of that instance at that shared memory (cached per device; 1 if unknown).
-int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int device);
+int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma, int device);
 int device_sm_count(int device);   // cached per device
 
 // Launches the decode kernel (and, when num_splits > 1 or in work-list mode, the merge kernel) on

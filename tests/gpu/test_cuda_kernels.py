@@ -31,9 +31,10 @@ def built():
 
 
 def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dtype=None, k_scale=1.0,
-          v_scale=1.0):
+          v_scale=1.0, kv_mag=1.0):
     """(query, k view, v view, block_tables, context_lens) over a NaN-filled block-major cache
-    (of cache_dtype, default dtype; an fp8 cache holds K / k_scale and V / v_scale)."""
+    (of cache_dtype, default dtype; an fp8 cache holds K / k_scale and V / v_scale); K is
+    kv_mag times standard normal."""
     gen = torch.Generator().manual_seed(seed)
     need = [ceil_div(c, block_size) for c in lens]
     num_blocks = sum(need) + 3
@@ -48,7 +49,7 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dt
         ids = [perm.pop() for _ in range(n)]
         pos = torch.arange(ctx)
         slots = torch.tensor(ids)[pos // block_size] * block_size + pos % block_size
-        k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
+        k = (torch.randn(ctx, num_kv_heads, head_dim, generator=gen) * kv_mag).to(DEV, dtype)
         v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(DEV, dtype)
         reference.write_kv(k, v, k_view, v_view, slots.to(DEV), k_scale, v_scale)
         tables.append(ids + [nan_block] * (width - n))
@@ -61,12 +62,13 @@ def _case(dtype, head_dim, block_size, num_kv_heads, group, lens, seed, cache_dt
 
 
 def _check_decode(query, k_view, v_view, block_tables, context_lens, num_splits, tol, k_scale=1.0, v_scale=1.0,
-                  loads=None):
+                  loads=None, mma=None):
     """A grid plan (forced splits / kernel instance, or the planner's) with a NaN-poisoned workspace."""
     scale = query.shape[-1] ** -0.5
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEV)
     got = debug.paged_decode_attention(query, k_view, v_view, block_tables, context_lens, scale, num_splits,
-                                       loads=loads, poison_workspace=True, out=out, k_scale=k_scale, v_scale=v_scale)
+                                       loads=loads, poison_workspace=True, out=out, k_scale=k_scale, v_scale=v_scale,
+                                       mma=mma)
     assert got is out
     if k_view.dtype == reference.FP8:   # float64 over the dequantized cache
         ref = reference.paged_decode_attention(query.double(), k_view, v_view, block_tables, context_lens, scale,
@@ -100,21 +102,123 @@ def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, 
     _check_decode(*case, num_splits, TOL[dtype], loads=loads)
 
 
+MMA_DIMS = (64, 128)   # head dims of the tensor-core fp8 instance (paged_decode_mma.cuh)
+
+
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_fp8_cache_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, loads):
+def test_fp8_cache_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, loads, mma):
     """fp8 e4m3 cache with per-tensor scales, 16-bit query: against float64 attention over the
-    dequantized cache (so only the kernel's own error counts, not the quantization's)."""
+    dequantized cache (so only the kernel's own error counts, not the quantization's), on the
+    tensor-core instance (head dims 64/128; elsewhere it must be refused) and the FMA one."""
     lens = [1, block_size - 1, block_size, block_size + 1, 333, 2100]
-    seed = zlib.crc32(repr(("fp8", dtype, head_dim, block_size, group, num_splits, loads)).encode())
+    seed = zlib.crc32(repr(("fp8", dtype, head_dim, block_size, group, num_splits, loads, mma)).encode())
     k_scale, v_scale = 0.043, 0.021
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed, reference.FP8, k_scale, v_scale)
+    if mma and head_dim not in MMA_DIMS:
+        with pytest.raises(ValueError, match="mma"):
+            debug.plan_decode_grid(*case[:5], mma=True)
+        return
+    plan = debug.plan_decode_grid(*case[:5], num_splits=num_splits, loads=loads, mma=mma)
+    assert plan.mma == mma and plan.head_tile == min(group, 8 if mma else 4)
     if loads is not None:
-        assert debug.decode_plan(*case[:5], num_splits, loads=loads)[3] == loads
-    _check_decode(*case, num_splits, TOL[dtype], k_scale, v_scale, loads=loads)
+        assert plan.loads == loads
+    _check_decode(*case, num_splits, TOL[dtype], k_scale, v_scale, loads=loads, mma=mma)
+
+
+def test_fp8_decode_planner_takes_tensor_cores():
+    """The planner's default over fp8 caches: the tensor-core instance where it is built (head dims
+    64/128: the whole group of 8 in one tile), the FMA one elsewhere; never over 16-bit caches. The
+    tensor-core instance with 16 tokens a warp iteration (loads 2) holds 4 blocks per SM (124
+    registers, ptxas -v sm_90a), so its work-list geometry has 4 * SMs / 8 workers per KV head."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for head_dim, expect in ((64, True), (128, True), (256, False)):
+        case = _case(torch.bfloat16, head_dim, 16, 8, 8, [700, 33], 31, reference.FP8, 0.05, 0.05)
+        plan = debug.plan_decode_grid(*case[:5])
+        assert plan.mma == expect and plan.head_tile == (8 if expect else 4), head_dim
+        assert not debug.plan_decode_grid(*case[:5], mma=False).mma
+        geometry = cuda.decode_work_geometry(case[0], case[1])
+        assert geometry.mma == expect
+        if expect:
+            assert debug.decode_work_geometry(case[0], case[1], loads=2).workers == 4 * sms // 8
+    bf16 = _case(torch.bfloat16, 128, 16, 2, 4, [70], 32)
+    assert not debug.plan_decode_grid(*bf16[:5]).mma
+    with pytest.raises(ValueError, match="mma"):
+        debug.plan_decode_grid(*bf16[:5], mma=True)
+
+
+@pytest.mark.parametrize("group", [2, 3, 6, 16])
+def test_fp8_tensor_core_decode_other_gqa_ratios(group):
+    """Partly used tensor-core tiles (3 of 4, 6 of 8 heads) and two tiles per KV head (16)."""
+    k_scale, v_scale = 0.043, 0.021
+    case = _case(torch.bfloat16, 128, 16, 2, group, [1, 15, 16, 17, 1000], group, reference.FP8, k_scale, v_scale)
+    for splits in (1, 3):
+        _check_decode(*case, splits, TOL[torch.bfloat16], k_scale, v_scale, mma=True)
+        # The L2 prefetch (off by default on this instance) changes no result.
+        runs = [debug.paged_decode_attention(*case, 128 ** -0.5, splits, prefetch_steps=pd, k_scale=k_scale,
+                                             v_scale=v_scale, mma=True) for pd in (None, 2)]
+        assert torch.equal(runs[0], runs[1])
+
+
+def _score_gaps(query, k_view, tables, lens, scale, k_scale):
+    """([rows, q heads] gap, in log2 units, between each head's two best scores over the
+    dequantized cache (inf for a one-token row), [rows, q heads] largest |score|), float64."""
+    group = query.shape[1] // k_view.shape[1]
+    block = k_view.shape[2]
+    gaps = torch.full(query.shape[:2], float("inf"), dtype=torch.float64)
+    largest = torch.zeros(query.shape[:2], dtype=torch.float64)
+    for i, n in enumerate(lens):
+        blocks = tables[i, :ceil_div(n, block)].long()
+        k = k_view[blocks].to(torch.float64).permute(1, 0, 2, 3).reshape(k_view.shape[1], -1, k_view.shape[3])[:, :n]
+        q = query[i].to(torch.float64).view(k_view.shape[1], group, -1)
+        scores = torch.einsum("hgd,htd->hgt", q, k).reshape(query.shape[1], n) * scale * k_scale / math.log(2)
+        largest[i] = scores.abs().max(dim=1).values.cpu()
+        if n > 1:
+            top = scores.topk(2, dim=1).values
+            gaps[i] = (top[:, 0] - top[:, 1]).cpu()
+    return gaps, largest
+
+
+@pytest.mark.parametrize("head_dim", list(MMA_DIMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_fp8_tensor_core_decode_extreme_query_scale(dtype, head_dim):
+    """q * scale * log2(e) * k_scale far past the f16 range (~1e5: K stored near 1, k_scale 3000,
+    the query x 100): the tensor-core instance converts the query to f16 with a power-of-two factor
+    per warp and takes it back off the scores, so nothing overflows (inf scores would give NaN).
+    Such scores make the softmax one-hot; heads whose two best scores lie within rounding reach of
+    each other (f16 query: ~2^-12 of the score) are left out of the comparison, the rest must equal
+    float64 attention. Both instances, grid (unsplit and split) and work list."""
+    k_scale, v_scale = 3000.0, 0.5
+    lens = [1, 2, 15, 16, 17, 700, 2100]
+    seed = zlib.crc32(repr(("fp8-extreme", dtype, head_dim)).encode())
+    query, k_view, v_view, tables, context = _case(dtype, head_dim, 16, 2, 4, lens, seed, reference.FP8, k_scale,
+                                                   v_scale, kv_mag=k_scale)
+    query = query * 100
+    scale = head_dim ** -0.5
+    assert float(query.abs().max()) * scale * 1.4427 * k_scale > 65504
+    ref = reference.paged_decode_attention(query.double(), k_view, v_view, tables, context, scale, k_scale, v_scale)
+    gaps, largest = _score_gaps(query, k_view, tables, lens, scale, k_scale)
+    assert float(largest.max()) > 1e4                    # one-hot territory: what the test is about
+    compared = gaps > 30 + 2e-3 * largest
+    assert compared.float().mean() > 0.8
+    outs = []
+    for mma in (True, False):
+        for splits in (1, 3):
+            outs.append(debug.paged_decode_attention(query, k_view, v_view, tables, context, scale, splits,
+                                                     poison_workspace=True, k_scale=k_scale, v_scale=v_scale, mma=mma))
+    geometry = debug.decode_work_geometry(query, k_view, mma=True)
+    step = debug.decode_plan_on(DEV, cuda.plan_decode_work(lens, geometry), geometry, len(lens),
+                                num_q_heads=query.shape[1], head_dim=head_dim, poison_workspace=True)
+    outs.append(cuda.paged_decode_run(step, query, k_view, v_view, tables, context, scale, k_scale=k_scale,
+                                      v_scale=v_scale))
+    for got in outs:
+        assert torch.isfinite(got).all()
+        err = ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).cpu()
+        assert (err[compared] < TOL[dtype]).all(), err[compared].max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -302,11 +406,13 @@ def test_copy_blocks_odd_block_size_tail():
 # ---- decode over a work list planned once per step (kernels/decode_plan.py) ----
 
 def _check_work(query, k_view, v_view, block_tables, context_lens, tol, k_scale=1.0, v_scale=1.0, host_lens=None,
-                loads=None):
+                loads=None, mma=None):
     """The planned kernel against float64: NaN-poisoned output and workspace, the plan made on
     the host from ``host_lens`` (default: the context lengths), run twice (every layer of a step
     runs the same plan: the second run must not depend on what the first left in the workspace)."""
-    geometry = debug.decode_work_geometry(query, k_view, loads=loads)
+    geometry = debug.decode_work_geometry(query, k_view, loads=loads, mma=mma)
+    if mma is not None:
+        assert geometry.mma == mma
     lens = context_lens.tolist() if host_lens is None else host_lens
     plan = cuda.plan_decode_work(lens, geometry)
     step = debug.decode_plan_on(DEV, plan, geometry, len(lens), num_q_heads=query.shape[1], head_dim=query.shape[2],
@@ -346,14 +452,35 @@ def test_work_list_decode_matches_float64(dtype, head_dim, block_size, group, lo
     _check_work(*_case(dtype, head_dim, block_size, 2, group, lens, seed), TOL[dtype], loads=loads)
 
 
+@pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_work_list_decode_fp8_cache(dtype, head_dim, loads):
-    seed = zlib.crc32(repr(("work-fp8", dtype, head_dim, loads)).encode())
+def test_work_list_decode_fp8_cache(dtype, head_dim, loads, mma):
+    seed = zlib.crc32(repr(("work-fp8", dtype, head_dim, loads, mma)).encode())
     lens = [1, 17, 700, 2500, 64, 4097]
     k_scale, v_scale = 0.043, 0.021
     case = _case(dtype, head_dim, 16, 2, 4, lens, seed, reference.FP8, k_scale, v_scale)
-    _check_work(*case, TOL[dtype], k_scale, v_scale, loads=loads)
+    if mma and head_dim not in MMA_DIMS:
+        with pytest.raises(ValueError, match="mma"):
+            debug.decode_work_geometry(case[0], case[1], mma=True)
+        return
+    _check_work(*case, TOL[dtype], k_scale, v_scale, loads=loads, mma=mma)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", list(MMA_DIMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_work_list_decode_fp8_tensor_cores(dtype, head_dim, block_size, group):
+    """The tensor-core instance over ragged work lists (pieces and whole sequences) at every block
+    size and group, shuffled tables."""
+    seed = zlib.crc32(repr(("work-fp8-mma", dtype, head_dim, block_size, group)).encode())
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, block_size - 1, block_size, block_size + 1] + torch.randint(1, 3000, (8,), generator=gen).tolist()
+    lens.append(9000)
+    k_scale, v_scale = 0.043, 0.021
+    case = _case(dtype, head_dim, block_size, 2, group, lens, seed, reference.FP8, k_scale, v_scale)
+    _check_work(*case, TOL[dtype], k_scale, v_scale, mma=True)
 
 
 def test_work_list_decode_padding_rows_and_the_llama_shape():

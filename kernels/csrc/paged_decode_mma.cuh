@@ -1,0 +1,438 @@
+// Paged decode attention over an fp8 (e4m3) cache on tensor cores (issue 13): the same work items,
+// DecodeArgs, grid and work-list modes and outputs as paged_decode_kernel (paged_decode.cuh), with
+// the GQA group's dot products done by mma.sync m16n8k16 (f16 inputs, fp32 accumulators) instead
+// of per-element FMAs. The FMA path converts every fp8 byte to fp32 and spends one FMA per head
+// per element for K and again for V (~11 issued instructions per byte: issue-bound at 50-66% of
+// the copy ceiling on an H100); here a byte costs about half a cvt (fp8x2 -> f16x2, exact) and a
+// share of an mma.
+//
+// Per warp and iteration: TOK = 16 * CH tokens (CH = 1 or 2), i.e. 2 * CH n-tiles of 8 tokens;
+// every n-tile lies inside one cache block (iterations start at multiples of 16 and blocks hold a
+// power of two >= 8 tokens), so its block-table entry is warp-uniform. Lane (g, c) = (lane / 4,
+// lane % 4), as in the mma fragment layouts.
+//
+//   S = Q K^T per n-tile: M = query heads (rows 0..7 = the tile's heads, rows 8..15 zero padding),
+//   N = 8 tokens, K = head dims, D / 16 k-steps. The reduction dims are permuted (the sum does not
+//   care, as long as Q and K agree): at k-step s, lane c's logical dims (2c, 2c+1, 2c+8, 2c+9)
+//   are the physical dims c * D/4 + 4s + (0, 1, 2, 3). So lane (g, c) reads D/4 contiguous bytes
+//   of token g's K row (one or two 16-byte loads), and k-step s takes its 32-bit word s: the low
+//   two bytes -> f16x2 -> b0b1, the high two -> b2b3. The Q fragment (a0a1 = Q[g][c*D/4 + 4s +
+//   0..1], a4a5 = ... + 2..3, a2a3 = a6a7 = 0) is converted once per item. The C fragment gives
+//   lane (g, c) the scores of head g for tokens 2c, 2c+1 of the n-tile.
+//
+//   O^T = V^T P^T per 16 tokens (n-tiles 2j, 2j+1): M = head dims (D / 16 m-tiles), N = 8 heads,
+//   K = 16 tokens. B = P^T: lane (g, c) needs P[head g][tokens 2c, 2c+1] and [8+2c, 9+2c]: the C
+//   fragments of the two S n-tiles, packed to f16x2 (P in [0, 1]). A = V^T (dims x tokens): the
+//   rows (dims) are permuted too: lane (g, c) reads D/8 contiguous bytes (from byte g * D/8) of
+//   each of the token rows 2c, 2c+1 of both n-tiles; from word w of rows (t0, t1) one byte
+//   permute gives (t0[4w], t1[4w], t0[4w+1], t1[4w+1]): cvt of its low half -> a0a1 of m-tile 2w
+//   (row g = dim g*D/8 + 4w), high half -> a2a3 (row g+8 = dim g*D/8 + 4w + 1); a second permute
+//   (bytes 2, 3) gives m-tile 2w+1 (dims + 4w + 2, + 4w + 3); the rows of the second n-tile give
+//   a4..a7 alike. The accumulators then hold, per m-tile, O[heads 2c, 2c+1][dims rho(g), rho(g+8)],
+//   written out through shared memory.
+//
+//   Online softmax per head in fp32, log2 domain: the running max is reduced over the 4 lanes of
+//   quad g; the rescale factors of the accumulator columns (heads 2c, 2c+1) come from quads 2c,
+//   2c+1 by shuffles; the running sum stays per lane (the quad's lanes share the max) and is
+//   reduced at the end.
+//
+//   Scaling: the query times scale_log2 (k_scale included) could overflow f16, or underflow it for
+//   tiny scales, so each warp converts it with a power-of-two factor 2^e putting the tile's max
+//   |q| in [2^13, 2^14), and the scores are multiplied by 2^-e after the mma (exact).
+//
+// Loads are pipelined as in paged_decode_kernel: the next iteration's K is issued right after the
+// S mma, its V right after P V (the registers double as buffers), block slabs can be prefetched into
+// L2 a.prefetch_steps iterations ahead (0 by default for this instance, kDefaultPrefetchStepsMma:
+// it measured slower), and the item's block-table slice is staged in shared memory. Tokens at or past `end` and blocks whose table entry is not a valid id are never loaded
+// (zeros; their scores are -inf). Warps take interleaved token tiles and are merged through shared
+// memory at the end, as in decode_item.
+#pragma once
+
+#include "paged_decode.cuh"
+
+namespace kvpager {
+
+constexpr int kMmaHeads = 8;   // query heads of one tensor-core tile (the N of O^T = V^T P^T)
+
+template <int D, int CH>
+struct MmaShape {
+  static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
+  static constexpr int TOK = 16 * CH;           // tokens per warp iteration
+  static constexpr int NT = 2 * CH;             // n-tiles of 8 tokens per warp iteration
+  static constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T (one K word each)
+  static constexpr int KVECS = D / 4 / 16;      // 16-byte K loads per lane and n-tile (D/4 bytes)
+  static constexpr int VBYTES = D / 8;          // bytes of a V row one lane reads
+  static constexpr int VWORDS = VBYTES / 4;
+  static constexpr int MT = D / 16;             // m-tiles of O^T
+  static constexpr int QVECS = D / 4 * 2 / 16;  // 16-byte loads of the lane's D/4 query elements (16-bit)
+  static constexpr int STEP = kDecodeWarps * TOK;   // tokens per block iteration
+};
+
+// Shared memory of the query fragments (before the table slice / merge area of decode_merge_smem_bytes<D, kMmaHeads>()).
+template <int D>
+__host__ __device__ constexpr int decode_mma_q_bytes() {
+  return kDecodeWarps * (D / 16) * 32 * 8;
+}
+
+namespace mma_detail {
+
+// 8-byte version of load_kv16 (paged_decode.cuh).
+__device__ __forceinline__ uint2 load_kv8(const void* ptr, bool pred) {
+  uint2 v;
+  asm("{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %3, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  @p ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// Two fp8 e4m3 values (the low 16 bits, low byte first) -> f16x2 (low byte in the low half), exactly.
+__device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
+// d += A B, m16n8k16, f16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
+
+}  // namespace mma_detail
+
+// One work item (decode_item's contract): tokens [start, end) of `seq` for the block's (KV head,
+// head chunk) of up to kMmaHeads heads; writes the output rows when `direct`, else partial row
+// `item` (o / l * v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel.
+template <typename T, int D, int CH>
+__device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, int seq, int start, int end,
+                                                bool direct, int64_t item) {
+  using namespace mma_detail;
+  using S = MmaShape<D, CH>;
+  constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, VBYTES = S::VBYTES, VWORDS = S::VWORDS,
+                MT = S::MT, HT = kMmaHeads;
+  constexpr int NTHREADS = kDecodeWarps * 32;
+  using C = __nv_fp8_e4m3;
+  int* s_table = reinterpret_cast<int*>(smem + decode_mma_q_bytes<D>());   // after the query fragments
+
+  // Laundered through empty asm: nothing derived from them is hoisted out of the work-list loop
+  // (ptxas kept ~30 registers of such values live across items).
+  int tid = threadIdx.x, bx = blockIdx.x;
+  asm volatile("" : "+r"(tid), "+r"(bx));
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int kvh = bx / a.head_chunks, chunk = bx % a.head_chunks;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int head0 = kvh * group + chunk * a.head_tile;
+  const int nheads = min(a.head_tile, group - chunk * a.head_tile);
+  const int log2b = a.log2_block_size;
+
+  // The item's block-table slice into shared memory (invalid ids -> -1), first slabs to L2.
+  const int first_blk = start >> log2b;
+  const int nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
+  const int32_t* trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
+  const C* kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const C* vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D;
+  const int pd = a.prefetch_steps;
+  const int first_prefetched = min(nblk, (pd * S::STEP + a.block_size - 1) >> log2b);
+  for (int i = tid; i < nblk; i += NTHREADS) {
+    const int b = trow[i];
+    const bool ok = b >= 0 && b < a.num_cache_blocks;
+    s_table[i] = ok ? b : -1;
+    if (ok && i < first_prefetched) {
+      prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+    }
+  }
+
+  // Query: lane (g, c) takes head g's physical dims c * D/4 .. + D/4 (zeros past the tile's heads),
+  // times scale_log2 and 2^e (per warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs,
+  // into shared memory (s_q[warp][k-step][lane]: conflict-free 8-byte reads, and 16 (D = 128)
+  // registers fewer in the loop, which let 4 blocks fit per SM).
+  uint2* s_q = reinterpret_cast<uint2*>(smem) + warp * KSTEPS * 32 + lane;
+  float inv_qscale;
+  {
+    float qf[D / 4];
+    const bool live = g < nheads;
+    const T* qp = static_cast<const T*>(a.query) + static_cast<int64_t>(seq) * a.q_stride_seq +
+                  static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head + c * (D / 4);
+#pragma unroll
+    for (int i = 0; i < S::QVECS; ++i) {
+      uint4 u = make_uint4(0, 0, 0, 0);
+      if (live) u = *reinterpret_cast<const uint4*>(qp + i * 8);
+      Elem<T>::unpack(u, &qf[i * 8]);
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) {
+      qf[e] *= a.scale_log2;
+      amax = fmaxf(amax, fabsf(qf[e]));
+    }
+#pragma unroll
+    for (int mask = 16; mask >= 1; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+    int ex = 0;
+    if (amax > 0.f && amax <= 3.0e38f) frexpf(amax, &ex);   // amax < 2^ex
+    const int shift = max(-100, min(100, 14 - ex));
+    const float qscale = pow2f(shift);
+    inv_qscale = pow2f(-shift);
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s)
+      s_q[s * 32] = make_uint2(pack_h2(qf[4 * s] * qscale, qf[4 * s + 1] * qscale),
+                               pack_h2(qf[4 * s + 2] * qscale, qf[4 * s + 3] * qscale));
+  }
+  __syncthreads();   // s_table ready
+
+  float acc[MT][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[m][e] = 0.f;
+  float m_run = -INFINITY, l_run = 0.f;   // head g's running max (quad-uniform) and this lane's part of its sum
+
+  const int k_lane = g * D + c * (D / 4);               // lane's K bytes of token g of an n-tile
+  const int v_lane = 2 * c * D + g * VBYTES;            // lane's V bytes of token 2c of an n-tile
+  const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
+  const int warp_tok0 = start + warp * S::TOK;
+
+  // Per n-tile of the iteration in flight: first token, and its block (-1: not loaded; the 64-bit
+  // offsets are formed at each load, which keeps fewer registers live).
+  int tb[NT], blk[NT];
+  auto locate = [&](int it) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int t = warp_tok0 + it * S::STEP + 8 * n;
+      tb[n] = t;
+      blk[n] = t < end ? s_table[(t >> log2b) - first_blk] : -1;
+    }
+  };
+  auto row_off = [&](int n, bool ok) -> int64_t {   // the n-tile's first row, in its block
+    return ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0;
+  };
+  uint4 kr[NT][KVECS];
+  uint32_t vr[NT][2][VWORDS];
+  auto load_k = [&]() {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const bool ok = blk[n] >= 0 && tb[n] + g < end;
+      const C* p = kslab + row_off(n, ok) + k_lane;
+#pragma unroll
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + 16 * j, ok);
+    }
+  };
+  auto load_v = [&]() {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool ok = blk[n] >= 0 && tb[n] + 2 * c + r < end;
+        const C* p = vslab + row_off(n, ok) + v_lane + r * D;
+        if constexpr (VWORDS == 4) {
+          const uint4 u = load_kv16(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
+        } else {
+          const uint2 u = load_kv8(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y;
+        }
+      }
+  };
+  locate(0);
+  load_k();
+  load_v();
+
+  for (int it = 0; it < n_iter; ++it) {
+    if (pd > 0) {   // L2 prefetch of the blocks whose first token falls in iteration it + pd
+      const int j = it + pd;
+      const int b0 = (j * S::STEP + a.block_size - 1) >> log2b;
+      const int b1 = min(nblk, ((j + 1) * S::STEP + a.block_size - 1) >> log2b);
+      const int i = b0 + (tid >> 1);
+      if (i < b1) {
+        const int b = s_table[i];
+        if (b >= 0) prefetch_l2(((tid & 1) ? vslab : kslab) + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      }
+    }
+    // Scores: head g, tokens 2c, 2c+1 of each n-tile (log2 domain; -inf where not loaded).
+    float sc[NT][2];
+    float d[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) d[n][e] = 0.f;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+      const uint2 q = s_q[s * 32];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint4& v = kr[n][s / 4];
+        const uint32_t w = (s % 4 == 0) ? v.x : (s % 4 == 1) ? v.y : (s % 4 == 2) ? v.z : v.w;
+        mma16816(d[n], q.x, 0u, q.y, 0u, fp8x2_to_h2(w), fp8x2_to_h2(w >> 16));
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const bool blk_ok = blk[n] >= 0;
+      sc[n][0] = blk_ok && tb[n] + 2 * c < end ? d[n][0] * inv_qscale : -INFINITY;
+      sc[n][1] = blk_ok && tb[n] + 2 * c + 1 < end ? d[n][1] * inv_qscale : -INFINITY;
+    }
+
+    // Next iteration's K into the registers just consumed (off / tb move on to it + 1).
+    const bool more = it + 1 < n_iter;
+    if (more) {
+      locate(it + 1);
+      load_k();
+    }
+
+    // Online softmax of head g (the quad's 4 lanes hold its 2 * NT scores each).
+    float mx = m_run;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(sc[n][0], sc[n][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    const float alpha = exp2_diff(m_run, mx);
+    float psum = 0.f;
+    uint32_t pb[NT];   // P of head g, tokens 2c, 2c+1 of n-tile n, as f16x2
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const float p0 = exp2_diff(sc[n][0], mx), p1 = exp2_diff(sc[n][1], mx);
+      psum += p0 + p1;
+      pb[n] = pack_h2(p0, p1);
+    }
+    l_run = l_run * alpha + psum;
+    m_run = mx;
+    // Accumulator columns are heads 2c, 2c+1: their factors from quads 2c, 2c+1.
+    const float a_lo = __shfl_sync(kFullMask, alpha, 8 * c), a_hi = __shfl_sync(kFullMask, alpha, 8 * c + 4);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      acc[m][0] *= a_lo;
+      acc[m][1] *= a_hi;
+      acc[m][2] *= a_lo;
+      acc[m][3] *= a_hi;
+    }
+    // O^T += V^T P^T per 16 tokens (n-tiles 2h, 2h+1).
+#pragma unroll
+    for (int h = 0; h < CH; ++h) {
+      const uint32_t b0 = pb[2 * h], b1 = pb[2 * h + 1];
+#pragma unroll
+      for (int w = 0; w < VWORDS; ++w) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t sel = half ? 0x7362u : 0x5140u;
+          const uint32_t x01 = __byte_perm(vr[2 * h][0][w], vr[2 * h][1][w], sel);
+          const uint32_t x23 = __byte_perm(vr[2 * h + 1][0][w], vr[2 * h + 1][1][w], sel);
+          mma16816(acc[2 * w + half], fp8x2_to_h2(x01), fp8x2_to_h2(x01 >> 16), fp8x2_to_h2(x23),
+                   fp8x2_to_h2(x23 >> 16), b0, b1);
+        }
+      }
+    }
+    if (more) load_v();
+  }
+
+  // Head g's sum over its quad; then across warps through shared memory (the table slice is dead).
+  l_run += __shfl_xor_sync(kFullMask, l_run, 1);
+  l_run += __shfl_xor_sync(kFullMask, l_run, 2);
+  __syncthreads();
+  float* s_acc = reinterpret_cast<float*>(s_table);         // [kDecodeWarps][HT][D]
+  float* s_ml = s_acc + kDecodeWarps * HT * D;              // [kDecodeWarps][HT][2]
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    const int dim = g * VBYTES + 4 * (m / 2) + 2 * (m % 2);   // row g of m-tile m; row g + 8 is dim + 1
+    float* lo = s_acc + (warp * HT + 2 * c) * D + dim;       // head 2c
+    float* hi = lo + D;                                      // head 2c + 1
+    lo[0] = acc[m][0];
+    hi[0] = acc[m][1];
+    lo[1] = acc[m][2];
+    hi[1] = acc[m][3];
+  }
+  if (c == 0) {
+    s_ml[(warp * HT + g) * 2] = m_run;
+    s_ml[(warp * HT + g) * 2 + 1] = l_run;
+  }
+  __syncthreads();
+
+  for (int idx = tid; idx < nheads * D; idx += NTHREADS) {
+    const int hh = idx / D, d = idx % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_ml[(w * HT + hh) * 2]);
+    float ll = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float wt = exp2_diff(s_ml[(w * HT + hh) * 2], mm);
+      ll += wt * s_ml[(w * HT + hh) * 2 + 1];
+      o += wt * s_acc[(w * HT + hh) * D + d];
+    }
+    const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;
+    const int h = head0 + hh;
+    if (direct) {
+      T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
+      op[d] = Elem<T>::from_float(res);
+    } else {
+      const int64_t row = item * a.num_q_heads + h;
+      a.part_out[row * D + d] = res;
+      if (d == 0) {
+        a.part_ml[row * 2] = mm;
+        a.part_ml[row * 2 + 1] = ll;
+      }
+    }
+  }
+}
+
+// Resident blocks per SM asked of the register allocator: 16 tokens a warp iteration fit 128
+// registers (4 blocks of 4 warps); 32 tokens ask for 3.
+template <int CH>
+constexpr int decode_mma_min_blocks() {
+#ifdef KVPAGER_DECODE_MMA_MIN_BLOCKS
+  return KVPAGER_DECODE_MMA_MIN_BLOCKS;
+#else
+  return kDecodeWarps == 4 ? (CH == 1 ? 4 : 3) : 1;
+#endif
+}
+
+// grid and block as paged_decode_kernel; dynamic smem: decode_mma_q_bytes<D>() + max(table slice,
+// decode_merge_smem_bytes<D, kMmaHeads>()).
+template <typename T, int D, int CH>
+__global__ void __launch_bounds__(kDecodeWarps * 32, decode_mma_min_blocks<CH>())
+paged_decode_mma_kernel(const DecodeArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int longest = a.max_blocks_per_seq << a.log2_block_size;
+  if (a.work == nullptr) {
+    const int seq = blockIdx.y, split = blockIdx.z;
+    const int ctx = max(0, min(a.context_lens[seq], longest));
+    const int start = split * a.partition_tokens;
+    if (split > 0 && start >= ctx) return;
+    decode_item_mma<T, D, CH>(a, smem, seq, start, min(ctx, start + a.partition_tokens), a.num_splits == 1,
+                              static_cast<int64_t>(seq) * a.num_splits + split);
+    return;
+  }
+  const int partition = a.work[1];
+  const int32_t* offsets = a.work + kWorkHeader;
+  const int32_t* items = offsets + a.work_workers + 1;
+  const int32_t* spans = items + a.work_capacity;
+  for (int i = offsets[blockIdx.y]; i < offsets[blockIdx.y + 1]; ++i) {
+    const uint32_t code = static_cast<uint32_t>(items[i]);
+    const int seq = static_cast<int>(code >> 16), piece = static_cast<int>(code & 0xffffu);
+    const int ctx = max(0, min(a.context_lens[seq], longest));
+    const int start = piece * partition;
+    decode_item_mma<T, D, CH>(a, smem, seq, start, min(ctx, start + partition), spans[2 * seq + 1] <= 1,
+                              static_cast<int64_t>(spans[2 * seq]) + piece);
+    __syncthreads();
+  }
+}
+
+}  // namespace kvpager
