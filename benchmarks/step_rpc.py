@@ -34,6 +34,13 @@ and of the client side (building the operation, serializing the request, parsing
 Table layouts (``--layouts``): only when the manager's protocol has ``StepRequest.table_layout``
 (older trees: one Step row, both layouts, as they always answer). Percentiles are nearest-rank;
 the load average is printed with the results (the machine may be shared).
+
+Before/after comparisons: run the script from outside the checkout (``cd /tmp``), with
+``PYTHONPATH`` naming the tree to measure (e.g. a ``git worktree add /tmp/before HEAD``). The
+manager subprocess is ``python -m kvpager.manager``, and ``-m`` puts the current directory first
+on its path: started from the repository root it imports that checkout's ``kvpager`` whatever
+``PYTHONPATH`` says (the ``--stages`` and ``--profile`` parts run in this process and are not
+affected).
 """
 
 from __future__ import annotations

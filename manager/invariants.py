@@ -1,6 +1,7 @@
 """The manager's invariant checker: every block is free, cached, held or owned exactly as the
 block tables say (ref counts and pins, fill, totals per tier), sequences and their hash state
-agree. O(blocks + sequences): tests, the demo and recovery call it, never the hot path."""
+agree, a packed block table marked current encodes its table. O(blocks + sequences): tests, the demo
+and recovery call it, never the hot path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Mapping, NoReturn
 
 from kvpager.errors import InvariantViolation, quote
 from kvpager.numeric import ceil_div
+from .batch_tables import check_packed
 from .block import CACHED, FREE, HELD, NULL, USED
 from .block_pool import BlockPool
 from .sequence import CPU, GPU
@@ -32,6 +34,7 @@ def check_manager(m: "BlockManager") -> None:
             raise InvariantViolation(f"sequence {quote(seq.seq_id)} names a block twice: {table}")
         if seq.pending_tokens is not None and len(seq.pending_tokens) != seq.num_tokens % B:
             raise InvariantViolation(f"sequence {quote(seq.seq_id)}: hash state out of step with its length")
+        check_packed(seq)
         swapped += seq.tier == CPU
         refs[seq.tier].update(table)
         for i, b in enumerate(table):

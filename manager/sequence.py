@@ -3,13 +3,15 @@
 O(1) lookup, add and remove by id (a dict). Mutations go through ``SequenceTable`` so that
 the journal can undo them; ``save`` snapshots what an operation may change in O(1), never
 copying the block table or the pending tokens (operations only append to them, replace the
-table's last entry, or replace either list whole).
+table's last entry, or replace either list whole). Every change of a block table comes after
+``save`` (or in its undo), which is what lets a sequence's packed table (``Sequence.packed_row``)
+be trusted without comparing tables until the next ``save``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, ValuesView
+from typing import Callable, Optional, ValuesView
 
 from .journal import Journal
 
@@ -28,10 +30,18 @@ class Sequence:
     # after that point can be identified, so hashing stops for this sequence.
     last_hash: Optional[bytes]
     pending_tokens: Optional[list[int]]
-    # The table as packed int32 bytes, with the table it encodes (a copy): reused while the table
-    # still equals that copy. Derived data, never journaled: the equality check is what makes a
-    # stale entry (after a rollback, a swap, a copy-on-write) impossible to use.
+    # The table as packed little-endian int32 bytes (manager/batch_tables.py), derived data, never
+    # journaled: ``packed_row``, padded with block 0 to ``packed_width`` entries, is the table's
+    # while ``packed_width`` >= 0 ("current"): set when the row is made, cleared (-1) by
+    # ``SequenceTable.save`` and its undo, which every change of a table goes through (the journal
+    # needs them: operations change a table only after ``save``, rollbacks only in its undo), so a
+    # stale row (after a rollback, a swap, a copy-on-write) is never used; the invariant checker
+    # verifies it (manager/invariants.py). ``packed_table`` (a copy of the table, its bytes
+    # unpadded) lets a row no longer current be reused where the copy equals the table (compared
+    # in full) or is a prefix of it.
     packed_table: Optional[tuple[list[int], bytes]] = None
+    packed_width: int = -1
+    packed_row: bytes = b""
 
 
 class SequenceTable:
@@ -48,6 +58,11 @@ class SequenceTable:
 
     def get(self, seq_id: str) -> Optional[Sequence]:
         return self._seqs.get(seq_id)
+
+    def getter(self) -> Callable[[str], Optional[Sequence]]:
+        """``get`` as the table's own C-level lookup, for loops over many ids (a call from Python
+        costs less, and ``map`` runs it without a Python frame). O(1)."""
+        return self._seqs.get
 
     def values(self) -> ValuesView[Sequence]:
         return self._seqs.values()
@@ -74,7 +89,10 @@ class SequenceTable:
             seq.tier = tier
 
     def save(self, seq: Sequence) -> None:
-        """Snapshot the fields an operation may change, before it changes them."""
+        """Snapshot the fields an operation may change, before it changes them (every change of
+        a sequence's block table comes after this call: it also marks the sequence's packed
+        table as no longer current)."""
+        seq.packed_width = -1
         if self._journal.active:
             table, pending = seq.block_ids, seq.pending_tokens
             self._journal.record(
@@ -90,6 +108,7 @@ class SequenceTable:
         if length and last is not None:
             table[-1] = last
         seq.block_ids = table
+        seq.packed_width = -1
         seq.num_tokens = num_tokens
         self.set_tier(seq, tier)
         seq.last_hash = last_hash
