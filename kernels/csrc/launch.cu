@@ -130,6 +130,18 @@ bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// Compute capability major of the current device, cached per device (PDL needs 9 or more).
+int current_device_major() {
+  static std::atomic<int> cached[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  int major = cached[device].load(std::memory_order_relaxed);
+  if (major > 0) return major;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  cached[device].store(major, std::memory_order_relaxed);
+  return major;
+}
+
 template <typename Cfg>
 int decode_smem_bytes(int partition_tokens, int block_size) {
   const int table = (partition_tokens / block_size) * static_cast<int>(sizeof(int));
@@ -213,9 +225,18 @@ cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs
     Cfg::kernel()<<<grid, kDecodeWarps * 32, smem, stream>>>(a);
     err = cudaGetLastError();
     if (err != cudaSuccess || (!listed && a.num_splits == 1)) return;
-    // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
-    paged_decode_merge_kernel<T><<<dim3(a.num_q_heads, a.num_seqs), kMergeThreads, 0, stream>>>(a);
-    err = cudaGetLastError();
+    // grid: (num_q_heads, num_seqs); block: kMergeThreads threads. On Hopper a programmatic
+    // dependent of the decode kernel (paged_decode.cuh: allow_dependent_launch).
+    cudaLaunchConfig_t merge = {};
+    merge.gridDim = dim3(a.num_q_heads, a.num_seqs);
+    merge.blockDim = dim3(kMergeThreads);
+    merge.stream = stream;
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    merge.attrs = pdl;
+    merge.numAttrs = KVPAGER_DECODE_PDL && current_device_major() >= 9 ? 1 : 0;
+    err = cudaLaunchKernelEx(&merge, paged_decode_merge_kernel<T>, a);
   });
   return ok ? err : cudaErrorInvalidValue;
 }

@@ -503,10 +503,32 @@ constexpr int decode_min_blocks() {
 #endif
 }
 
+// Programmatic dependent launch (Hopper): the merge kernel is launched as a dependent of the
+// decode kernel (launch.cu), so its launch and its blocks' start overlap the decode's last wave;
+// the decode blocks allow that from their start, and the merge waits for the whole decode grid
+// (and its writes) before it reads a partial row. A no-op before sm_90 and with
+// KVPAGER_DECODE_PDL=0 (the launcher then launches the merge plainly).
+#ifndef KVPAGER_DECODE_PDL
+#define KVPAGER_DECODE_PDL 1
+#endif
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVPAGER_DECODE_PDL
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVPAGER_DECODE_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <typename T, typename C, int D, int HT, int LOADS>
 __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<C, HT, LOADS>())
 paged_decode_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
+  allow_dependent_launch();
   const int longest = a.max_blocks_per_seq << a.log2_block_size;   // tokens a table row can hold
   if (a.work == nullptr) {
     const int seq = blockIdx.y, split = blockIdx.z;
@@ -541,6 +563,7 @@ template <typename T>
 __global__ void __launch_bounds__(kMergeThreads)
 paged_decode_merge_kernel(const DecodeArgs a) {
   __shared__ float s_w[kMaxSplits];
+  wait_for_prerequisite_grids();   // every partial row written (PDL: this grid may start early)
   const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
   int64_t first;
   int nvalid;
