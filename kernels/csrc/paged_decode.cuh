@@ -226,6 +226,41 @@ constexpr int decode_merge_smem_bytes() {
 // decode_merge_smem_bytes<D, HT>()). T: query and output type; C: cache type (T, or fp8 e4m3
 // with 16-bit T).
 
+// The end of a work item, shared by both decode kernels: the warps' partial results (s_acc:
+// [kDecodeWarps][HT][D] fp32 accumulators, s_ml: [kDecodeWarps][HT][2] running max and sum, in
+// shared memory, filled and synced by the caller) merged per head, then written as the output rows
+// when `direct` (the item is the whole sequence), else as partial row `item` for the merge kernel.
+template <typename T, int D, int HT>
+__device__ __forceinline__ void write_item_output(const DecodeArgs& a, const float* s_acc, const float* s_ml,
+                                                  int nheads, int head0, int seq, bool direct, int64_t item) {
+  for (int idx = threadIdx.x; idx < nheads * D; idx += kDecodeWarps * 32) {
+    const int g = idx / D, d = idx % D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_ml[(w * HT + g) * 2]);
+    float ll = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float wt = exp2_diff(s_ml[(w * HT + g) * 2], mm);
+      ll += wt * s_ml[(w * HT + g) * 2 + 1];
+      o += wt * s_acc[(w * HT + g) * D + d];
+    }
+    const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;   // v_scale: 1 unless the cache is fp8
+    const int h = head0 + g;
+    if (direct) {
+      T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
+      op[d] = Elem<T>::from_float(res);
+    } else {
+      const int64_t row = item * a.num_q_heads + h;
+      a.part_out[row * D + d] = res;
+      if (d == 0) {
+        a.part_ml[row * 2] = mm;
+        a.part_ml[row * 2 + 1] = ll;
+      }
+    }
+  }
+}
+
 // One work item: tokens [start, end) of sequence `seq`, for the query heads of the thread
 // block's (KV head, head chunk). Writes the output rows when `direct` (the item is the whole
 // sequence), else partial row `item` (part_out[item][h][:], part_ml[item][h][:]) for the merge.
@@ -461,32 +496,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   }
   __syncthreads();
 
-  for (int idx = tid; idx < nheads * D; idx += NT) {
-    const int g = idx / D, d = idx % D;
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_ml[(w * HT + g) * 2]);
-    float ll = 0.f, o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float wt = exp2_diff(s_ml[(w * HT + g) * 2], mm);
-      ll += wt * s_ml[(w * HT + g) * 2 + 1];
-      o += wt * s_acc[(w * HT + g) * D + d];
-    }
-    const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;   // v_scale: 1 unless the cache is fp8
-    const int h = head0 + g;
-    if (direct) {
-      T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
-      op[d] = Elem<T>::from_float(res);
-    } else {
-      const int64_t row = item * a.num_q_heads + h;
-      a.part_out[row * D + d] = res;
-      if (d == 0) {
-        a.part_ml[row * 2] = mm;
-        a.part_ml[row * 2 + 1] = ll;
-      }
-    }
-  }
+  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, seq, direct, item);
 }
 
 // Minimum resident blocks per SM asked of the register allocator. The 2-loads instances exist

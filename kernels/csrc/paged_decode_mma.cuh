@@ -365,32 +365,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   }
   __syncthreads();
 
-  for (int idx = tid; idx < nheads * D; idx += NTHREADS) {
-    const int hh = idx / D, d = idx % D;
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) mm = fmaxf(mm, s_ml[(w * HT + hh) * 2]);
-    float ll = 0.f, o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float wt = exp2_diff(s_ml[(w * HT + hh) * 2], mm);
-      ll += wt * s_ml[(w * HT + hh) * 2 + 1];
-      o += wt * s_acc[(w * HT + hh) * D + d];
-    }
-    const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;
-    const int h = head0 + hh;
-    if (direct) {
-      T* op = static_cast<T*>(a.out) + static_cast<int64_t>(seq) * a.o_stride_seq + static_cast<int64_t>(h) * a.o_stride_head;
-      op[d] = Elem<T>::from_float(res);
-    } else {
-      const int64_t row = item * a.num_q_heads + h;
-      a.part_out[row * D + d] = res;
-      if (d == 0) {
-        a.part_ml[row * 2] = mm;
-        a.part_ml[row * 2 + 1] = ll;
-      }
-    }
-  }
+  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, seq, direct, item);
 }
 
 // Resident blocks per SM asked of the register allocator: 16 tokens a warp iteration fit 128
