@@ -55,8 +55,9 @@ def copy_ceiling(device: torch.device) -> float:
 
 
 def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, tables_from: list[int],
-                rng: random.Random) -> tuple[StepInput, list[list[int]]]:
-    """A decode step over ``lens`` with random tokens and tables drawn from ``tables_from``."""
+                rng: random.Random) -> StepInput:
+    """A decode step over ``lens`` with random tokens and tables drawn from ``tables_from``, the
+    tables as the int32 array ``StepInput.from_step_reply`` gives the worker."""
     tables = []
     for n in lens:
         row = [tables_from.pop() for _ in range(ceil_div(n, block))]
@@ -65,10 +66,8 @@ def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, table
                      positions=[n - 1 for n in lens], slot_mapping=[t[(n - 1) // block] * block + (n - 1) % block
                                                                   for t, n in zip(tables, lens)],
                      query_lens=[1] * len(lens), context_lens=lens,
-                     block_tables=np.asarray([b for t in tables for b in t], dtype="<i4"),   # as from_step_reply gives it
-                    
-                     max_blocks=width, greedy=True)
-    return step, tables
+                     block_tables=np.asarray([b for t in tables for b in t], dtype="<i4"), max_blocks=width, greedy=True)
+    return step
 
 
 def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: int, block: int, reps: int) -> None:
@@ -97,7 +96,7 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     for b in batches:
         free = list(range(1, num_blocks))
         rng.shuffle(free)
-        step, _ = random_step(cfg, all_lens[b], width, block, free, rng)
+        step = random_step(cfg, all_lens[b], width, block, free, rng)
         graph_host, replay_host, eager_host, device = [], [], [], []
         bucket = graphs.batch_buckets[bisect.bisect_left(graphs.batch_buckets, b)]
         graph = graphs._graphs[(bucket, graphs.max_blocks)]
@@ -172,7 +171,7 @@ def main() -> None:
     cache.blocks.normal_()
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    step, _ = random_step(cfg, lens, width, B, free, rng)
+    step = random_step(cfg, lens, width, B, free, rng)
     for _ in range(3):
         model.forward_paged(step, cache.layer).argmax(-1).cpu()
     torch.cuda.synchronize()

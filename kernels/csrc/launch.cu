@@ -130,16 +130,29 @@ bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Compute capability major of the current device, cached per device (PDL needs 9 or more).
+// A positive device attribute, cached per device (a query costs microseconds of host time, as
+// much as a small kernel); `fallback` when it cannot be had (not cached). Attributes by slot:
+enum CachedAttribute : int { kSmCount = 0, kCcMajor = 1, kCachedAttributes = 2 };
+
+int cached_device_attribute(CachedAttribute slot, int device, int fallback) {
+  static constexpr cudaDeviceAttr kAttr[kCachedAttributes] = {cudaDevAttrMultiProcessorCount,
+                                                              cudaDevAttrComputeCapabilityMajor};
+  static std::atomic<int> cached[kCachedAttributes][64] = {};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable) {
+    const int known = cached[slot][device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, kAttr[slot], device) != cudaSuccess || value <= 0) return fallback;
+  if (cacheable) cached[slot][device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// Compute capability major of the current device (PDL needs 9 or more); 0 if unknown.
 int current_device_major() {
-  static std::atomic<int> cached[64] = {};
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  int major = cached[device].load(std::memory_order_relaxed);
-  if (major > 0) return major;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
-  cached[device].store(major, std::memory_order_relaxed);
-  return major;
+  return cudaGetDevice(&device) == cudaSuccess ? cached_device_attribute(kCcMajor, device, 0) : 0;
 }
 
 template <typename Cfg>
@@ -152,15 +165,7 @@ int decode_smem_bytes(int partition_tokens, int block_size) {
 
 // ---- kernel facts the planner reads (decode_plan.cu) ----
 
-int device_sm_count(int device) {
-  static std::atomic<int> cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device].load(std::memory_order_relaxed) > 0)
-    return cached[device].load(std::memory_order_relaxed);
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 1;
-  if (device >= 0 && device < 64) cached[device].store(n, std::memory_order_relaxed);
-  return n;
-}
+int device_sm_count(int device) { return cached_device_attribute(kSmCount, device, 1); }
 
 bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma) {
   return dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [](auto) {});
