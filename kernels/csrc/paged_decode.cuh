@@ -570,15 +570,18 @@ paged_decode_kernel(const DecodeArgs a) {
 // grid: (num_q_heads, num_seqs); block: kMergeThreads threads; static smem: kMaxSplits weights,
 // kMergeWarps x kMaxMergeDim partial sums, a few floats for the reductions.
 // Latency-bound (a few KB per block): every read is issued in parallel, never one split after
-// another. The threads read the splits' (max, sum) pairs strided and reduce them across the block;
-// then warp w sums splits w, w + kMergeWarps, ... over the whole row (16 bytes a lane, independent
+// another. The threads read the splits' (max, sum) pairs strided, once, into registers (at most
+// kMergePairs a thread), and reduce them across the block; then warp w sums splits w, w + kMergeWarps, ... over the whole row (16 bytes a lane, independent
 // loads), and the warps' sums are added through shared memory. (The first version had every
 // thread walk all splits in turn: 11 us for the 32 splits of one 32K sequence on an H100, a sixth
 // of that decode step; ncu, 2026-11-25.)
 constexpr int kMergeWarps = kMergeThreads / 32;
 constexpr int kMaxMergeDim = 256;
+constexpr int kMergePairs = (kMaxSplits + kMergeThreads - 1) / kMergeThreads;   // (max, sum) pairs a thread holds
 
-template <bool MAX>
+// The block's max (MAX) or sum of v, in every thread. FIRST: no earlier reduction read s_red, so
+// the barrier that waits for its readers is left out.
+template <bool MAX, bool FIRST>
 __device__ __forceinline__ float merge_block_reduce(float v, float* s_red) {
 #pragma unroll
   for (int mask = 16; mask >= 1; mask >>= 1) {
@@ -586,7 +589,7 @@ __device__ __forceinline__ float merge_block_reduce(float v, float* s_red) {
     v = MAX ? fmaxf(v, o) : v + o;
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();   // s_red free (a previous reduction's readers are done)
+  if (!FIRST) __syncthreads();   // s_red free (a previous reduction's readers are done)
   if (lane == 0) s_red[warp] = v;
   __syncthreads();
   v = s_red[0];
@@ -620,16 +623,35 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   const float* ml = a.part_ml + (first * stride + h) * 2;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  float mm = -INFINITY;
-  for (int i = tid; i < nvalid; i += kMergeThreads) mm = fmaxf(mm, ml[2 * i * stride]);
-  mm = merge_block_reduce<true>(mm, s_red);
-  float ll = 0.f;
-  for (int i = tid; i < nvalid; i += kMergeThreads) {
-    const float w = exp2_diff(ml[2 * i * stride], mm) * ml[2 * i * stride + 1];
-    s_w[i] = w;
-    ll += w;
+  // Splits tid, tid + kMergeThreads, ... (nvalid <= kMaxSplits): each (max, sum) read once, both
+  // loads of every pair issued before the first reduction.
+  static_assert(kMergePairs * kMergeThreads >= kMaxSplits, "a merge thread holds too few pairs");
+  float pm[kMergePairs], pl[kMergePairs];
+#pragma unroll
+  for (int k = 0; k < kMergePairs; ++k) {
+    const int i = tid + k * kMergeThreads;
+    pm[k] = -INFINITY;
+    pl[k] = 0.f;
+    if (i < nvalid) {
+      pm[k] = ml[2 * i * stride];
+      pl[k] = ml[2 * i * stride + 1];
+    }
   }
-  ll = merge_block_reduce<false>(ll, s_red);   // its barriers also publish s_w
+  float mm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kMergePairs; ++k) mm = fmaxf(mm, pm[k]);
+  mm = merge_block_reduce<true, true>(mm, s_red);
+  float ll = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMergePairs; ++k) {
+    const int i = tid + k * kMergeThreads;
+    if (i < nvalid) {
+      const float w = exp2_diff(pm[k], mm) * pl[k];
+      s_w[i] = w;
+      ll += w;
+    }
+  }
+  ll = merge_block_reduce<false, false>(ll, s_red);   // its barriers also publish s_w
   const float inv = ll > 0.f ? 1.f / ll : 0.f;
 
   // Warp w: splits w, w + kMergeWarps, ...; lane: float4 columns lane and lane + 32 of the row.
