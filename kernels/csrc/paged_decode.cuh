@@ -217,6 +217,65 @@ constexpr int decode_merge_smem_bytes() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A work item's block-table slice and the L2 prefetch of its block slabs, shared by both decode
+// kernels (C: the cache's element type; STEP: tokens per block iteration). Slice entry i is the
+// block holding the item's tokens [(first_blk + i) << log2_block_size, ...); entries that are not a
+// valid block id (outside [0, num_cache_blocks)) become -1 and are never dereferenced. Block slabs
+// (one head's block_size rows, contiguous) go to L2 a.prefetch_steps iterations ahead of their
+// loads: the first ones while the table is staged, the others one iteration at a time.
+template <typename C, int D, int STEP>
+struct ItemTable {
+  int log2b, first_blk, nblk;
+  const int32_t* trow;   // the slice in the block table (global memory)
+  const C* kslab;        // this KV head's K rows of block 0 (add b * kv_stride_block for block b)
+  const C* vslab;
+  uint32_t slab_bytes;
+  int pd;                // a.prefetch_steps
+
+  __device__ __forceinline__ ItemTable(const DecodeArgs& a, int seq, int kvh, int start, int end) {
+    log2b = a.log2_block_size;
+    first_blk = start >> log2b;
+    nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
+    trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
+    kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+    vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
+    slab_bytes = static_cast<uint32_t>(a.block_size) * D * static_cast<uint32_t>(sizeof(C));
+    pd = a.prefetch_steps;
+  }
+
+  // The slice into s_table (thread tid of NTHREADS), the first iterations' slabs into L2. The
+  // caller syncs before anyone reads s_table.
+  template <int NTHREADS>
+  __device__ __forceinline__ void stage(const DecodeArgs& a, int* s_table, int tid) const {
+    const int first_prefetched = min(nblk, (pd * STEP + a.block_size - 1) >> log2b);
+    for (int i = tid; i < nblk; i += NTHREADS) {
+      const int b = trow[i];
+      const bool ok = b >= 0 && b < a.num_cache_blocks;
+      s_table[i] = ok ? b : -1;
+      if (ok && i < first_prefetched) {
+        prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+        prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      }
+    }
+  }
+
+  // At iteration it: the blocks whose first token falls in iteration it + pd (none when pd is 0),
+  // one thread per (block, K or V).
+  __device__ __forceinline__ void prefetch_ahead(const DecodeArgs& a, const int* s_table, int it, int tid) const {
+    if (pd > 0) {
+      const int j = it + pd;
+      const int b0 = (j * STEP + a.block_size - 1) >> log2b;
+      const int b1 = min(nblk, ((j + 1) * STEP + a.block_size - 1) >> log2b);
+      const int i = b0 + (tid >> 1);
+      if (i < b1) {
+        const int b = s_table[i];
+        if (b >= 0) prefetch_l2(((tid & 1) ? vslab : kslab) + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Decode kernel.
 // grid mode (a.work == nullptr): grid (num_kv_heads * head_chunks, num_seqs, num_splits), one
 //   split of one sequence per block;
@@ -283,26 +342,11 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   const int nheads = min(HT, group - chunk * HT);
   const int log2b = a.log2_block_size;
 
-  // This split's slice of the block table, once, into shared memory; invalid ids become -1.
-  const int first_blk = start >> log2b;
-  const int nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
-  const int32_t* trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
-  // Block slabs (one head's block_size rows, contiguous) go to L2 a.prefetch_steps iterations
-  // ahead of their loads; the first ones right away, while the prologue runs.
-  const C* kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const C* vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D * sizeof(C);
-  const int pd = a.prefetch_steps;
-  const int first_prefetched = min(nblk, (pd * S::STEP + a.block_size - 1) >> log2b);
-  for (int i = tid; i < nblk; i += NT) {
-    const int b = trow[i];
-    const bool ok = b >= 0 && b < a.num_cache_blocks;
-    s_table[i] = ok ? b : -1;
-    if (ok && i < first_prefetched) {
-      prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-      prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-    }
-  }
+  // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
+  // slabs to L2 right away, while the prologue runs.
+  const ItemTable<C, D, S::STEP> tbl(a, seq, kvh, start, end);
+  const int first_blk = tbl.first_blk;
+  tbl.template stage<NT>(a, s_table, tid);
 
   // Query slice for every head of the tile, pre-scaled into the log2 domain.
   float q[HT][E];
@@ -363,18 +407,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
     for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vbase + off[u] + j * LPT * VEC, valid[u]);
 
   for (int it = 0; it < n_iter; ++it) {
-    if (pd > 0) {
-      // Prefetch the blocks whose first token falls in iteration it + pd: one thread per
-      // (block, K or V).
-      const int j = it + pd;
-      const int b0 = (j * S::STEP + a.block_size - 1) >> log2b;
-      const int b1 = min(nblk, ((j + 1) * S::STEP + a.block_size - 1) >> log2b);
-      const int i = b0 + (tid >> 1);
-      if (i < b1) {
-        const int b = s_table[i];
-        if (b >= 0) prefetch_l2(((tid & 1) ? vslab : kslab) + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-      }
-    }
+    tbl.prefetch_ahead(a, s_table, it, tid);
     // Scores of this lane group's U tokens, all heads; reduce-scattered to the head owners.
     float s[U];
 #pragma unroll

@@ -143,24 +143,13 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   const int nheads = min(a.head_tile, group - chunk * a.head_tile);
   const int log2b = a.log2_block_size;
 
-  // The item's block-table slice into shared memory (invalid ids -> -1), first slabs to L2.
-  const int first_blk = start >> log2b;
-  const int nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
-  const int32_t* trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
-  const C* kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const C* vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-  const uint32_t slab_bytes = static_cast<uint32_t>(a.block_size) * D;
-  const int pd = a.prefetch_steps;
-  const int first_prefetched = min(nblk, (pd * S::STEP + a.block_size - 1) >> log2b);
-  for (int i = tid; i < nblk; i += NTHREADS) {
-    const int b = trow[i];
-    const bool ok = b >= 0 && b < a.num_cache_blocks;
-    s_table[i] = ok ? b : -1;
-    if (ok && i < first_prefetched) {
-      prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-      prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-    }
-  }
+  // The item's block-table slice into shared memory (invalid ids -> -1), first slabs to L2
+  // (ItemTable, paged_decode.cuh).
+  const ItemTable<C, D, S::STEP> tbl(a, seq, kvh, start, end);
+  const int first_blk = tbl.first_blk;
+  const C* kslab = tbl.kslab;
+  const C* vslab = tbl.vslab;
+  tbl.template stage<NTHREADS>(a, s_table, tid);
 
   // Query: lane (g, c) takes head g's physical dims c * D/4 .. + D/4 (zeros past the tile's heads),
   // times scale_log2 and 2^e (per warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs,
@@ -257,16 +246,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   load_v();
 
   for (int it = 0; it < n_iter; ++it) {
-    if (pd > 0) {   // L2 prefetch of the blocks whose first token falls in iteration it + pd
-      const int j = it + pd;
-      const int b0 = (j * S::STEP + a.block_size - 1) >> log2b;
-      const int b1 = min(nblk, ((j + 1) * S::STEP + a.block_size - 1) >> log2b);
-      const int i = b0 + (tid >> 1);
-      if (i < b1) {
-        const int b = s_table[i];
-        if (b >= 0) prefetch_l2(((tid & 1) ? vslab : kslab) + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-      }
-    }
+    tbl.prefetch_ahead(a, s_table, it, tid);   // L2: blocks of iteration it + a.prefetch_steps
     // Scores: head g, tokens 2c, 2c+1 of each n-tile (log2 domain; -inf where not loaded).
     float sc[NT][2];
     float d[NT][4];
