@@ -42,6 +42,14 @@ namespace kvpager {
 #define KVPAGER_DECODE_WARPS 4
 #endif
 
+// KVPAGER_DECODE_DIRECT_FIRST=1: a work item's first iteration takes its block ids straight from
+// the block table in global memory (validity-checked as the staged slice is) and issues its K and
+// V loads before the slice is staged and the query loaded; later iterations read the staged slice
+// as before. 0 (default): every iteration's block ids come from the staged slice.
+#ifndef KVPAGER_DECODE_DIRECT_FIRST
+#define KVPAGER_DECODE_DIRECT_FIRST 0
+#endif
+
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
@@ -243,6 +251,12 @@ struct ItemTable {
     pd = a.prefetch_steps;
   }
 
+  // Entry i (0 <= i < nblk) read straight from the block table, as stage() stores it.
+  __device__ __forceinline__ int entry(const DecodeArgs& a, int i) const {
+    const int b = trow[i];
+    return b >= 0 && b < a.num_cache_blocks ? b : -1;
+  }
+
   // The slice into s_table (thread tid of NTHREADS), the first iterations' slabs into L2. The
   // caller syncs before anyone reads s_table.
   template <int NTHREADS>
@@ -342,10 +356,40 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   const int nheads = min(HT, group - chunk * HT);
   const int log2b = a.log2_block_size;
 
-  // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
-  // slabs to L2 right away, while the prologue runs.
   const ItemTable<C, D, S::STEP> tbl(a, seq, kvh, start, end);
   const int first_blk = tbl.first_blk;
+
+  // The iteration in flight: per row of this lane group, whether it is loaded (below end, in a
+  // valid block), where, and its K and V vectors.
+  bool valid[U];
+  int64_t off[U];
+  uint4 kr[U][VPL], vr[U][VPL];
+#if KVPAGER_DECODE_DIRECT_FIRST
+  {   // The first iteration's K and V right away, their block ids straight from the block table.
+    const C* kb = tbl.kslab + r * VEC;
+    const C* vb = tbl.vslab + r * VEC;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = start + warp * S::WARP_TOKENS + grp + u * TPW;
+      bool ok = tok < end;
+      const int blk = ok ? tbl.entry(a, (tok >> log2b) - first_blk) : -1;
+      ok = ok && blk >= 0;
+      valid[u] = ok;
+      off[u] = ok ? static_cast<int64_t>(blk) * a.kv_stride_block + (tok & (a.block_size - 1)) * D : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) kr[u][j] = load_kv16(kb + off[u] + j * LPT * VEC, valid[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vb + off[u] + j * LPT * VEC, valid[u]);
+  }
+#endif
+
+  // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
+  // slabs to L2 right away, while the prologue runs.
   tbl.template stage<NT>(a, s_table, tid);
 
   // Query slice for every head of the tile, pre-scaled into the log2 domain.
@@ -381,8 +425,6 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
   const int lane_tok0 = start + warp * S::WARP_TOKENS + grp;
 
-  bool valid[U];
-  int64_t off[U];
   auto locate = [&](int it) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -395,7 +437,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
     }
   };
 
-  uint4 kr[U][VPL], vr[U][VPL];
+#if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
 #pragma unroll
   for (int u = 0; u < U; ++u)
@@ -405,6 +447,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vbase + off[u] + j * LPT * VEC, valid[u]);
+#endif
 
   for (int it = 0; it < n_iter; ++it) {
     tbl.prefetch_ahead(a, s_table, it, tid);

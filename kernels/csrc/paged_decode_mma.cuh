@@ -149,6 +149,47 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   const int first_blk = tbl.first_blk;
   const C* kslab = tbl.kslab;
   const C* vslab = tbl.vslab;
+
+  // The iteration in flight, per n-tile: first token, and its block (-1: not loaded; the 64-bit
+  // offsets are formed at each load, which keeps fewer registers live); the K and V registers.
+  int tb[NT], blk[NT];
+  uint4 kr[NT][KVECS];
+  uint32_t vr[NT][2][VWORDS];
+#if KVPAGER_DECODE_DIRECT_FIRST
+  {   // The first iteration's K and V right away, their block ids straight from the block table
+      // (the same loads as locate(0), load_k() and load_v() below).
+    const int k_lane = g * D + c * (D / 4), v_lane = 2 * c * D + g * VBYTES;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int t = start + warp * S::TOK + 8 * n;
+      tb[n] = t;
+      blk[n] = t < end ? tbl.entry(a, (t >> log2b) - first_blk) : -1;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const bool ok = blk[n] >= 0 && tb[n] + g < end;
+      const C* p = kslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) + k_lane;
+#pragma unroll
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + 16 * j, ok);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool ok = blk[n] >= 0 && tb[n] + 2 * c + r < end;
+        const C* p = vslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) +
+                     v_lane + r * D;
+        if constexpr (VWORDS == 4) {
+          const uint4 u = load_kv16(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
+        } else {
+          const uint2 u = load_kv8(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y;
+        }
+      }
+  }
+#endif
+
   tbl.template stage<NTHREADS>(a, s_table, tid);
 
   // Query: lane (g, c) takes head g's physical dims c * D/4 .. + D/4 (zeros past the tile's heads),
@@ -200,9 +241,6 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
   const int warp_tok0 = start + warp * S::TOK;
 
-  // Per n-tile of the iteration in flight: first token, and its block (-1: not loaded; the 64-bit
-  // offsets are formed at each load, which keeps fewer registers live).
-  int tb[NT], blk[NT];
   auto locate = [&](int it) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -214,8 +252,6 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   auto row_off = [&](int n, bool ok) -> int64_t {   // the n-tile's first row, in its block
     return ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0;
   };
-  uint4 kr[NT][KVECS];
-  uint32_t vr[NT][2][VWORDS];
   auto load_k = [&]() {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -241,9 +277,11 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
         }
       }
   };
+#if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
   load_k();
   load_v();
+#endif
 
   for (int it = 0; it < n_iter; ++it) {
     tbl.prefetch_ahead(a, s_table, it, tid);   // L2: blocks of iteration it + a.prefetch_steps
