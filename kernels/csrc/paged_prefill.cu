@@ -3,9 +3,17 @@
 // with 8 (two warpgroups). No torch here.
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "launch.h"
 #include "paged_prefill.cuh"
+#include "paged_prefill_ws.cuh"
+
+// 0: the wgmma instances over 16-bit caches run the two-warpgroup kernel of paged_prefill.cuh
+// instead of the warp-specialized persistent one of paged_prefill_ws.cuh (for A/B timing).
+#ifndef KVPAGER_PREFILL_WS
+#define KVPAGER_PREFILL_WS 1
+#endif
 
 namespace kvpager {
 namespace {
@@ -66,8 +74,24 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
       static_cast<int64_t>(a.num_items) * a.num_kv_heads > 0x7fffffffLL)
     return cudaErrorInvalidValue;
   cudaError_t err = cudaSuccess;
+  int device = 0;
+  if (a.wgmma != 0 && (err = cudaGetDevice(&device)) != cudaSuccess) return err;
   const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, a.wgmma != 0, [&](auto cfg) {
     using Cfg = decltype(cfg);
+    if constexpr (Cfg::WG && std::is_same_v<typename Cfg::T, typename Cfg::C> && KVPAGER_PREFILL_WS != 0) {
+      if (paged_prefill_has_wgmma(device)) {
+        // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
+        auto ws = paged_prefill_ws_kernel<typename Cfg::T, Cfg::D>;
+        constexpr int ws_smem = prefill_ws_smem_bytes<Cfg::D>();
+        err = cudaFuncSetAttribute(ws, cudaFuncAttributeMaxDynamicSharedMemorySize, ws_smem);
+        if (err != cudaSuccess) return;
+        const int64_t pairs = static_cast<int64_t>(a.num_items) * a.num_kv_heads;
+        const int64_t blocks = pairs < device_sm_count(device) ? pairs : device_sm_count(device);
+        ws<<<static_cast<unsigned>(blocks), kWsThreads, ws_smem, stream>>>(a);
+        err = cudaGetLastError();
+        return;
+      }
+    }
     auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W, Cfg::WG>;
     constexpr int smem = Cfg::WG ? prefill_wgmma_smem_bytes<Cfg::D, Cfg::W>() : prefill_smem_bytes<Cfg::D, Cfg::W>();
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

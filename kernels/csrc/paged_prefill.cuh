@@ -237,10 +237,11 @@ constexpr int prefill_wgmma_smem_bytes() {
 
 namespace prefill_detail {
 
-// What one block computes, and the K/V tile loads from the pages. BM = 16 * WARPS query rows.
-template <typename T, typename C, int D, int WARPS, int BN_>
+// What one work item computes, and its Q and K/V tile loads from the pages: BM_ query rows, K/V
+// tiles of BN_ positions, loaded by NT_ threads (loader thread indices 0..NT_ - 1).
+template <typename T, typename C, int D, int BM_, int BN_, int NT_>
 struct PrefillBlock {
-  static constexpr int BM = 16 * WARPS, BN = BN_, NT = WARPS * 32;
+  static constexpr int BM = BM_, BN = BN_, NT = NT_;
   static constexpr int CPR = D / 8;                      // 16-byte chunks of T per row
   static constexpr bool kFp8 = sizeof(C) == 1;
   static constexpr int CCPR = kFp8 ? D / 16 : CPR;       // 16-byte chunks of C per cache row
@@ -258,16 +259,19 @@ struct PrefillBlock {
   const int32_t* table;
   const C* kbase;
   const C* vbase;
-  int my_ch, my_row;
+  int loader, my_ch, my_row;
   int bid[RPT];   // block ids of this thread's rows of the located tile; -1: zero-fill
 
-  __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw) : a(args) {
+  // index: (work item, KV head) pair index, item-major (index / num_kv_heads is the item);
+  // loader_thread: this thread's index among the NT loading threads.
+  __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw, int index, int loader_thread)
+      : a(args), loader(loader_thread) {
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
     sQ = reinterpret_cast<T*>(base);
     sK = sQ + BM * D;
     sV = sK + BN * D;
-    const int item = blockIdx.x / a.num_kv_heads;
-    kvh = blockIdx.x % a.num_kv_heads;
+    const int item = index / a.num_kv_heads;
+    kvh = index % a.num_kv_heads;
     const int seq = a.work[2 * item], tile = a.work[2 * item + 1];
     G = a.num_q_heads / a.num_kv_heads;
     q_start = a.query_start_loc[seq];
@@ -284,13 +288,13 @@ struct PrefillBlock {
     table = a.block_tables + static_cast<int64_t>(seq) * a.table_stride;
     kbase = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
     vbase = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
-    my_ch = threadIdx.x % CCPR;
-    my_row = threadIdx.x / CCPR;
+    my_ch = loader % CCPR;
+    my_row = loader / CCPR;
   }
 
   // Q tile -> shared (cp.async); padding rows are zero-filled.
   __device__ __forceinline__ void load_q() {
-    for (int idx = threadIdx.x; idx < BM * CPR; idx += NT) {
+    for (int idx = loader; idx < BM * CPR; idx += NT) {
       const int r = idx / CPR, ch = idx % CPR;
       const int gr = row0 + r;
       const bool valid = gr < rows;
@@ -455,9 +459,9 @@ __device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, 
 template <typename T, typename C, int D, int WARPS>
 __device__ __forceinline__ void prefill_mma(const PrefillArgs& args, unsigned char* smem_raw) {
   using M = Mma<T>;
-  using Blk = PrefillBlock<T, C, D, WARPS, kBN>;
+  using Blk = PrefillBlock<T, C, D, 16 * WARPS, kBN, 32 * WARPS>;
   constexpr int BM = Blk::BM, BN = Blk::BN;
-  Blk blk(args, smem_raw);
+  Blk blk(args, smem_raw, blockIdx.x, threadIdx.x);
   if (!blk.live) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -561,10 +565,10 @@ __device__ __forceinline__ void wgmma_wait() {
 // the tensor cores while the softmax of S_j runs (FA3's intra-warpgroup overlap).
 template <typename T, typename C, int D, int WARPS>
 __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned char* smem_raw) {
-  using Blk = PrefillBlock<T, C, D, WARPS, kWgmmaBN>;
+  using Blk = PrefillBlock<T, C, D, 16 * WARPS, kWgmmaBN, 32 * WARPS>;
   constexpr int BM = Blk::BM, BN = Blk::BN, S = kWgmmaStages;
   static_assert(WARPS % 4 == 0, "whole warpgroups");
-  Blk blk(args, smem_raw);
+  Blk blk(args, smem_raw, blockIdx.x, threadIdx.x);
   if (!blk.live) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
   const int g = lane >> 2, t4 = lane & 3;

@@ -38,6 +38,6 @@ def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
 def test_kernel_sources_have_no_torch_includes():
     for name in ("launch.cu", "launch.h", "decode_plan.cu", "decode_plan.h", "paged_decode.cuh", "paged_decode_mma.cuh",
                  "cache_ops.cuh",
-                 "layer_ops.cu", "layer_ops.h", "paged_prefill.cu", "paged_prefill.cuh"):
+                 "layer_ops.cu", "layer_ops.h", "paged_prefill.cu", "paged_prefill.cuh", "paged_prefill_ws.cuh"):
         text = (CSRC / name).read_text()
         assert "#include <torch" not in text and "#include <ATen" not in text and "#include <c10" not in text, name

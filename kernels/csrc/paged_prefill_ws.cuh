@@ -1,0 +1,367 @@
+// Paged prefill attention on Hopper, warp-specialized and persistent (sm_90a only; the wgmma
+// building blocks, the loads from the pages and the softmax are paged_prefill.cuh's).
+//
+// Why: the two-warpgroup kernel of paged_prefill.cuh (every thread loads and computes, one block
+// barrier per K/V tile) keeps both warpgroups in lockstep, so their softmaxes run at the same
+// time while the tensor cores wait, and a block's first loads overlap nothing (1 block per SM).
+//
+// A block of three warpgroups (384 threads) loops over (work item, KV head) pairs (ws_pair: the
+// heaviest-first list in stripes of gridDim.x, alternately forwards and backwards):
+// - warpgroup 0, the producer, loads each item's Q tile and its K/V tiles with cp.async, straight
+//   from the pages through the block table, into kWsStages K and V stages, and signals each with
+//   an mbarrier that fires when its copies land (cp.async.mbarrier.arrive); it gives its registers
+//   to the consumers (setmaxnreg);
+// - warpgroups 1 and 2, the consumers, take 64 of the item's 128 query rows each. For tile j:
+//   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j while
+//   that runs; release K_j and V_{j-1} to the producer (mbarrier arrivals, one per warp).
+//   The two warpgroups take turns issuing their GEMMs (named barriers 1 and 2, FA3's ping-pong):
+//   a warpgroup passes the turn once its S_j is done, so the other's GEMMs queue on the tensor
+//   cores behind its P_{j-1} V_{j-1}, and one's softmax runs under the other's GEMMs.
+// The producer moves on to the next item's Q (once both consumers' last S GEMM of the item is
+// done) and tiles while the consumers finish the item: its last P V and its output rows.
+//
+// Barrier counts: full barriers get one asynchronous arrival per producer thread (128); empty
+// barriers one arrival per consumer warp (8).
+#pragma once
+
+#include "paged_prefill.cuh"
+
+namespace kvpager {
+
+constexpr int kWsStages = 3;     // K and V stages (tiles of kWgmmaBN positions)
+constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
+constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kWsBarrierBytes = 128;
+
+// Q tile, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers.
+template <int D>
+constexpr int prefill_ws_smem_bytes() {
+  return (kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes;
+}
+
+namespace prefill_detail {
+#if KVPAGER_PREFILL_WGMMA
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival on bar once every cp.async this thread issued before has landed (.noinc: the
+// arrival is one of the barrier's expected count).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void regs_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// Registers per thread after the hand-over: 128 x 56 + 256 x 224 <= 64K.
+constexpr int kWsProducerRegs = 56;
+constexpr int kWsConsumerRegs = 224;
+constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
+
+// Shared-memory addresses of one block's tiles and barriers.
+template <int D>
+struct WsSmem {
+  static constexpr int BN = kWgmmaBN, S = kWsStages;
+  uint32_t q, tiles, bars;
+  __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
+    const uint32_t raw = smem_addr(smem_raw);
+    q = (raw + 1023) & ~1023u;
+    tiles = q + kWsRows * D * 2;
+    bars = tiles + 2 * S * BN * D * 2;
+  }
+  __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
+  __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
+  __device__ __forceinline__ uint32_t full_k(int st) const { return bars + 8 * st; }
+  __device__ __forceinline__ uint32_t full_v(int st) const { return bars + 8 * (S + st); }
+  __device__ __forceinline__ uint32_t empty_k(int st) const { return bars + 8 * (2 * S + st); }
+  __device__ __forceinline__ uint32_t empty_v(int st) const { return bars + 8 * (3 * S + st); }
+  __device__ __forceinline__ uint32_t q_full() const { return bars + 8 * 4 * S; }
+  __device__ __forceinline__ uint32_t q_empty() const { return bars + 8 * 4 * S + 8; }
+};
+static_assert(8 * (4 * kWsStages + 2) <= kWsBarrierBytes, "barriers fit their bytes");
+
+// The next stage of a ring of kWsStages, and the phase parity of its barriers.
+struct StageCursor {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kWsStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+template <typename T, int D>
+using WsBlock = PrefillBlock<T, T, D, kWsRows, kWgmmaBN, 128>;
+static_assert(WsBlock<__half, 128>::ROW_STEP % 8 == 0 && WsBlock<__half, 64>::ROW_STEP % 8 == 0,
+              "RowCopier: every row of a thread has the same swizzle");
+
+// The (work item, KV head) pair a block takes in its round m: rounds run over the list in
+// stripes of gridDim.x pairs, alternately forwards and backwards, so that with the list sorted
+// heaviest first every block's sum of work comes out about the same. -1 past the list's end.
+__device__ __forceinline__ int ws_pair(int m, int num_pairs) {
+  const int in_stripe = (m & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int pair = m * gridDim.x + in_stripe;
+  return pair < num_pairs ? pair : -1;
+}
+
+// The block ids of the pages of the K/V tile at positions [kv0, kv0 + BN), one per lane: lane l
+// holds page kv0 / block_size + l's id, or -1 where that page starts at or past kv_end or the id
+// is not a valid block (BN / block_size <= 16 pages: block_size >= 8). One table read per lane,
+// issued a tile ahead of its use, instead of one per row on the copy path.
+template <typename Blk>
+__device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
+  const int lane = threadIdx.x & 31, lg = blk.a.log2_block_size;
+  int b = -1;
+  if (lane < (Blk::BN >> lg) && kv0 + (lane << lg) < blk.kv_end) {
+    b = __ldg(blk.table + (kv0 >> lg) + lane);
+    if (b < 0 || b >= blk.a.num_cache_blocks) b = -1;
+  }
+  return b;
+}
+
+// What a producer thread needs to copy its rows of any K/V tile of an item, computed once per
+// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each; as
+// ROW_STEP is a multiple of 8, the swizzled chunk position is the same in every row, so the
+// shared-memory destination of row i is dst + i * ROW_STEP * 128 bytes.
+template <typename T, int D>
+struct RowCopier {
+  const T* k;       // the item's KV head in the K cache, at this thread's chunk
+  const T* v;
+  uint32_t dst;     // this thread's chunk of row my_row, relative to a tile's start (bytes)
+  int stride;       // elements between consecutive blocks (checked < 2^31 by the launcher)
+  int my_row, lg, kv_end;
+
+  template <typename Blk>
+  __device__ __forceinline__ explicit RowCopier(const Blk& blk)
+      : k(blk.kbase + blk.my_ch * 8), v(blk.vbase + blk.my_ch * 8),
+        dst(2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)), stride(static_cast<int>(blk.a.kv_stride_block)),
+        my_row(blk.my_row), lg(blk.a.log2_block_size), kv_end(blk.kv_end) {}
+
+  // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
+  // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles. Rows at
+  // or past kv_end, or in an invalid block, are zero-filled, never read.
+  template <int BN, int RPT, int ROW_STEP>
+  __device__ __forceinline__ void copy(uint32_t tile, const T* base, int kv0, int pages) const {
+    const int slot_mask = (1 << lg) - 1;
+#pragma unroll 4
+    for (int i = 0; i < RPT; ++i) {
+      const int r = my_row + i * ROW_STEP;
+      const int b = __shfl_sync(0xffffffffu, pages, r >> lg);
+      const bool valid = b >= 0 && kv0 + r < kv_end;
+      const T* src = base + static_cast<int64_t>(valid ? b : 0) * stride + (r & slot_mask) * D;
+      cp_async16(tile + dst + i * ROW_STEP * 128, src, valid);
+    }
+  }
+};
+
+// Warpgroup 0: every item's Q, then its K_j, V_j for each tile j, each into a free stage.
+template <typename T, int D>
+__device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
+  using Blk = WsBlock<T, D>;
+  const WsSmem<D> sm(smem_raw);
+  StageCursor cur;
+  uint32_t q_phase = 0;
+  for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
+    const int pair = ws_pair(m, num_pairs);
+    if (pair < 0) continue;
+    Blk blk(a, smem_raw, pair, threadIdx.x);
+    if (!blk.live) continue;
+    mbar_wait(sm.q_empty(), q_phase ^ 1);   // both consumers' last S GEMM of the previous item done
+    q_phase ^= 1;
+    blk.load_q();
+    mbar_arrive_on_copies(sm.q_full());
+    const RowCopier<T, D> rows(blk);
+    int pages = tile_pages(blk, 0);
+    for (int j = 0; j < blk.n_tiles; ++j) {
+      const int kv0 = j * Blk::BN;
+      const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+      mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
+      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP>(sm.k_tile(cur.stage), rows.k, kv0, pages);
+      mbar_arrive_on_copies(sm.full_k(cur.stage));
+      mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
+      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP>(sm.v_tile(cur.stage), rows.v, kv0, pages);
+      mbar_arrive_on_copies(sm.full_v(cur.stage));
+      pages = next_pages;
+      cur.advance();
+    }
+  }
+  cp_async_wait_all();   // nothing in flight into shared memory when this warpgroup exits
+}
+
+// Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
+template <typename T, int D>
+__device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
+  using Blk = WsBlock<T, D>;
+  using Softmax = RowSoftmax<T, D, kWgmmaBN>;
+  constexpr int BM = kWsRows, BN = kWgmmaBN;
+  const WsSmem<D> sm(smem_raw);
+  const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
+  const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const bool signals = lane == 0;             // one arrival per warp on the empty barriers
+  const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
+  StageCursor cur;
+  uint32_t q_phase = 0;
+  if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
+
+  for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
+    const int pair = ws_pair(m, num_pairs);
+    if (pair < 0) continue;
+    Blk blk(a, smem_raw, pair, 0);
+    if (!blk.live) continue;
+    Softmax soft;
+    const int r_a = blk.row0 + warp * 16 + g;
+    soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
+    soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
+    const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
+    const uint32_t q_addr = sm.q + wg * 64 * 128;    // this warpgroup's 64 rows of each 128-byte panel
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    uint32_t pa[BN / 16][4];   // P_{j-1}
+    StageCursor prev;          // V_{j-1}'s stage
+
+    mbar_wait(sm.q_full(), q_phase);
+    q_phase ^= 1;
+    fence_proxy_async();   // cp.async (generic proxy) writes, then wgmma (async proxy) reads
+    for (int j = 0; j < blk.n_tiles; ++j) {
+      const int kv0 = j * BN;
+      float s[BN / 8][4];
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      mbar_wait(sm.full_k(cur.stage), cur.phase);
+      fence_proxy_async();
+      named_sync(my_turn, 256);
+      const uint32_t k_addr = sm.k_tile(cur.stage);
+      fence_regs(s);
+      fence_regs(o);
+      fence_regs(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t dq = (kk >> 2) * (BM * 128) + (kk & 3) * 32, dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+        wgmma_ss(Tag<T>{}, s, gmma_desc(q_addr + dq, 16, 1024), gmma_desc(k_addr + dk, 16, 1024));
+      }
+      wgmma_commit();
+      if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
+        mbar_wait(sm.full_v(prev.stage), prev.phase);
+        fence_proxy_async();
+        const uint32_t v_addr = sm.v_tile(prev.stage);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+        wgmma_commit();
+      }
+      if (j > 0)
+        wgmma_wait<1>();   // S_j done
+      else
+        wgmma_wait<0>();
+      // The other warpgroup's turn: its GEMMs queue behind our P_{j-1} V_{j-1}. (Arriving before
+      // the wait, as soon as both are issued, makes ptxas serialize the wgmmas: C7514.)
+      named_arrive(their_turn, 256);
+      fence_regs(s);
+      __syncwarp();
+      if (signals) {
+        mbar_arrive(sm.empty_k(cur.stage));
+        if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty());   // the item's last read of Q
+      }
+      const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
+      wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
+      fence_regs(o);
+      fence_regs(pa);
+      __syncwarp();
+      if (j > 0 && signals) mbar_arrive(sm.empty_v(prev.stage));
+      Softmax::rescale(o, alpha);
+      Softmax::pack(s, pa);
+      prev = cur;
+      cur.advance();
+    }
+    if (blk.n_tiles > 0) {   // the last P V
+      mbar_wait(sm.full_v(prev.stage), prev.phase);
+      fence_proxy_async();
+      const uint32_t v_addr = sm.v_tile(prev.stage);
+      fence_regs(o);
+      fence_regs(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      __syncwarp();
+      if (signals) mbar_arrive(sm.empty_v(prev.stage));
+    } else if (signals) {
+      mbar_arrive(sm.q_empty());
+    }
+    write_rows<T, D, BN>(blk, soft, o, r_a, t4);
+  }
+  // Warpgroup 1's last "your turn" arrival on barrier 1 has no issue left to admit: take it, so
+  // that no named barrier is left half-arrived at exit.
+  if (wg == 0) named_sync(kWsTurnBar, 256);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* smem_raw) {
+  const WsSmem<D> sm(smem_raw);
+  const int num_pairs = a.num_items * a.num_kv_heads;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kWsStages; ++st) {
+      mbar_init(sm.full_k(st), 128);
+      mbar_init(sm.full_v(st), 128);
+      mbar_init(sm.empty_k(st), 8);
+      mbar_init(sm.empty_v(st), 8);
+    }
+    mbar_init(sm.q_full(), 128);
+    mbar_init(sm.q_empty(), 8);
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    regs_down<kWsProducerRegs>();
+    ws_produce<T, D>(a, smem_raw, num_pairs);
+  } else {
+    regs_up<kWsConsumerRegs>();
+    ws_consume<T, D>(a, smem_raw, num_pairs);
+  }
+}
+#endif
+}  // namespace prefill_detail
+
+// grid: min(pairs, SMs) blocks, persistent over the (work item, KV head) pairs (item-major);
+// block: kWsThreads threads; dynamic smem: prefill_ws_smem_bytes<D>(). 16-bit caches only (T).
+// Built for sm_90a only: elsewhere the body is empty and the launcher never picks it.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWsThreads, 1) paged_prefill_ws_kernel(const PrefillArgs a) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+#if KVPAGER_PREFILL_WGMMA
+  prefill_detail::prefill_ws<T, D>(a, smem_raw);
+#endif
+}
+
+}  // namespace kvpager
