@@ -598,6 +598,21 @@ constexpr int decode_min_blocks() {
 #define KVPAGER_DECODE_PDL 1
 #endif
 
+// Merge-kernel experiments (both default 0, the measured path):
+// KVPAGER_MERGE_META_FIRST=1: the merge reads its sequence's context length (grid mode) or span
+//   (work list) before griddepcontrol.wait instead of after. Neither is written by the decode
+//   kernel (both are inputs of it, written before it started, and it reads them itself without a
+//   wait), so only the partial rows need the wait.
+// KVPAGER_MERGE_EARLY_ROWS=N (N > 0): each merge warp loads its first N partial rows (splits warp,
+//   warp + kMergeWarps, ...: N = 8 covers 32 splits) together with the (max, sum) pairs, before the
+//   block reductions, instead of after them; same sums in the same order.
+#ifndef KVPAGER_MERGE_META_FIRST
+#define KVPAGER_MERGE_META_FIRST 0
+#endif
+#ifndef KVPAGER_MERGE_EARLY_ROWS
+#define KVPAGER_MERGE_EARLY_ROWS 0
+#endif
+
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVPAGER_DECODE_PDL
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -680,7 +695,9 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   __shared__ float s_w[kMaxSplits];
   __shared__ float s_red[kMergeWarps];
   __shared__ __align__(16) float s_sum[kMergeWarps][kMaxMergeDim];
+#if !KVPAGER_MERGE_META_FIRST
   wait_for_prerequisite_grids();   // every partial row written (PDL: this grid may start early)
+#endif
   const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
   int64_t first;
   int nvalid;
@@ -694,6 +711,9 @@ paged_decode_merge_kernel(const DecodeArgs a) {
     nvalid = min(spans[2 * seq + 1], kMaxSplits);   // the planner keeps it <= kMaxSplits
     if (nvalid <= 1) return;   // written directly by its only item
   }
+#if KVPAGER_MERGE_META_FIRST
+  wait_for_prerequisite_grids();   // every partial row written (PDL: this grid may start early)
+#endif
   // Partial i of this (sequence, head) is row (first + i) * num_q_heads + h.
   const int64_t stride = a.num_q_heads;
   const float* ml = a.part_ml + (first * stride + h) * 2;
@@ -713,6 +733,28 @@ paged_decode_merge_kernel(const DecodeArgs a) {
       pl[k] = ml[2 * i * stride + 1];
     }
   }
+#if KVPAGER_MERGE_EARLY_ROWS > 0
+  // This warp's first KVPAGER_MERGE_EARLY_ROWS partial rows (splits warp, warp + kMergeWarps, ...),
+  // loaded now, in flight during the reductions below; summed first, in the same order as the loop.
+  constexpr int kEarly = KVPAGER_MERGE_EARLY_ROWS;
+  float4 early[kEarly][kMaxMergeDim / 128];
+  {
+    const float4* po = reinterpret_cast<const float4*>(a.part_out + (first * stride + h) * D);
+    const int64_t row_vecs = stride * (D / 4);
+#pragma unroll
+    for (int e = 0; e < kEarly; ++e) {
+      const int i = warp + e * kMergeWarps;
+#pragma unroll
+      for (int j = 0; j < kMaxMergeDim / 128; ++j) {
+        const int c = lane + 32 * j;
+        early[e][j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < nvalid && c < D / 4) early[e][j] = po[i * row_vecs + c];
+      }
+    }
+  }
+#else
+  constexpr int kEarly = 0;
+#endif
   float mm = -INFINITY;
 #pragma unroll
   for (int k = 0; k < kMergePairs; ++k) mm = fmaxf(mm, pm[k]);
@@ -737,8 +779,24 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   float4 acc[kMaxMergeDim / 128];
 #pragma unroll
   for (int j = 0; j < kMaxMergeDim / 128; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#if KVPAGER_MERGE_EARLY_ROWS > 0
+#pragma unroll
+  for (int e = 0; e < kEarly; ++e) {
+    const int i = warp + e * kMergeWarps;
+    if (i < nvalid) {
+      const float w = s_w[i];
+#pragma unroll
+      for (int j = 0; j < kMaxMergeDim / 128; ++j) {
+        acc[j].x = fmaf(w, early[e][j].x, acc[j].x);
+        acc[j].y = fmaf(w, early[e][j].y, acc[j].y);
+        acc[j].z = fmaf(w, early[e][j].z, acc[j].z);
+        acc[j].w = fmaf(w, early[e][j].w, acc[j].w);
+      }
+    }
+  }
+#endif
 #pragma unroll 4
-  for (int i = warp; i < nvalid; i += kMergeWarps) {
+  for (int i = warp + kEarly * kMergeWarps; i < nvalid; i += kMergeWarps) {
     const float w = s_w[i];
 #pragma unroll
     for (int j = 0; j < kMaxMergeDim / 128; ++j) {
