@@ -130,6 +130,7 @@ struct Tag {};
 // wgmma (sm_90a): D[64 x N] += A[64 x 16] * B[16 x N], fp32 accumulators in the m16n8 layout
 // per warp (d[i][e]: n-tile i). "ss": A and B from shared memory (K-major); "rs": A from
 // registers (the mma.sync m16n8k16 A layout per warp), B N-major (transposed) from shared memory.
+// scale_d = 0 (ss only): D = A * B, D's old contents ignored (no zeroing of the accumulators).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KVPAGER_PREFILL_WGMMA 1
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -143,12 +144,13 @@ __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint3
          (static_cast<uint64_t>(sbo >> 4) << 32) | (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
 
@@ -161,12 +163,13 @@ __device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[8][4], c
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_ss(Tag<__nv_bfloat16>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
 
@@ -179,12 +182,13 @@ __device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[16][4], 
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
 
@@ -197,12 +201,13 @@ __device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[8][4], const ui
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_ss(Tag<__half>, float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
 
@@ -292,8 +297,9 @@ struct PrefillBlock {
     my_row = loader / CCPR;
   }
 
-  // Q tile -> shared (cp.async); padding rows are zero-filled.
-  __device__ __forceinline__ void load_q() {
+  // Q tile -> shared at dst (default: sQ) by cp.async; padding rows are zero-filled.
+  __device__ __forceinline__ void load_q(T* dst = nullptr) {
+    if (dst == nullptr) dst = sQ;
     for (int idx = loader; idx < BM * CPR; idx += NT) {
       const int r = idx / CPR, ch = idx % CPR;
       const int gr = row0 + r;
@@ -301,7 +307,7 @@ struct PrefillBlock {
       const int token = valid ? gr / G : 0, h = kvh * G + (valid ? gr % G : 0);
       const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(q_start + token) * a.q_stride_tok +
                      static_cast<int64_t>(h) * a.q_stride_head + ch * 8;
-      cp_async16(smem_addr(sQ + tile_off<BM>(r, ch)), src, valid);
+      cp_async16(smem_addr(dst + tile_off<BM>(r, ch)), src, valid);
     }
   }
 

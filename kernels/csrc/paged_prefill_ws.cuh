@@ -10,10 +10,15 @@
 // - warpgroup 0, the producer, loads each item's Q tile and its K/V tiles with cp.async, straight
 //   from the pages through the block table, into kWsStages K and V stages, and signals each with
 //   an mbarrier that fires when its copies land (cp.async.mbarrier.arrive); it gives its registers
-//   to the consumers (setmaxnreg);
+//   to the consumers (setmaxnreg). Its loop is built once per block size (8..64), so that each
+//   thread's rows fall in pages and slots known at compile time: one shuffle and one address per
+//   page, then one cp.async per row (about 4 instructions each; computing page and slot per row
+//   took about 25, a third of the SM's issue slots on a 4K prompt, taken from the consumers);
 // - warpgroups 1 and 2, the consumers, take 64 of the item's 128 query rows each. For tile j:
 //   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j while
 //   that runs; release K_j and V_{j-1} to the producer (mbarrier arrivals, one per warp).
+//   Descriptors are built once per tile and stepped by constants; S_j's first k-step ignores
+//   the accumulators' old contents (scale_d 0) instead of zeroing them.
 //   The two warpgroups take turns issuing their GEMMs (named barriers 1 and 2, FA3's ping-pong):
 //   a warpgroup passes the turn once its S_j is done, so the other's GEMMs queue on the tensor
 //   cores behind its P_{j-1} V_{j-1}, and one's softmax runs under the other's GEMMs.
@@ -28,15 +33,26 @@
 
 namespace kvpager {
 
-constexpr int kWsStages = 3;     // K and V stages (tiles of kWgmmaBN positions)
+// KVPAGER_PREFILL_WS_QBUF=2: two Q buffers (the producer loads the next item's Q while the
+// consumers still read this one's), and then room for only 2 K/V stages; 1 (default): one Q
+// buffer, 3 stages.
+// KVPAGER_PREFILL_WS_PINGPONG=0: the consumer warpgroups issue their GEMMs without taking turns.
+#ifndef KVPAGER_PREFILL_WS_PINGPONG
+#define KVPAGER_PREFILL_WS_PINGPONG 1
+#endif
+#ifndef KVPAGER_PREFILL_WS_QBUF
+#define KVPAGER_PREFILL_WS_QBUF 1
+#endif
+constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUF;
+constexpr int kWsStages = kWsQBufs == 2 ? 2 : 3;   // K and V stages (tiles of kWgmmaBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kWsBarrierBytes = 128;
 
-// Q tile, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers.
+// Q tiles, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers.
 template <int D>
 constexpr int prefill_ws_smem_bytes() {
-  return (kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes;
+  return (kWsQBufs * kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes;
 }
 
 namespace prefill_detail {
@@ -63,10 +79,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 __device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  if (KVPAGER_PREFILL_WS_PINGPONG) asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  if (KVPAGER_PREFILL_WS_PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void regs_down() {
@@ -86,30 +102,32 @@ constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0'
 template <int D>
 struct WsSmem {
   static constexpr int BN = kWgmmaBN, S = kWsStages;
-  uint32_t q, tiles, bars;
+  uint32_t q0, tiles, bars;
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
     const uint32_t raw = smem_addr(smem_raw);
-    q = (raw + 1023) & ~1023u;
-    tiles = q + kWsRows * D * 2;
+    q0 = (raw + 1023) & ~1023u;
+    tiles = q0 + kWsQBufs * kWsRows * D * 2;
     bars = tiles + 2 * S * BN * D * 2;
   }
+  __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
   __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
   __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
   __device__ __forceinline__ uint32_t full_k(int st) const { return bars + 8 * st; }
   __device__ __forceinline__ uint32_t full_v(int st) const { return bars + 8 * (S + st); }
   __device__ __forceinline__ uint32_t empty_k(int st) const { return bars + 8 * (2 * S + st); }
   __device__ __forceinline__ uint32_t empty_v(int st) const { return bars + 8 * (3 * S + st); }
-  __device__ __forceinline__ uint32_t q_full() const { return bars + 8 * 4 * S; }
-  __device__ __forceinline__ uint32_t q_empty() const { return bars + 8 * 4 * S + 8; }
+  __device__ __forceinline__ uint32_t q_full(int qb) const { return bars + 8 * (4 * S + qb); }
+  __device__ __forceinline__ uint32_t q_empty(int qb) const { return bars + 8 * (4 * S + kWsQBufs + qb); }
 };
-static_assert(8 * (4 * kWsStages + 2) <= kWsBarrierBytes, "barriers fit their bytes");
+static_assert(8 * (4 * kWsStages + 2 * kWsQBufs) <= kWsBarrierBytes, "barriers fit their bytes");
 
-// The next stage of a ring of kWsStages, and the phase parity of its barriers.
+// The next stage of a ring of N (K/V stages or Q buffers), and the phase parity of its barriers.
+template <int N = kWsStages>
 struct StageCursor {
   int stage = 0;
   uint32_t phase = 0;
   __device__ __forceinline__ void advance() {
-    if (++stage == kWsStages) {
+    if (++stage == N) {
       stage = 0;
       phase ^= 1;
     }
@@ -155,63 +173,105 @@ struct RowCopier {
   const T* v;
   uint32_t dst;     // this thread's chunk of row my_row, relative to a tile's start (bytes)
   int stride;       // elements between consecutive blocks (checked < 2^31 by the launcher)
-  int my_row, lg, kv_end;
+  int my_row, kv_end;
 
   template <typename Blk>
   __device__ __forceinline__ explicit RowCopier(const Blk& blk)
       : k(blk.kbase + blk.my_ch * 8), v(blk.vbase + blk.my_ch * 8),
         dst(2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)), stride(static_cast<int>(blk.a.kv_stride_block)),
-        my_row(blk.my_row), lg(blk.a.log2_block_size), kv_end(blk.kv_end) {}
+        my_row(blk.my_row), kv_end(blk.kv_end) {}
 
   // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
-  // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles. Rows at
-  // or past kv_end, or in an invalid block, are zero-filled, never read.
-  template <int BN, int RPT, int ROW_STEP>
-  __device__ __forceinline__ void copy(uint32_t tile, const T* base, int kv0, int pages) const {
-    const int slot_mask = (1 << lg) - 1;
-#pragma unroll 4
-    for (int i = 0; i < RPT; ++i) {
-      const int r = my_row + i * ROW_STEP;
-      const int b = __shfl_sync(0xffffffffu, pages, r >> lg);
-      const bool valid = b >= 0 && kv0 + r < kv_end;
-      const T* src = base + static_cast<int64_t>(valid ? b : 0) * stride + (r & slot_mask) * D;
-      cp_async16(tile + dst + i * ROW_STEP * 128, src, valid);
+  // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles, one per
+  // page this thread touches (not one per row). Rows at or past kv_end, or in an invalid block,
+  // are zero-filled, never read. LG: log2 of the block size, so that which page and slot each
+  // row falls in is known at compile time; WHOLE: every row of the tile is before kv_end.
+  template <int BN, int RPT, int ROW_STEP, int LG, bool WHOLE>
+  __device__ __forceinline__ void copy_rows(uint32_t tile, const T* base, int kv0, int pages) const {
+    constexpr int BS = 1 << LG;
+    const int row_pos = kv0 + my_row;   // the position of this thread's row i is row_pos + i * ROW_STEP
+    if constexpr (ROW_STEP <= BS) {
+      // A page holds SUBS of this thread's rows: my_row + ROW_STEP * (p * SUBS + s) is slot
+      // my_row + ROW_STEP * s of the tile's page p.
+      constexpr int SUBS = BS / ROW_STEP, NPG = RPT / SUBS;
+      static_assert(RPT % SUBS == 0, "a tile holds whole pages");
+#pragma unroll
+      for (int p = 0; p < NPG; ++p) {
+        const int b = __shfl_sync(0xffffffffu, pages, p);
+        const T* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + my_row * D;
+#pragma unroll
+        for (int sub = 0; sub < SUBS; ++sub) {
+          const int i = p * SUBS + sub;
+          const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
+          cp_async16(tile + dst + i * ROW_STEP * 128, src + sub * ROW_STEP * D, valid);
+        }
+      }
+    } else {
+      // Each of this thread's rows is in a page of its own: page (my_row >> LG) + i * (ROW_STEP >> LG).
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int b = __shfl_sync(0xffffffffu, pages, (my_row >> LG) + i * (ROW_STEP >> LG));
+        const T* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + (my_row & (BS - 1)) * D;
+        const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
+        cp_async16(tile + dst + i * ROW_STEP * 128, src, valid);
+      }
     }
+  }
+
+  template <int BN, int RPT, int ROW_STEP, int LG>
+  __device__ __forceinline__ void copy(uint32_t tile, const T* base, int kv0, int pages) const {
+    if (kv0 + BN <= kv_end)
+      copy_rows<BN, RPT, ROW_STEP, LG, true>(tile, base, kv0, pages);
+    else
+      copy_rows<BN, RPT, ROW_STEP, LG, false>(tile, base, kv0, pages);
   }
 };
 
 // Warpgroup 0: every item's Q, then its K_j, V_j for each tile j, each into a free stage.
-template <typename T, int D>
-__device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
+// LG: log2 of the cache's block size (ws_produce below picks the instance).
+template <typename T, int D, int LG>
+__device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, D>;
   const WsSmem<D> sm(smem_raw);
-  StageCursor cur;
-  uint32_t q_phase = 0;
+  StageCursor<> cur;
+  StageCursor<kWsQBufs> qcur;
   for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
     const int pair = ws_pair(m, num_pairs);
     if (pair < 0) continue;
     Blk blk(a, smem_raw, pair, threadIdx.x);
     if (!blk.live) continue;
-    mbar_wait(sm.q_empty(), q_phase ^ 1);   // both consumers' last S GEMM of the previous item done
-    q_phase ^= 1;
-    blk.load_q();
-    mbar_arrive_on_copies(sm.q_full());
+    // Both consumers' last S GEMM of the item that used this buffer before is done.
+    mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
+    blk.load_q(blk.sQ + qcur.stage * kWsRows * D);
+    mbar_arrive_on_copies(sm.q_full(qcur.stage));
+    qcur.advance();
     const RowCopier<T, D> rows(blk);
     int pages = tile_pages(blk, 0);
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * Blk::BN;
       const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
       mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
-      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP>(sm.k_tile(cur.stage), rows.k, kv0, pages);
+      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
       mbar_arrive_on_copies(sm.full_k(cur.stage));
       mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
-      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP>(sm.v_tile(cur.stage), rows.v, kv0, pages);
+      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.v_tile(cur.stage), rows.v, kv0, pages);
       mbar_arrive_on_copies(sm.full_v(cur.stage));
       pages = next_pages;
       cur.advance();
     }
   }
   cp_async_wait_all();   // nothing in flight into shared memory when this warpgroup exits
+}
+
+// Block sizes 8..64 (the launcher checks): page and slot of every copied row known at compile time.
+template <typename T, int D>
+__device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
+  switch (a.log2_block_size) {
+    case 3: ws_produce_lg<T, D, 3>(a, smem_raw, num_pairs); break;
+    case 4: ws_produce_lg<T, D, 4>(a, smem_raw, num_pairs); break;
+    case 5: ws_produce_lg<T, D, 5>(a, smem_raw, num_pairs); break;
+    default: ws_produce_lg<T, D, 6>(a, smem_raw, num_pairs); break;
+  }
 }
 
 // Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
@@ -226,8 +286,8 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const bool signals = lane == 0;             // one arrival per warp on the empty barriers
   const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
-  StageCursor cur;
-  uint32_t q_phase = 0;
+  StageCursor<> cur;
+  StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
 
   for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
@@ -240,25 +300,26 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
-    const uint32_t q_addr = sm.q + wg * 64 * 128;    // this warpgroup's 64 rows of each 128-byte panel
+    const int qb = qcur.stage;
+    // This warpgroup's 64 rows of each 128-byte panel of Q; the descriptors of a tile's k-steps are
+    // its first one's plus a constant (addresses stay inside the descriptor's 18-bit field).
+    const uint64_t q_desc = gmma_desc(sm.q(qb) + wg * 64 * 128, 16, 1024);
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
-    StageCursor prev;          // V_{j-1}'s stage
+    StageCursor<> prev;        // V_{j-1}'s stage
 
-    mbar_wait(sm.q_full(), q_phase);
-    q_phase ^= 1;
+    mbar_wait(sm.q_full(qb), qcur.phase);
+    qcur.advance();
     fence_proxy_async();   // cp.async (generic proxy) writes, then wgmma (async proxy) reads
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * BN;
-      float s[BN / 8][4];
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      float s[BN / 8][4];   // not zeroed: the first k-step's wgmma ignores its old contents (scale_d 0)
       mbar_wait(sm.full_k(cur.stage), cur.phase);
       fence_proxy_async();
       named_sync(my_turn, 256);
-      const uint32_t k_addr = sm.k_tile(cur.stage);
+      const uint64_t k_desc = gmma_desc(sm.k_tile(cur.stage), 16, 1024);
       fence_regs(s);
       fence_regs(o);
       fence_regs(pa);
@@ -266,16 +327,15 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t dq = (kk >> 2) * (BM * 128) + (kk & 3) * 32, dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-        wgmma_ss(Tag<T>{}, s, gmma_desc(q_addr + dq, 16, 1024), gmma_desc(k_addr + dk, 16, 1024));
+        wgmma_ss(Tag<T>{}, s, q_desc + (dq >> 4), k_desc + (dk >> 4), kk == 0 ? 0 : 1);
       }
       wgmma_commit();
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
         mbar_wait(sm.full_v(prev.stage), prev.phase);
         fence_proxy_async();
-        const uint32_t v_addr = sm.v_tile(prev.stage);
+        const uint64_t v_desc = gmma_desc(sm.v_tile(prev.stage), BN * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
         wgmma_commit();
       }
       if (j > 0)
@@ -289,7 +349,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       __syncwarp();
       if (signals) {
         mbar_arrive(sm.empty_k(cur.stage));
-        if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty());   // the item's last read of Q
+        if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty(qb));   // the item's last read of Q
       }
       const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
       wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
@@ -305,20 +365,19 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     if (blk.n_tiles > 0) {   // the last P V
       mbar_wait(sm.full_v(prev.stage), prev.phase);
       fence_proxy_async();
-      const uint32_t v_addr = sm.v_tile(prev.stage);
+      const uint64_t v_desc = gmma_desc(sm.v_tile(prev.stage), BN * 128, 1024);
       fence_regs(o);
       fence_regs(pa);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_rs(Tag<T>{}, o, pa[kk], gmma_desc(v_addr + kk * 2048, BN * 128, 1024));
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_v(prev.stage));
     } else if (signals) {
-      mbar_arrive(sm.q_empty());
+      mbar_arrive(sm.q_empty(qb));
     }
     write_rows<T, D, BN>(blk, soft, o, r_a, t4);
   }
@@ -338,8 +397,10 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
       mbar_init(sm.empty_k(st), 8);
       mbar_init(sm.empty_v(st), 8);
     }
-    mbar_init(sm.q_full(), 128);
-    mbar_init(sm.q_empty(), 8);
+    for (int qb = 0; qb < kWsQBufs; ++qb) {
+      mbar_init(sm.q_full(qb), 128);
+      mbar_init(sm.q_empty(qb), 8);
+    }
   }
   __syncthreads();
   if (threadIdx.x < 128) {

@@ -96,7 +96,7 @@ def _instances():
 @pytest.mark.parametrize("warps,wgmma", _instances())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 128), (32, 128), (16, 64), (64, 128)])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (8, 128), (16, 128), (32, 128), (16, 64), (64, 128)])
 def test_prefill_kernel_matches_float64(warps, wgmma, dtype, group, block_size, head_dim):
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
