@@ -84,6 +84,9 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   if (KVPAGER_PREFILL_WS_PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
 template <int N>
 __device__ __forceinline__ void regs_down() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -227,8 +230,39 @@ struct RowCopier {
   }
 };
 
-// Warpgroup 0: every item's Q, then its K_j, V_j for each tile j, each into a free stage.
-// LG: log2 of the cache's block size (ws_produce below picks the instance).
+// This thread's rows of an item's Q tile into the shared tile at `dst`, by cp.async: rows
+// my_row + i * ROW_STEP (i < RPT), chunk my_ch (the rows and chunk it copies of every K/V tile).
+// Row r is token r / G, query head kvh * G + r % G: divided once per item, then each row steps
+// token and head by constants (a division per row cost ~40 instructions, on the path between an
+// item's last S GEMM and the next item's first). Padding rows are zero-filled, never read.
+template <typename T, int D, typename Blk>
+__device__ __forceinline__ void ws_load_q(const Blk& blk, uint32_t dst) {
+  constexpr int RS = Blk::ROW_STEP, RPT = Blk::RPT;
+  static_assert(RS * RPT == kWsRows, "the Q tile has as many rows as a K/V tile");
+  const PrefillArgs& a = blk.a;
+  const int G = blk.G, step_head = RS % G;
+  const int gr = blk.row0 + blk.my_row;
+  int head = gr % G;
+  // Element steps of the source from one of this thread's rows to the next, and back a token's
+  // worth of heads when the head index wraps past G.
+  const int64_t step = static_cast<int64_t>(RS / G) * a.q_stride_tok + static_cast<int64_t>(step_head) * a.q_stride_head;
+  const int64_t wrap = a.q_stride_tok - static_cast<int64_t>(G) * a.q_stride_head;
+  const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(blk.q_start + gr / G) * a.q_stride_tok +
+                 static_cast<int64_t>(blk.kvh * G + head) * a.q_stride_head + blk.my_ch * 8;
+  const uint32_t d0 = dst + 2 * tile_off<kWsRows>(blk.my_row, blk.my_ch);
+#pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    const bool valid = gr + i * RS < blk.rows;   // past the last row: src is never read
+    cp_async16(d0 + i * RS * 128, src, valid);
+    src += step;
+    head += step_head;
+    if (head >= G) {
+      head -= G;
+      src += wrap;
+    }
+  }
+}
+
 template <typename T, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, D>;
@@ -242,7 +276,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     if (!blk.live) continue;
     // Both consumers' last S GEMM of the item that used this buffer before is done.
     mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
-    blk.load_q(blk.sQ + qcur.stage * kWsRows * D);
+    ws_load_q<T, D>(blk, sm.q(qcur.stage));
     mbar_arrive_on_copies(sm.q_full(qcur.stage));
     qcur.advance();
     const RowCopier<T, D> rows(blk);
@@ -295,6 +329,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     if (pair < 0) continue;
     Blk blk(a, smem_raw, pair, 0);
     if (!blk.live) continue;
+    // The next item's sequence, loaded now and used after this item's last tile: its lengths are
+    // then prefetched into L1, so that the next item's set-up is not a chain of global loads.
+    const int next_pair = ws_pair(m + 1, num_pairs);
+    const int next_seq = next_pair >= 0 ? __ldg(a.work + 2 * (next_pair / a.num_kv_heads)) : -1;
     Softmax soft;
     const int r_a = blk.row0 + warp * 16 + g;
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
@@ -378,6 +416,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       if (signals) mbar_arrive(sm.empty_v(prev.stage));
     } else if (signals) {
       mbar_arrive(sm.q_empty(qb));
+    }
+    if (next_seq >= 0) {
+      prefetch_l1(a.query_start_loc + next_seq);
+      prefetch_l1(a.context_lens + next_seq);
     }
     write_rows<T, D, BN>(blk, soft, o, r_a, t4);
   }
