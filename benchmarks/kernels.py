@@ -1013,9 +1013,11 @@ def bench_prefill_kernel() -> None:
     scale = D ** -0.5
     print(f"\nprefill kernel (bf16, {HQ}q/{HKV}kv, d{D}, block {B}; K/V in a {LAYERS}-layer block-major cache, "
           "randperm'd tables; L2 flushed; median of 15):")
-    instances = [(4, False), (8, False), (8, True)]   # (warps, wgmma)
+    # (warps, wgmma, schedule): mma.sync 4 and 8 warps, the wgmma instance (on Hopper the
+    # warp-specialized kernel) with the static and the dynamic schedule (cuda.prefill_schedule)
+    instances = [(4, False, "static"), (8, False, "static"), (8, True, "static"), (8, True, "dynamic")]
     print(f"wgmma instances built: {cuda.has_wgmma(torch.device('cuda'))}")
-    print(f"{'shape':34} {'mma4':>7} {'mma8':>7} {'wgmma8':>7} {'TFLOP/s':>8} {'SDPA best ms':>16} "
+    print(f"{'shape':34} {'mma4':>7} {'mma8':>7} {'wgmma8':>7} {'dynamic':>7} {'TFLOP/s':>8} {'SDPA best ms':>16} "
           f"{'gather+SDPA':>11} {'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
     table = []
     for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
@@ -1041,9 +1043,9 @@ def bench_prefill_kernel() -> None:
         host = (starts_l, ctxs)
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
-        def ours(w, wg):
+        def ours(w, wg, schedule):
             return lambda: debug.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
-                                                         host_lengths=host, warps=w, wgmma=wg)
+                                                         host_lengths=host, warps=w, wgmma=wg, schedule=schedule)
         times = {}
         outs = {}
         for inst in instances:

@@ -32,7 +32,9 @@ dereferenced), and a context longer than its table row is clamped to the row.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -254,6 +256,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 PREFILL_HEAD_DIMS = (64, 128)
 PREFILL_BLOCK_SIZES = (8, 16, 32, 64)
 PREFILL_WARPS = 8   # warps per prefill block (16 query rows each); kernels/debug.py runs the 4-warp instances
+PREFILL_SCHEDULE_ENV = "KVPAGER_PREFILL_SCHEDULE"
+PREFILL_SCHEDULES = ("static", "dynamic")
 
 
 def prefill_wgmma(device: torch.device) -> bool:
@@ -280,13 +284,31 @@ def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and k_cache.shape[3] in PREFILL_HEAD_DIMS and k_cache.shape[2] in PREFILL_BLOCK_SIZES)
 
 
-def prefill_work(starts, context_lens, group: int, warps: int | None = None, seqs=None) -> np.ndarray:
+def prefill_schedule() -> str:
+    """How the prefill kernel's persistent (Hopper) blocks take their work, from
+    ``KVPAGER_PREFILL_SCHEDULE``: "static" (the default: the list sorted heaviest first, dealt in
+    stripes over the blocks, alternately forwards and backwards) or "dynamic" (each block takes the
+    next item from a device counter when it is ready for one, over a list that keeps a sequence's
+    items together: the items running at once share their K/V in the L2). ValueError for others."""
+    value = os.environ.get(PREFILL_SCHEDULE_ENV, "static") or "static"
+    if value not in PREFILL_SCHEDULES:
+        raise ValueError(f"{PREFILL_SCHEDULE_ENV} must be one of {', '.join(PREFILL_SCHEDULES)}, got {value!r}")
+    return value
+
+
+def prefill_work(starts, context_lens, group: int, warps: int | None = None, seqs=None,
+                 order: str = "heaviest") -> np.ndarray:
     """The prefill kernel's work list, int32 ``[num_items, 2]`` of (sequence, row tile), from
     HOST lengths: ``starts`` the query CSR offsets (num_seqs + 1), ``context_lens`` (num_seqs).
     A sequence of q new tokens has q * group rows (token x GQA head), cut into tiles of
-    16 * warps rows; items are sorted by the K/V positions they read, most first (the longest
-    start first: a shorter tail). ``seqs``: the sequences to cover (default: every one with
-    new tokens)."""
+    16 * warps rows; an item's cost is the K/V positions it reads. ``order``: "heaviest" (every
+    item by cost, most first: the static schedule's balance needs it) or "by_sequence" (the
+    sequences by their heaviest item, most first, each sequence's items together, heaviest
+    first: for the dynamic schedule, which balances any order, and whose blocks then work on
+    few sequences at a time). ``seqs``: the sequences to cover (default: every one with new
+    tokens). O(items log items)."""
+    if order not in ("heaviest", "by_sequence"):
+        raise ValueError(f"order must be 'heaviest' or 'by_sequence', got {order!r}")
     rows_per_tile = 16 * (warps or PREFILL_WARPS)
     starts = np.asarray(starts, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
@@ -301,8 +323,16 @@ def prefill_work(starts, context_lens, group: int, warps: int | None = None, seq
     tile = np.arange(len(seq)) - first
     last_row = np.minimum(np.repeat(rows, tiles), (tile + 1) * rows_per_tile) - 1
     cost = ctx[seq] - q[seq] + last_row // group + 1
-    order = np.argsort(-cost, kind="stable")
-    return np.ascontiguousarray(np.stack([seq[order], tile[order]], axis=1).astype(np.int32))
+    if order == "heaviest":
+        order_idx = np.argsort(-cost, kind="stable")
+    else:
+        group_of_item = np.repeat(np.arange(len(ids)), tiles)
+        heaviest = np.full(len(ids), np.iinfo(np.int64).min)
+        np.maximum.at(heaviest, group_of_item, cost)
+        rank = np.empty(len(ids), dtype=np.int64)
+        rank[np.argsort(-heaviest, kind="stable")] = np.arange(len(ids))
+        order_idx = np.lexsort((-cost, rank[group_of_item]))
+    return np.ascontiguousarray(np.stack([seq[order_idx], tile[order_idx]], axis=1).astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -312,23 +342,36 @@ class PrefillKernelPlan:
     work: torch.Tensor          # [num_items, 2] int32 (sequence, row tile), on the device
     warps: int                  # 4 or 8 warps per block
     wgmma: bool                 # the Hopper (wgmma) instance, else mma.sync
+    # The dynamic schedule's int32 [2] device counter (zeros; every launch leaves it zero), else
+    # None (static). The plan's launches must run one after another (one stream), as layers do.
+    counter: Optional[torch.Tensor] = None
 
 
 def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, seqs=None) -> PrefillKernelPlan:
     """The step's prefill plan for queries like ``query_like`` ([*, num_q_heads, head_dim], its
     device) over ``k_cache``'s layout: ``prefill_work`` of ``host_lengths`` ((query starts,
     context lengths) as host ints), uploaded once through pinned memory (no sync), and the 8-warp
-    instance (wgmma where built for the device). ``seqs``: as in :func:`prefill_work`."""
+    instance (wgmma where built for the device), scheduled as :func:`prefill_schedule` says.
+    ``seqs``: as in :func:`prefill_work`."""
     return _plan_prefill(query_like, k_cache, host_lengths, seqs, PREFILL_WARPS, None)
 
 
-def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None) -> PrefillKernelPlan:
+def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None,
+                  schedule: str | None = None) -> PrefillKernelPlan:
+    schedule = schedule or prefill_schedule()
+    if schedule not in PREFILL_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(PREFILL_SCHEDULES)}, got {schedule!r}")
+    dynamic = schedule == "dynamic"
     group = query_like.shape[1] // k_cache.shape[1]
-    work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs))
+    work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs,
+                                         order="by_sequence" if dynamic else "heaviest"))
+    counter = None
     if query_like.device.type == "cuda":
         work = work.pin_memory().to(query_like.device, non_blocking=True)
+        if dynamic:
+            counter = torch.zeros(2, dtype=torch.int32, device=query_like.device)
     use_wgmma = (prefill_wgmma(query_like.device) and warps == 8) if wgmma is None else bool(wgmma)
-    return PrefillKernelPlan(work, warps, use_wgmma)
+    return PrefillKernelPlan(work, warps, use_wgmma, counter)
 
 
 def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -352,7 +395,7 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: tor
     if plan.work.shape[0] == 0:
         return out
     load().paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, plan.work,
-                          float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma)
+                          float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma, plan.counter)
     return out
 
 
@@ -374,12 +417,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def _prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
-             host_lengths, seqs, out, warps: int, wgmma: bool | None) -> torch.Tensor:
+             host_lengths, seqs, out, warps: int, wgmma: bool | None, schedule: str | None = None) -> torch.Tensor:
     if host_lengths is None:
         n = context_lens.shape[0]
         lengths = torch.cat([query_start_loc.to("cpu", torch.int64), context_lens.to("cpu", torch.int64)]).tolist()
         host_lengths = (lengths[:n + 1], lengths[n + 1:])
-    plan = _plan_prefill(query, k_cache, host_lengths, seqs, warps, wgmma)
+    plan = _plan_prefill(query, k_cache, host_lengths, seqs, warps, wgmma, schedule)
     return paged_prefill_run(plan, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
                              k_scale, v_scale, out=out)
 

@@ -115,13 +115,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *, host_lengths=None,
                             seqs=None, out: torch.Tensor | None = None, warps: int | None = None,
-                            wgmma: bool | None = None) -> torch.Tensor:
+                            wgmma: bool | None = None, schedule: str | None = None) -> torch.Tensor:
     """``cuda.paged_prefill_attention`` on a chosen instance: ``warps`` 4 or 8 (default 8),
     ``wgmma`` (default: where built for the device; needs 8 warps; instances not built for
-    sm_90a run mma.sync)."""
+    sm_90a run mma.sync), ``schedule`` "static" or "dynamic" (default: ``cuda.prefill_schedule``)."""
     w = _count("warps", warps, (4, 8)) or cuda.PREFILL_WARPS
     return cuda._prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale, v_scale,
-                         host_lengths, seqs, out, w, wgmma)
+                         host_lengths, seqs, out, w, wgmma, schedule)
 
 
 def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,

@@ -555,9 +555,11 @@ bool prefill_supported(Tensor query, Tensor k_cache, int64_t warps) {
 
 // Prefill attention of the work list's rows into out (rows of sequences not in the list are left
 // as they are). work: device int32 [num_items, 2] of (sequence, row tile of 16 * warps rows).
+// counter: optional device int32 [2], zero (the Hopper warp-specialized kernel then schedules
+// its blocks dynamically and leaves it zero; PrefillArgs::ws_counter); one launch at a time.
 void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                    Tensor context_lens, Tensor query_start_loc, Tensor work, double scale, double k_scale,
-                   double v_scale, int64_t warps, bool wgmma) {
+                   double v_scale, int64_t warps, bool wgmma, c10::optional<Tensor> counter) {
   const torch::Device device = query.device();
   const c10::cuda::CUDAGuard guard(device);
   for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&out, "out"}, {&query, "query"},
@@ -603,6 +605,12 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
   KV_CHECK(std::isfinite(scale) && scale > 0, "the prefill kernel needs a finite scale > 0, got ", scale);
   KV_CHECK(!wgmma || warps == 8, "the wgmma prefill instances have 8 warps, got ", warps);
   KV_CHECK(work.size(0) * num_kv_heads <= std::numeric_limits<int32_t>::max(), "too many work items");
+  if (counter.has_value()) {
+    check_cuda(*counter, "counter", device);
+    KV_CHECK(counter->scalar_type() == torch::kInt32 && counter->dim() == 1 && counter->size(0) == 2 &&
+                 counter->is_contiguous(),
+             "counter must be a contiguous int32 [2] tensor (zeros)");
+  }
   kvpager::PrefillArgs a{};
   a.out = out.data_ptr();
   a.query = query.data_ptr();
@@ -612,6 +620,7 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
   a.context_lens = context_lens.data_ptr<int32_t>();
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
   a.work = work.data_ptr<int32_t>();
+  a.ws_counter = counter.has_value() ? counter->data_ptr<int32_t>() : nullptr;
   a.q_stride_tok = query.stride(0);
   a.q_stride_head = query.stride(1);
   a.o_stride_tok = out.stride(0);
@@ -771,7 +780,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("work"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"),
-        py::arg("warps"), py::arg("wgmma"));
+        py::arg("warps"), py::arg("wgmma"), py::arg("counter") = py::none());
   m.def("prefill_has_wgmma", [](int64_t device) {
           const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
           return kvpager::paged_prefill_has_wgmma(static_cast<int>(device));

@@ -97,7 +97,13 @@ struct PrefillArgs {
   const int32_t* block_tables;     // [num_seqs, max_blocks_per_seq], inner dim contiguous
   const int32_t* context_lens;     // [num_seqs]: positions in cache, the new tokens included
   const int32_t* query_start_loc;  // [num_seqs + 1] CSR offsets of each sequence's queries
-  const int32_t* work;             // DEVICE [num_items, 2]: (sequence, row tile), heaviest first
+  const int32_t* work;             // DEVICE [num_items, 2]: (sequence, row tile), in the order to run them
+  // DEVICE int32 [2], zero before the launch and left zero after it, or nullptr. Read by the
+  // Hopper warp-specialized kernel alone: with it, each block takes its next (work item, KV head)
+  // pair from this counter as it frees up (dynamic schedule: balanced whatever the list's order);
+  // without it, block b takes pairs b, 2G - 1 - b, 2G + b, ... of G blocks (static snake, balanced
+  // for a list sorted heaviest first). One launch at a time per counter.
+  int32_t* ws_counter;
   int64_t q_stride_tok, q_stride_head;
   int64_t o_stride_tok, o_stride_head;
   int64_t kv_stride_block, kv_stride_head, table_stride;

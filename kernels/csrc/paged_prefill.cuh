@@ -242,6 +242,22 @@ constexpr int prefill_wgmma_smem_bytes() {
 
 namespace prefill_detail {
 
+// A work item's sequence and row tile with that sequence's lengths, as read from the work list
+// and the length arrays (load_item): what a block needs to set up the item.
+struct PrefillItem {
+  int seq, tile, q_start, q_end, ctx;
+};
+
+__device__ __forceinline__ PrefillItem load_item(const PrefillArgs& a, int item) {
+  PrefillItem it;
+  it.seq = a.work[2 * item];
+  it.tile = a.work[2 * item + 1];
+  it.q_start = a.query_start_loc[it.seq];
+  it.q_end = a.query_start_loc[it.seq + 1];
+  it.ctx = min(a.context_lens[it.seq], a.max_blocks_per_seq << a.log2_block_size);
+  return it;
+}
+
 // What one work item computes, and its Q and K/V tile loads from the pages: BM_ query rows, K/V
 // tiles of BN_ positions, loaded by NT_ threads (loader thread indices 0..NT_ - 1).
 template <typename T, typename C, int D, int BM_, int BN_, int NT_>
@@ -270,20 +286,23 @@ struct PrefillBlock {
   // index: (work item, KV head) pair index, item-major (index / num_kv_heads is the item);
   // loader_thread: this thread's index among the NT loading threads.
   __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw, int index, int loader_thread)
-      : a(args), loader(loader_thread) {
+      : PrefillBlock(args, smem_raw, load_item(args, index / args.num_kv_heads), index % args.num_kv_heads,
+                     loader_thread) {}
+
+  // The item `it` (load_item's) for KV head kv_head.
+  __device__ __forceinline__ PrefillBlock(const PrefillArgs& args, unsigned char* smem_raw, const PrefillItem& it,
+                                          int kv_head, int loader_thread)
+      : a(args), kvh(kv_head), loader(loader_thread) {
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
     sQ = reinterpret_cast<T*>(base);
     sK = sQ + BM * D;
     sV = sK + BN * D;
-    const int item = index / a.num_kv_heads;
-    kvh = index % a.num_kv_heads;
-    const int seq = a.work[2 * item], tile = a.work[2 * item + 1];
+    const int seq = it.seq, ctx = it.ctx;
     G = a.num_q_heads / a.num_kv_heads;
-    q_start = a.query_start_loc[seq];
-    q_len = a.query_start_loc[seq + 1] - q_start;
-    const int ctx = min(a.context_lens[seq], a.max_blocks_per_seq << a.log2_block_size);
+    q_start = it.q_start;
+    q_len = it.q_end - q_start;
     rows = q_len * G;
-    row0 = tile * BM;
+    row0 = it.tile * BM;
     live = q_len > 0 && row0 < rows;
     offset = ctx - q_len;                                  // position of token 0
     t_first = row0 / G;

@@ -5,8 +5,13 @@
 // barrier per K/V tile) keeps both warpgroups in lockstep, so their softmaxes run at the same
 // time while the tensor cores wait, and a block's first loads overlap nothing (1 block per SM).
 //
-// A block of three warpgroups (384 threads) loops over (work item, KV head) pairs (ws_pair: the
-// heaviest-first list in stripes of gridDim.x, alternately forwards and backwards):
+// A block of three warpgroups (384 threads) loops over (work item, KV head) pairs, which its
+// producer picks (ws_next_pair): by default the list in stripes of gridDim.x, alternately forwards
+// and backwards (static: balanced for a list sorted heaviest first); with a counter
+// (PrefillArgs::ws_counter) the next unclaimed pair whenever the block is ready for one (dynamic:
+// balanced whatever the order, so the list can keep a sequence's items together and the pairs
+// running at once share their K/V in the L2). The producer hands each pair to the consumers in a
+// record beside its Q buffer (WsRecord: the item's sequence and lengths, read once by the producer).
 // - warpgroup 0, the producer, loads each item's Q tile and its K/V tiles with cp.async, straight
 //   from the pages through the block table, into kWsStages K and V stages, and signals each with
 //   an mbarrier that fires when its copies land (cp.async.mbarrier.arrive); it gives its registers
@@ -25,8 +30,8 @@
 // The producer moves on to the next item's Q (once both consumers' last S GEMM of the item is
 // done) and tiles while the consumers finish the item: its last P V and its output rows.
 //
-// Barrier counts: full barriers get one asynchronous arrival per producer thread (128); empty
-// barriers one arrival per consumer warp (8).
+// Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
+// one more (thread 0's, releasing the record); empty barriers one arrival per consumer warp (8).
 #pragma once
 
 #include "paged_prefill.cuh"
@@ -48,11 +53,15 @@ constexpr int kWsStages = kWsQBufs == 2 ? 2 : 3;   // K and V stages (tiles of k
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kWsBarrierBytes = 128;
+constexpr int kWsRecordBytes = 32;   // one WsRecord per Q buffer
+constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-schedule ticket
 
-// Q tiles, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers.
+// Q tiles, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers, the item
+// records and the ticket word.
 template <int D>
 constexpr int prefill_ws_smem_bytes() {
-  return (kWsQBufs * kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes;
+  return (kWsQBufs * kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes +
+         kWsQBufs * kWsRecordBytes + kWsTicketBytes;
 }
 
 namespace prefill_detail {
@@ -84,9 +93,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   if (KVPAGER_PREFILL_WS_PINGPONG) asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
-}
 template <int N>
 __device__ __forceinline__ void regs_down() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -100,18 +106,37 @@ __device__ __forceinline__ void regs_up() {
 constexpr int kWsProducerRegs = 56;
 constexpr int kWsConsumerRegs = 224;
 constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
+constexpr int kWsProducerBar = 3;   // named barrier 3: the producer warpgroup's 128 threads
+
+__device__ __forceinline__ void producer_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(kWsProducerBar), "r"(128) : "memory");
+}
+
+// What the producer tells the consumers of the item whose Q it loads into a buffer, written with
+// that buffer's q_full phase (thread 0's own arrival, a release): the pair (-1: no more items)
+// and the item's sequence and lengths, so that the consumers set up the item without global loads.
+struct WsRecord {
+  int pair;
+  PrefillItem item;
+  int pad[2];
+};
+static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 
 // Shared-memory addresses of one block's tiles and barriers.
 template <int D>
 struct WsSmem {
   static constexpr int BN = kWgmmaBN, S = kWsStages;
   uint32_t q0, tiles, bars;
+  unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
     const uint32_t raw = smem_addr(smem_raw);
     q0 = (raw + 1023) & ~1023u;
     tiles = q0 + kWsQBufs * kWsRows * D * 2;
     bars = tiles + 2 * S * BN * D * 2;
+    tail = smem_raw + (bars - raw) + kWsBarrierBytes;
   }
+  __device__ __forceinline__ WsRecord* record(int qb) const { return reinterpret_cast<WsRecord*>(tail) + qb; }
+  __device__ __forceinline__ int* ticket() const { return reinterpret_cast<int*>(tail + kWsQBufs * kWsRecordBytes); }
   __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
   __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
   __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
@@ -142,13 +167,33 @@ using WsBlock = PrefillBlock<T, T, D, kWsRows, kWgmmaBN, 128>;
 static_assert(WsBlock<__half, 128>::ROW_STEP % 8 == 0 && WsBlock<__half, 64>::ROW_STEP % 8 == 0,
               "RowCopier: every row of a thread has the same swizzle");
 
-// The (work item, KV head) pair a block takes in its round m: rounds run over the list in
-// stripes of gridDim.x pairs, alternately forwards and backwards, so that with the list sorted
-// heaviest first every block's sum of work comes out about the same. -1 past the list's end.
-__device__ __forceinline__ int ws_pair(int m, int num_pairs) {
-  const int in_stripe = (m & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int pair = m * gridDim.x + in_stripe;
-  return pair < num_pairs ? pair : -1;
+// The (work item, KV head) pair the producer loads next, in its round m; num_pairs when there
+// are none left, -1 for none this round (the static schedule's last stripe). Static schedule
+// (no counter): rounds run over the list in stripes of gridDim.x pairs, alternately forwards and
+// backwards, so that with the list sorted heaviest first every block's sum of work comes out
+// about the same. Dynamic (a.ws_counter): the next ticket, taken by thread 0 and read by the
+// warpgroup through shared memory.
+__device__ __forceinline__ int ws_next_pair(const PrefillArgs& a, int m, int num_pairs, int* ticket) {
+  if (a.ws_counter == nullptr) {
+    if (m * static_cast<int>(gridDim.x) >= num_pairs) return num_pairs;
+    const int in_stripe = (m & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int pair = m * gridDim.x + in_stripe;
+    return pair < num_pairs ? pair : -1;
+  }
+  producer_sync();   // every producer thread has read the previous ticket
+  if (threadIdx.x == 0) *ticket = atomicAdd(a.ws_counter, 1);
+  producer_sync();
+  return *ticket;
+}
+
+// Once a block's producer has taken its last ticket: the last block to get here leaves the
+// counter zero for the next launch (every block has taken all its tickets by then).
+__device__ __forceinline__ void ws_release_counter(int32_t* counter) {
+  __threadfence();
+  if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+    atomicExch(counter, 0);
+    atomicExch(counter + 1, 0);
+  }
 }
 
 // The block ids of the pages of the K/V tile at positions [kv0, kv0 + BN), one per lane: lane l
@@ -269,15 +314,23 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
   const WsSmem<D> sm(smem_raw);
   StageCursor<> cur;
   StageCursor<kWsQBufs> qcur;
-  for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
-    const int pair = ws_pair(m, num_pairs);
+  for (int m = 0;; ++m) {
+    const int pair = ws_next_pair(a, m, num_pairs, sm.ticket());
+    if (pair >= num_pairs) break;
     if (pair < 0) continue;
-    Blk blk(a, smem_raw, pair, threadIdx.x);
-    if (!blk.live) continue;
+    const PrefillItem item = load_item(a, pair / a.num_kv_heads);
+    Blk blk(a, smem_raw, item, pair % a.num_kv_heads, threadIdx.x);
+    if (!blk.live) continue;   // the consumers never hear of it
     // Both consumers' last S GEMM of the item that used this buffer before is done.
     mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
+    if (threadIdx.x == 0) {
+      WsRecord* rec = sm.record(qcur.stage);
+      rec->pair = pair;
+      rec->item = item;
+    }
     ws_load_q<T, D>(blk, sm.q(qcur.stage));
     mbar_arrive_on_copies(sm.q_full(qcur.stage));
+    if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
     const RowCopier<T, D> rows(blk);
     int pages = tile_pages(blk, 0);
@@ -293,6 +346,14 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       pages = next_pages;
       cur.advance();
     }
+  }
+  // The consumers' last record: no item.
+  mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
+  if (threadIdx.x == 0) sm.record(qcur.stage)->pair = -1;
+  mbar_arrive(sm.q_full(qcur.stage));
+  if (threadIdx.x == 0) {
+    mbar_arrive(sm.q_full(qcur.stage));
+    if (a.ws_counter != nullptr) ws_release_counter(a.ws_counter);
   }
   cp_async_wait_all();   // nothing in flight into shared memory when this warpgroup exits
 }
@@ -310,7 +371,7 @@ __device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* 
 
 // Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
 template <typename T, int D>
-__device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
+__device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw) {
   using Blk = WsBlock<T, D>;
   using Softmax = RowSoftmax<T, D, kWgmmaBN>;
   constexpr int BM = kWsRows, BN = kWgmmaBN;
@@ -324,21 +385,21 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
 
-  for (int m = 0; m * static_cast<int>(gridDim.x) < num_pairs; ++m) {
-    const int pair = ws_pair(m, num_pairs);
-    if (pair < 0) continue;
-    Blk blk(a, smem_raw, pair, 0);
-    if (!blk.live) continue;
-    // The next item's sequence, loaded now and used after this item's last tile: its lengths are
-    // then prefetched into L1, so that the next item's set-up is not a chain of global loads.
-    const int next_pair = ws_pair(m + 1, num_pairs);
-    const int next_seq = next_pair >= 0 ? __ldg(a.work + 2 * (next_pair / a.num_kv_heads)) : -1;
+  for (;;) {
+    // The producer's next item: its Q tile and its record (the record is read before the buffer
+    // can be refilled: that waits for this item's last S GEMM).
+    const int qb = qcur.stage;
+    mbar_wait(sm.q_full(qb), qcur.phase);
+    qcur.advance();
+    const WsRecord* rec = sm.record(qb);
+    const int pair = rec->pair;
+    if (pair < 0) break;
+    Blk blk(a, smem_raw, rec->item, pair % a.num_kv_heads, 0);
     Softmax soft;
     const int r_a = blk.row0 + warp * 16 + g;
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
-    const int qb = qcur.stage;
     // This warpgroup's 64 rows of each 128-byte panel of Q; the descriptors of a tile's k-steps are
     // its first one's plus a constant (addresses stay inside the descriptor's 18-bit field).
     const uint64_t q_desc = gmma_desc(sm.q(qb) + wg * 64 * 128, 16, 1024);
@@ -348,8 +409,6 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     uint32_t pa[BN / 16][4];   // P_{j-1}
     StageCursor<> prev;        // V_{j-1}'s stage
 
-    mbar_wait(sm.q_full(qb), qcur.phase);
-    qcur.advance();
     fence_proxy_async();   // cp.async (generic proxy) writes, then wgmma (async proxy) reads
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * BN;
@@ -417,10 +476,6 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     } else if (signals) {
       mbar_arrive(sm.q_empty(qb));
     }
-    if (next_seq >= 0) {
-      prefetch_l1(a.query_start_loc + next_seq);
-      prefetch_l1(a.context_lens + next_seq);
-    }
     write_rows<T, D, BN>(blk, soft, o, r_a, t4);
   }
   // Warpgroup 1's last "your turn" arrival on barrier 1 has no issue left to admit: take it, so
@@ -440,7 +495,7 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
       mbar_init(sm.empty_v(st), 8);
     }
     for (int qb = 0; qb < kWsQBufs; ++qb) {
-      mbar_init(sm.q_full(qb), 128);
+      mbar_init(sm.q_full(qb), 129);   // the copies' 128 arrivals and thread 0's for the record
       mbar_init(sm.q_empty(qb), 8);
     }
   }
@@ -450,7 +505,7 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
     ws_produce<T, D>(a, smem_raw, num_pairs);
   } else {
     regs_up<kWsConsumerRegs>();
-    ws_consume<T, D>(a, smem_raw, num_pairs);
+    ws_consume<T, D>(a, smem_raw);
   }
 }
 #endif

@@ -4,6 +4,8 @@ shuffled blocks (unused blocks poisoned with NaN) and random prompt / cached-pre
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -194,3 +196,55 @@ def test_a_step_plan_serves_every_layer_like_one_shot_calls(use_kernel, monkeypa
         assert torch.equal(out, once)
         if layer == LAYER:
             assert rel_err(out.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 64), (16, 128), (64, 128)])
+def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtype, group, block_size, head_dim):
+    """The dynamic schedule (a device counter; the work list by sequence) against the static one
+    on the same inputs: every (item, KV head) pair is computed the same way whichever block takes
+    it, so the outputs are equal bit for bit, launch after launch of one plan (as a step's
+    layers run it), and each launch leaves the counter zero. On a Hopper build this runs the
+    warp-specialized kernel; elsewhere the counter is unused and the grid kernel runs."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill dynamic schedule", dtype, group, block_size, head_dim)
+    cases = _cases(block_size, gen) + [(4 * block_size + 5, 4 * block_size + 5)] * 3
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, dtype, group, cases)
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    scale = head_dim ** -0.5
+    static = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "static")
+    dynamic = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "dynamic")
+    assert static.counter is None and dynamic.counter is not None
+    assert sorted(map(tuple, static.work.tolist())) == sorted(map(tuple, dynamic.work.tolist()))
+    want = cuda.paged_prefill_run(static, query, kv[:, LAYER, 0], kv[:, LAYER, 1], tables, lens, starts_d, scale)
+    for _ in range(3):
+        out = torch.full_like(query, float("nan"))
+        cuda.paged_prefill_run(dynamic, query, kv[:, LAYER, 0], kv[:, LAYER, 1], tables, lens, starts_d, scale,
+                               out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert dynamic.counter.tolist() == [0, 0]
+    assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_counter_that_is_not_int32_pair_is_refused():
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill counter check")
+    cases = [(40, 40)]
+    paged, queries, starts = _kernel_case(gen, 16, 128, torch.bfloat16, 4, cases)
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    plan = cuda._plan_prefill(query, kv[:, LAYER, 0], (starts.tolist(), paged.context_lens.tolist()), None, 8, None,
+                              "dynamic")
+    bad = dataclasses.replace(plan, counter=torch.zeros(3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="counter"):
+        cuda.paged_prefill_run(bad, query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
+                               paged.context_lens.to(DEV), starts.to(DEV), 128 ** -0.5)

@@ -1,0 +1,63 @@
+"""One shape of ``benchmarks/kernels.py --only prefill_kernel``, run a few times through our
+prefill kernel (the wgmma instance: on Hopper the warp-specialized kernel), for a profiler or a
+sanitizer to look at; prints nothing else. bf16, 32q/8kv, d128, block 16, K/V in a 2-layer
+block-major cache behind randperm'd tables, as there.
+
+    ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --set full \\
+        --import-source yes -o ws4k python3 benchmarks/prefill_shape.py "1 x 4K prompt"
+    compute-sanitizer --tool racecheck python3 benchmarks/prefill_shape.py "ragged: 24 prompts 16-1K"
+    python3 benchmarks/prefill_shape.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import kernels as bench  # benchmarks/kernels.py (this script's folder): the shapes and the configuration
+import torch
+
+from kvpager.kernels import debug
+from kvpager.numeric import ceil_div
+
+
+def main() -> None:
+    shapes = dict(bench.PREFILL_SHAPES + bench._ragged_prefill_shapes())
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", nargs="?", default="1 x 4K prompt", help="a shape name (--list)")
+    ap.add_argument("--list", action="store_true", help="print the shape names")
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--schedule", choices=("static", "dynamic"), default=None,
+                    help="the persistent kernel's schedule (default: KVPAGER_PREFILL_SCHEDULE, else static)")
+    args = ap.parse_args()
+    if args.list:
+        print("\n".join(shapes))
+        return
+    if args.shape not in shapes:
+        ap.error(f"unknown shape {args.shape!r}; --list names them")
+    seqs = shapes[args.shape]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    nblk = [ceil_div(c, bench.B) for _, c in seqs]
+    cache = torch.randn(sum(nblk), bench.LAYERS, 2, bench.HKV, bench.B, bench.D, dtype=bench.DTYPE, device="cuda",
+                        generator=gen)
+    perm = torch.randperm(sum(nblk), device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
+    at = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    starts = [0]
+    for q, _ in seqs:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], bench.HQ, bench.D, dtype=bench.DTYPE, device="cuda", generator=gen)
+    ctx = [c for _, c in seqs]
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    starts_d = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    for _ in range(args.runs):
+        debug.paged_prefill_attention(query, cache[:, 0, 0], cache[:, 0, 1], tables, lens, starts_d, bench.D ** -0.5,
+                                      host_lengths=(starts, ctx), warps=8, wgmma=True, schedule=args.schedule)
+    torch.cuda.synchronize()
+    print(f"ran {args.shape!r} {args.runs} times")
+
+
+if __name__ == "__main__":
+    main()

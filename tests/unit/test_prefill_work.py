@@ -1,0 +1,89 @@
+"""The prefill kernel's work list (kernels/cuda.py ``prefill_work``), planned on the host: every
+row tile of every sequence with new tokens exactly once, in the order each schedule needs, and the
+schedule chosen from the environment. No GPU needed (the list is numpy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpager.kernels import cuda
+
+ROWS = 16 * cuda.PREFILL_WARPS   # rows per tile of the default instance
+
+
+def _batch(rng: np.random.Generator, n: int):
+    """n sequences: whole prompts, chunks over cached prefixes and some with no new tokens."""
+    q = rng.integers(0, 700, n)
+    q[rng.random(n) < 0.2] = 0
+    ctx = q + rng.integers(0, 3000, n) * (rng.random(n) < 0.5)
+    starts = np.concatenate([[0], np.cumsum(q)])
+    return starts.tolist(), ctx.tolist(), q
+
+
+def _cost(item, starts, ctx, group):
+    seq, tile = int(item[0]), int(item[1])
+    q = starts[seq + 1] - starts[seq]
+    last_row = min(q * group, (tile + 1) * ROWS) - 1
+    return ctx[seq] - q + last_row // group + 1
+
+
+def _expected_items(q, group):
+    return {(s, t) for s in range(len(q)) for t in range(-(-int(q[s]) * group // ROWS))}
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("seed", range(4))
+def test_heaviest_order_covers_every_tile_once_most_expensive_first(group, seed):
+    starts, ctx, q = _batch(np.random.default_rng(seed), 40)
+    work = cuda.prefill_work(starts, ctx, group)
+    assert work.dtype == np.int32 and work.shape[1] == 2
+    items = [tuple(int(x) for x in row) for row in work]
+    assert len(items) == len(set(items)) and set(items) == _expected_items(q, group)
+    costs = [_cost(row, starts, ctx, group) for row in work]
+    assert costs == sorted(costs, reverse=True)
+
+
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("seed", range(4))
+def test_by_sequence_order_keeps_each_sequence_together_heaviest_first(group, seed):
+    starts, ctx, q = _batch(np.random.default_rng(100 + seed), 40)
+    work = cuda.prefill_work(starts, ctx, group, order="by_sequence")
+    items = [tuple(int(x) for x in row) for row in work]
+    assert len(items) == len(set(items)) and set(items) == _expected_items(q, group)
+    seqs = [s for s, _ in items]
+    runs = [s for i, s in enumerate(seqs) if i == 0 or s != seqs[i - 1]]
+    assert len(runs) == len(set(runs)), "a sequence's items are not together"
+    costs = [_cost(row, starts, ctx, group) for row in work]
+    heaviest_of = {}
+    for s, c in zip(seqs, costs):
+        heaviest_of.setdefault(s, c)   # the first item of a run is its sequence's heaviest
+    for i in range(1, len(items)):
+        if seqs[i] == seqs[i - 1]:
+            assert costs[i] <= costs[i - 1]
+    run_heads = [heaviest_of[s] for s in runs]
+    assert run_heads == sorted(run_heads, reverse=True), "sequences not ordered by their heaviest item"
+    assert max(costs) == costs[0]
+
+
+def test_only_the_named_sequences_and_none_without_new_tokens():
+    starts, ctx = [0, 300, 300, 900], [300, 50, 1000]
+    for order in ("heaviest", "by_sequence"):
+        work = cuda.prefill_work(starts, ctx, 4, seqs=[1, 2], order=order)
+        assert {int(s) for s in work[:, 0]} == {2}   # sequence 1 has no new tokens: no items
+        assert cuda.prefill_work([0, 0], [5], 4, order=order).shape == (0, 2)
+
+
+def test_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="order"):
+        cuda.prefill_work([0, 4], [4], 1, order="random")
+
+
+def test_schedule_from_the_environment(monkeypatch):
+    monkeypatch.delenv(cuda.PREFILL_SCHEDULE_ENV, raising=False)
+    assert cuda.prefill_schedule() == "static"
+    monkeypatch.setenv(cuda.PREFILL_SCHEDULE_ENV, "dynamic")
+    assert cuda.prefill_schedule() == "dynamic"
+    monkeypatch.setenv(cuda.PREFILL_SCHEDULE_ENV, "fastest")
+    with pytest.raises(ValueError, match=cuda.PREFILL_SCHEDULE_ENV):
+        cuda.prefill_schedule()
