@@ -6,7 +6,7 @@
 # logs go to $OUT (or /tmp/device_check).
 #
 #   bash benchmarks/device_check.sh            # the prefill checks and timings (~4 min on an H100/H200)
-#   bash benchmarks/device_check.sh decode     # also the decode and fp8 GPU tests and --only flush
+#   bash benchmarks/device_check.sh decode     # also the decode GPU tests and --only flush,quick,list_loads
 #
 # The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
 # package the GPU image lacks, and the kernel tests need none of its fixtures.
@@ -46,7 +46,9 @@ if [ "${1:-}" = "decode" ]; then
   python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/gpu/test_fp8_model_gpu.py \
       tests/gpu/test_layer_ops_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_cuda_swap.py > "$out/test_decode.log" 2>&1
   summary+=("decode GPU tests: $(grep -E 'passed|failed|error' "$out/test_decode.log" | tail -1)")
-  python3 benchmarks/kernels.py --only flush 2>&1 | tee "$out/decode_flush.log"
+  # flush: short shapes under both L2 flushes; quick: the loads x splits sweep; list_loads: the work
+  # list with 2 and 4 loads in flight (on an H200 the kernel stopped near 78% of the copy ceiling)
+  python3 benchmarks/kernels.py --only flush,quick,list_loads 2>&1 | tee "$out/decode.log"
 fi
 
 printf '\n== summary\n'
