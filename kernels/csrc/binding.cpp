@@ -127,6 +127,32 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
+// The fields DecodeArgs and PrefillArgs share: the query's head stride, the caches, the tables,
+// the sizes they imply and the scales (the caller has checked the inputs).
+template <typename Args>
+void fill_cache_fields(Args& a, const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_tables, const Tensor& context_lens, double scale, double k_scale,
+                       double v_scale) {
+  a.query = query.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.context_lens = context_lens.data_ptr<int32_t>();
+  a.q_stride_head = query.stride(1);
+  a.kv_stride_block = k_cache.stride(0);
+  a.kv_stride_head = k_cache.stride(1);
+  a.table_stride = block_tables.stride(0);
+  a.num_q_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(k_cache.size(1));
+  a.head_dim = static_cast<int>(query.size(2));
+  a.block_size = static_cast<int>(k_cache.size(2));
+  a.log2_block_size = log2_exact(k_cache.size(2));
+  a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
+  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
+  a.v_scale = static_cast<float>(v_scale);
+}
+
 // Validates the decode inputs and fills the size/stride/pointer fields of DecodeArgs (no plan yet).
 kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
                                 const Tensor& block_tables, const Tensor& context_lens, double scale,
@@ -176,26 +202,9 @@ kvpager::DecodeArgs decode_args(const Tensor& query, const Tensor& k_cache, cons
   KV_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
 
   kvpager::DecodeArgs a{};
-  a.query = query.data_ptr();
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.context_lens = context_lens.data_ptr<int32_t>();
+  fill_cache_fields(a, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   a.q_stride_seq = query.stride(0);
-  a.q_stride_head = query.stride(1);
-  a.kv_stride_block = k_cache.stride(0);
-  a.kv_stride_head = k_cache.stride(1);
-  a.table_stride = block_tables.stride(0);
   a.num_seqs = static_cast<int>(num_seqs);
-  a.num_q_heads = static_cast<int>(num_q_heads);
-  a.num_kv_heads = static_cast<int>(num_kv_heads);
-  a.head_dim = static_cast<int>(head_dim);
-  a.block_size = static_cast<int>(block_size);
-  a.log2_block_size = log2_exact(block_size);
-  a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
-  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
-  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
-  a.v_scale = static_cast<float>(v_scale);
   return a;
 }
 
@@ -612,32 +621,15 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
              "counter must be a contiguous int32 [2] tensor (zeros)");
   }
   kvpager::PrefillArgs a{};
+  fill_cache_fields(a, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   a.out = out.data_ptr();
-  a.query = query.data_ptr();
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.context_lens = context_lens.data_ptr<int32_t>();
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
   a.work = work.data_ptr<int32_t>();
   a.ws_counter = counter.has_value() ? counter->data_ptr<int32_t>() : nullptr;
   a.q_stride_tok = query.stride(0);
-  a.q_stride_head = query.stride(1);
   a.o_stride_tok = out.stride(0);
   a.o_stride_head = out.stride(1);
-  a.kv_stride_block = k_cache.stride(0);
-  a.kv_stride_head = k_cache.stride(1);
-  a.table_stride = block_tables.stride(0);
   a.num_items = static_cast<int>(work.size(0));
-  a.num_q_heads = static_cast<int>(num_q_heads);
-  a.num_kv_heads = static_cast<int>(num_kv_heads);
-  a.head_dim = static_cast<int>(head_dim);
-  a.block_size = static_cast<int>(block_size);
-  a.log2_block_size = log2_exact(block_size);
-  a.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
-  a.num_cache_blocks = static_cast<int>(k_cache.size(0));
-  a.scale_log2 = static_cast<float>(scale * 1.4426950408889634 * k_scale);
-  a.v_scale = static_cast<float>(v_scale);
   a.warps = static_cast<int>(warps);
   a.wgmma = wgmma ? 1 : 0;
   if (a.num_items == 0 || query.size(0) == 0) return;
