@@ -8,7 +8,8 @@
 #   bash benchmarks/device_check.sh            # the prefill checks and timings (~4 min on an H100/H200)
 #   bash benchmarks/device_check.sh decode     # also the decode GPU tests and --only flush,quick,list_loads
 #
-# The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
+# Every step has a time limit (a kernel that deadlocks on its barriers would otherwise spin until
+# the device command's own limit). The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
 # package the GPU image lacks, and the kernel tests need none of its fixtures.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -17,16 +18,16 @@ mkdir -p "$out"
 summary=()
 
 nvidia-smi --query-gpu=name --format=csv,noheader
-python3 -c "from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()" || exit 1
+timeout 600 python3 -c "from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()" || exit 1
 
-python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_prefill_gpu.py > "$out/test_prefill.log" 2>&1
+timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_prefill_gpu.py > "$out/test_prefill.log" 2>&1
 summary+=("tests/gpu/test_prefill_gpu.py: $(grep -E 'passed|failed|error' "$out/test_prefill.log" | tail -1)")
 
-python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" | tee "$out/prefill_kernel.log"
+timeout 300 python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" | tee "$out/prefill_kernel.log"
 
 for tool in memcheck racecheck; do
   for schedule in static dynamic; do
-    line=$(compute-sanitizer --tool $tool python3 benchmarks/prefill_shape.py "ragged: 24 prompts 16-1K" \
+    line=$(timeout 200 compute-sanitizer --tool $tool python3 benchmarks/prefill_shape.py "ragged: 24 prompts 16-1K" \
            --schedule $schedule 2>&1 | grep -E "SUMMARY" | tail -1)
     summary+=("$tool, $schedule schedule: ${line:-no summary}")
   done
@@ -35,7 +36,7 @@ done
 metrics=gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 for shape in "32 x 512 prompts" "8 x 2K prompts" "1 x 4K prompt"; do
   for schedule in static dynamic; do
-    ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --metrics $metrics \
+    timeout 120 ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --metrics $metrics \
         python3 benchmarks/prefill_shape.py "$shape" --schedule $schedule > "$out/ncu.log" 2>&1
     vals=$(grep -E "duration|hit_rate|dram__bytes|hmma" "$out/ncu.log" | awk '{print $1"="$(NF)" "$(NF-1)}' | tr '\n' ' ')
     summary+=("ncu $shape, $schedule: $vals")
@@ -43,12 +44,12 @@ for shape in "32 x 512 prompts" "8 x 2K prompts" "1 x 4K prompt"; do
 done
 
 if [ "${1:-}" = "decode" ]; then
-  python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/gpu/test_fp8_model_gpu.py \
+  timeout 600 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/gpu/test_fp8_model_gpu.py \
       tests/gpu/test_layer_ops_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_cuda_swap.py > "$out/test_decode.log" 2>&1
   summary+=("decode GPU tests: $(grep -E 'passed|failed|error' "$out/test_decode.log" | tail -1)")
   # flush: short shapes under both L2 flushes; quick: the loads x splits sweep; list_loads: the work
   # list with 2 and 4 loads in flight (on an H200 the kernel stopped near 78% of the copy ceiling)
-  python3 benchmarks/kernels.py --only flush,quick,list_loads 2>&1 | tee "$out/decode.log"
+  timeout 400 python3 benchmarks/kernels.py --only flush,quick,list_loads 2>&1 | tee "$out/decode.log"
 fi
 
 printf '\n== summary\n'
