@@ -32,7 +32,6 @@ dereferenced), and a context longer than its table row is clamped to the row.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,10 +40,11 @@ import torch
 
 from . import decode_plan as work_plan
 from .extension import available, load, load_error
+from .prefill_plan import PREFILL_SCHEDULES, PREFILL_WARPS, prefill_schedule, prefill_work
 
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
-           "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work",
+           "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work", "prefill_schedule",
            "PrefillKernelPlan", "plan_prefill", "paged_prefill_run", "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
            "silu_and_mul"]
 
@@ -255,9 +255,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 PREFILL_HEAD_DIMS = (64, 128)
 PREFILL_BLOCK_SIZES = (8, 16, 32, 64)
-PREFILL_WARPS = 8   # warps per prefill block (16 query rows each); kernels/debug.py runs the 4-warp instances
-PREFILL_SCHEDULE_ENV = "KVPAGER_PREFILL_SCHEDULE"
-PREFILL_SCHEDULES = ("static", "dynamic")
 
 
 def prefill_wgmma(device: torch.device) -> bool:
@@ -282,57 +279,6 @@ def supports_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (query.dtype in (torch.float16, torch.bfloat16) and k_cache.dim() == 4
             and (k_cache.dtype == query.dtype or k_cache.dtype == FP8)
             and k_cache.shape[3] in PREFILL_HEAD_DIMS and k_cache.shape[2] in PREFILL_BLOCK_SIZES)
-
-
-def prefill_schedule() -> str:
-    """How the prefill kernel's persistent (Hopper) blocks take their work, from
-    ``KVPAGER_PREFILL_SCHEDULE``: "static" (the default: the list sorted heaviest first, dealt in
-    stripes over the blocks, alternately forwards and backwards) or "dynamic" (each block takes the
-    next item from a device counter when it is ready for one, over a list that keeps a sequence's
-    items together: the items running at once share their K/V in the L2). ValueError for others."""
-    value = os.environ.get(PREFILL_SCHEDULE_ENV, "static") or "static"
-    if value not in PREFILL_SCHEDULES:
-        raise ValueError(f"{PREFILL_SCHEDULE_ENV} must be one of {', '.join(PREFILL_SCHEDULES)}, got {value!r}")
-    return value
-
-
-def prefill_work(starts, context_lens, group: int, warps: int | None = None, seqs=None,
-                 order: str = "heaviest") -> np.ndarray:
-    """The prefill kernel's work list, int32 ``[num_items, 2]`` of (sequence, row tile), from
-    HOST lengths: ``starts`` the query CSR offsets (num_seqs + 1), ``context_lens`` (num_seqs).
-    A sequence of q new tokens has q * group rows (token x GQA head), cut into tiles of
-    16 * warps rows; an item's cost is the K/V positions it reads. ``order``: "heaviest" (every
-    item by cost, most first: the static schedule's balance needs it) or "by_sequence" (the
-    sequences by their heaviest item, most first, each sequence's items together, heaviest
-    first: for the dynamic schedule, which balances any order, and whose blocks then work on
-    few sequences at a time). ``seqs``: the sequences to cover (default: every one with new
-    tokens). O(items log items)."""
-    if order not in ("heaviest", "by_sequence"):
-        raise ValueError(f"order must be 'heaviest' or 'by_sequence', got {order!r}")
-    rows_per_tile = 16 * (warps or PREFILL_WARPS)
-    starts = np.asarray(starts, dtype=np.int64)
-    ctx = np.asarray(context_lens, dtype=np.int64)
-    q = starts[1:] - starts[:-1]
-    ids = np.nonzero(q > 0)[0] if seqs is None else np.asarray(seqs, dtype=np.int64)
-    if len(ids) == 0:
-        return np.zeros((0, 2), dtype=np.int32)
-    rows = q[ids] * group
-    tiles = (rows + rows_per_tile - 1) // rows_per_tile
-    seq = np.repeat(ids, tiles)
-    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
-    tile = np.arange(len(seq)) - first
-    last_row = np.minimum(np.repeat(rows, tiles), (tile + 1) * rows_per_tile) - 1
-    cost = ctx[seq] - q[seq] + last_row // group + 1
-    if order == "heaviest":
-        order_idx = np.argsort(-cost, kind="stable")
-    else:
-        group_of_item = np.repeat(np.arange(len(ids)), tiles)
-        heaviest = np.full(len(ids), np.iinfo(np.int64).min)
-        np.maximum.at(heaviest, group_of_item, cost)
-        rank = np.empty(len(ids), dtype=np.int64)
-        rank[np.argsort(-heaviest, kind="stable")] = np.arange(len(ids))
-        order_idx = np.lexsort((-cost, rank[group_of_item]))
-    return np.ascontiguousarray(np.stack([seq[order_idx], tile[order_idx]], axis=1).astype(np.int32))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The prefill kernel's work list (kernels/cuda.py ``prefill_work``), planned on the host: every
+"""The prefill kernel's work list (kernels/prefill_plan.py ``prefill_work``), planned on the host: every
 row tile of every sequence with new tokens exactly once, in the order each schedule needs, and the
 schedule chosen from the environment. No GPU needed (the list is numpy)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpager.kernels import cuda
+from kvpager.kernels import prefill_plan as plan
 
-ROWS = 16 * cuda.PREFILL_WARPS   # rows per tile of the default instance
+ROWS = 16 * plan.PREFILL_WARPS   # rows per tile of the default instance
 
 
 def _batch(rng: np.random.Generator, n: int):
@@ -36,7 +36,7 @@ def _expected_items(q, group):
 @pytest.mark.parametrize("seed", range(4))
 def test_heaviest_order_covers_every_tile_once_most_expensive_first(group, seed):
     starts, ctx, q = _batch(np.random.default_rng(seed), 40)
-    work = cuda.prefill_work(starts, ctx, group)
+    work = plan.prefill_work(starts, ctx, group)
     assert work.dtype == np.int32 and work.shape[1] == 2
     items = [tuple(int(x) for x in row) for row in work]
     assert len(items) == len(set(items)) and set(items) == _expected_items(q, group)
@@ -48,7 +48,7 @@ def test_heaviest_order_covers_every_tile_once_most_expensive_first(group, seed)
 @pytest.mark.parametrize("seed", range(4))
 def test_by_sequence_order_keeps_each_sequence_together_heaviest_first(group, seed):
     starts, ctx, q = _batch(np.random.default_rng(100 + seed), 40)
-    work = cuda.prefill_work(starts, ctx, group, order="by_sequence")
+    work = plan.prefill_work(starts, ctx, group, order="by_sequence")
     items = [tuple(int(x) for x in row) for row in work]
     assert len(items) == len(set(items)) and set(items) == _expected_items(q, group)
     seqs = [s for s, _ in items]
@@ -69,21 +69,21 @@ def test_by_sequence_order_keeps_each_sequence_together_heaviest_first(group, se
 def test_only_the_named_sequences_and_none_without_new_tokens():
     starts, ctx = [0, 300, 300, 900], [300, 50, 1000]
     for order in ("heaviest", "by_sequence"):
-        work = cuda.prefill_work(starts, ctx, 4, seqs=[1, 2], order=order)
+        work = plan.prefill_work(starts, ctx, 4, seqs=[1, 2], order=order)
         assert {int(s) for s in work[:, 0]} == {2}   # sequence 1 has no new tokens: no items
-        assert cuda.prefill_work([0, 0], [5], 4, order=order).shape == (0, 2)
+        assert plan.prefill_work([0, 0], [5], 4, order=order).shape == (0, 2)
 
 
 def test_unknown_order_is_refused():
     with pytest.raises(ValueError, match="order"):
-        cuda.prefill_work([0, 4], [4], 1, order="random")
+        plan.prefill_work([0, 4], [4], 1, order="random")
 
 
 def test_schedule_from_the_environment(monkeypatch):
-    monkeypatch.delenv(cuda.PREFILL_SCHEDULE_ENV, raising=False)
-    assert cuda.prefill_schedule() == "static"
-    monkeypatch.setenv(cuda.PREFILL_SCHEDULE_ENV, "dynamic")
-    assert cuda.prefill_schedule() == "dynamic"
-    monkeypatch.setenv(cuda.PREFILL_SCHEDULE_ENV, "fastest")
-    with pytest.raises(ValueError, match=cuda.PREFILL_SCHEDULE_ENV):
-        cuda.prefill_schedule()
+    monkeypatch.delenv(plan.PREFILL_SCHEDULE_ENV, raising=False)
+    assert plan.prefill_schedule() == "static"
+    monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "dynamic")
+    assert plan.prefill_schedule() == "dynamic"
+    monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "fastest")
+    with pytest.raises(ValueError, match=plan.PREFILL_SCHEDULE_ENV):
+        plan.prefill_schedule()
