@@ -10,7 +10,6 @@ workers once every tensor-parallel rank registered.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import signal
 import socket
@@ -25,7 +24,7 @@ from kvpager.commands import cli, security
 from kvpager.manager import config as config_mod
 from kvpager.manager.config import ManagerConfig
 from kvpager.errors import ManagerError
-from kvpager.manager.service import SERVICE_NAME, create_server
+from kvpager.manager.service import SERVICE_NAME, create_server, settle_garbage_collector
 from kvpager.manager.wal import CorruptState
 
 log = logging.getLogger("kvpager.manager")
@@ -195,12 +194,7 @@ def run(args: argparse.Namespace) -> int:
             service.close()
             raise cli.Failure(cli.one_line(err)) from err
     _warn_about_security(args, secure)  # once it can serve: a failure to start stays one line
-    # The pools are hundreds of thousands of long-lived objects: keep the collector from
-    # rescanning them (a full collection would otherwise stall every RPC for ~0.1-0.4 s), and
-    # collect the young generation less often (each Step allocates thousands of short-lived ones).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 50, 100)
+    settle_garbage_collector()   # a full collection would stall every RPC for ~0.1-0.4 s
     server.start()
     log.info("block manager listening on %s:%d (%s)", args.host, port, config)
     print(f"listening on {args.host}:{port}", flush=True)

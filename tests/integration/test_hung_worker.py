@@ -6,6 +6,7 @@ waits for it; the waiting step fails UNAVAILABLE after the plan timeout and is r
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import threading
@@ -17,12 +18,16 @@ import grpc
 from kvpager import client as C
 from kvpager import errors
 from kvpager.manager import ManagerConfig
-from kvpager.manager.service import create_server
+from kvpager.manager.service import create_server, settle_garbage_collector
 from kvpager.numeric import percentile
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
 PLAN_TIMEOUT = 2.0
+# Enough blocks that the appenders (47 threads, up to ~100 appends a second each over the ~3 s of
+# load, a block every 4 tokens) never run the pool dry on a fast machine: the test is about
+# latency, and RESOURCE_EXHAUSTED would fail it (one CI run made 4,023 appends into 1,024 blocks).
+GPU_BLOCKS = 8192
 # p99 of Ping, GetStats, health and heartbeats while the step waits. On a small machine the 64
 # clients alone take the CPUs: with 2 busy cores the same load measured 45-75 ms at p99 with a
 # healthy worker, and 50-120 ms with the rank stuck, so the bound there only tells CPU
@@ -105,7 +110,7 @@ def load(target: str, kind: str, threads: int, ids, go, stop, results) -> None:
 
 
 def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
-    config = ManagerConfig(block_size=4, num_gpu_blocks=1024, num_cpu_blocks=256, watermark=0.0,
+    config = ManagerConfig(block_size=4, num_gpu_blocks=GPU_BLOCKS, num_cpu_blocks=256, watermark=0.0,
                            worker_plan_timeout=PLAN_TIMEOUT, worker_heartbeat_timeout=5.0)
     server, port, service, _ = create_server(config, "127.0.0.1:0", max_workers=16)
     server.start()
@@ -114,6 +119,7 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
     context = multiprocessing.get_context("spawn")
     go, stop, results, ids = context.Event(), context.Event(), context.Queue(), context.Queue()
     # 64 clients: 16 reading (Ping, GetStats, health), 1 heartbeating rank, 47 appending.
+    gc_thresholds = None
     plan = [("reads", 8)] * 2 + [("heartbeat", 1)] + [("m0", 24), ("m1", 23)]
     try:
         with C.BlockManagerClient(target, timeout=10) as client:
@@ -128,10 +134,13 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
             for _ in procs:
                 assert results.get(timeout=60) == "ready"
             reply = client.stub.RegisterWorker(pb.RegisterWorkerRequest(
-                address=f"127.0.0.1:{worker_port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=1024,
+                address=f"127.0.0.1:{worker_port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=GPU_BLOCKS,
                 num_cpu_blocks=256, block_size=4), timeout=5)
             ids.put(reply.worker_id)
             assert client.health() == "SERVING"
+            # As `kvpager manager` does before it serves: without it a full collection of this
+            # process (pytest's objects too) stalls every RPC at once (~0.3 s seen on CI).
+            gc_thresholds = settle_garbage_collector()
             go.set()
             time.sleep(0.5)  # the load runs before the stuck step too
 
@@ -192,6 +201,9 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
         server.stop(None)
         service.close()
         worker_server.stop(None)
+        if gc_thresholds is not None:
+            gc.unfreeze()
+            gc.set_threshold(*gc_thresholds)
 
 
 def test_a_rank_dropped_for_missed_heartbeats_fails_its_step_at_once():
