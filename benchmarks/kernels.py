@@ -58,6 +58,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -1003,6 +1004,41 @@ def _fastest_sdpa(q4s, ks, vs, masks, scale):
     return best, results
 
 
+@dataclass
+class PrefillCase:
+    """One prefill shape laid out as the kernel reads it: K/V in a LAYERS-layer block-major cache
+    behind randperm'd tables (layer 0's views), the queries, and the lengths on both sides."""
+    cache: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: torch.Tensor
+    query: torch.Tensor
+    lens: torch.Tensor           # context lengths, int32, on the device
+    starts: torch.Tensor         # query CSR offsets, int32, on the device
+    host: tuple[list[int], list[int]]   # (query starts, context lengths) as host ints
+
+
+def prefill_case(seqs, gen: torch.Generator) -> PrefillCase:
+    """seqs: (new tokens, context) per sequence; random data from ``gen`` (a CUDA generator)."""
+    nblk = [ceil_div(c, B) for _, c in seqs]
+    total = sum(nblk)
+    cache = torch.randn(total, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda", generator=gen)
+    perm = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
+    at = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    ctxs = [c for _, c in seqs]
+    starts = [0]
+    for q, _ in seqs:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+    return PrefillCase(cache, cache[:, 0, 0], cache[:, 0, 1], tables, query,
+                       torch.tensor(ctxs, dtype=torch.int32, device="cuda"),
+                       torch.tensor(starts, dtype=torch.int32, device="cuda"), (starts, ctxs))
+
+
 def bench_prefill_kernel() -> None:
     """Our paged prefill kernel against the fastest torch SDPA backend over the same shapes laid
     out contiguously, and against gather + SDPA (kernels/prefill.py without the kernel)."""
@@ -1021,26 +1057,10 @@ def bench_prefill_kernel() -> None:
           f"{'gather+SDPA':>11} {'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
     table = []
     for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
-        gen = torch.Generator(device="cuda").manual_seed(len(seqs))
-        nblk = [ceil_div(c, B) for _, c in seqs]
-        total = sum(nblk)
-        cache = torch.randn(total, LAYERS, 2, HKV, B, D, dtype=DTYPE, device="cuda", generator=gen)
-        perm = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
-        tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
-        at = 0
-        for i, n in enumerate(nblk):
-            tables[i, :n] = perm[at:at + n]
-            at += n
-        k, v = cache[:, 0, 0], cache[:, 0, 1]
-        q_lens = [q for q, _ in seqs]
-        ctxs = [c for _, c in seqs]
-        starts_l = [0]
-        for q in q_lens:
-            starts_l.append(starts_l[-1] + q)
-        query = torch.randn(starts_l[-1], HQ, D, dtype=DTYPE, device="cuda", generator=gen)
-        lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
-        starts = torch.tensor(starts_l, dtype=torch.int32, device="cuda")
-        host = (starts_l, ctxs)
+        case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
+        cache, k, v, tables, query, lens, starts, host = (case.cache, case.k, case.v, case.tables, case.query,
+                                                          case.lens, case.starts, case.host)
+        starts_l = host[0]
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
         def ours(w, wg, schedule):

@@ -17,7 +17,6 @@ import kernels as bench  # benchmarks/kernels.py (this script's folder): the sha
 import torch
 
 from kvpager.kernels import debug
-from kvpager.numeric import ceil_div
 
 
 def main() -> None:
@@ -34,27 +33,10 @@ def main() -> None:
         return
     if args.shape not in shapes:
         ap.error(f"unknown shape {args.shape!r}; --list names them")
-    seqs = shapes[args.shape]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    nblk = [ceil_div(c, bench.B) for _, c in seqs]
-    cache = torch.randn(sum(nblk), bench.LAYERS, 2, bench.HKV, bench.B, bench.D, dtype=bench.DTYPE, device="cuda",
-                        generator=gen)
-    perm = torch.randperm(sum(nblk), device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros(len(seqs), max(nblk), dtype=torch.int32, device="cuda")
-    at = 0
-    for i, n in enumerate(nblk):
-        tables[i, :n] = perm[at:at + n]
-        at += n
-    starts = [0]
-    for q, _ in seqs:
-        starts.append(starts[-1] + q)
-    query = torch.randn(starts[-1], bench.HQ, bench.D, dtype=bench.DTYPE, device="cuda", generator=gen)
-    ctx = [c for _, c in seqs]
-    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
-    starts_d = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    c = bench.prefill_case(shapes[args.shape], torch.Generator(device="cuda").manual_seed(1))
     for _ in range(args.runs):
-        debug.paged_prefill_attention(query, cache[:, 0, 0], cache[:, 0, 1], tables, lens, starts_d, bench.D ** -0.5,
-                                      host_lengths=(starts, ctx), warps=8, wgmma=True, schedule=args.schedule)
+        debug.paged_prefill_attention(c.query, c.k, c.v, c.tables, c.lens, c.starts, bench.D ** -0.5,
+                                      host_lengths=c.host, warps=8, wgmma=True, schedule=args.schedule)
     torch.cuda.synchronize()
     print(f"ran {args.shape!r} {args.runs} times")
 

@@ -40,7 +40,7 @@ import torch
 
 from . import decode_plan as work_plan
 from .extension import available, load, load_error
-from .prefill_plan import PREFILL_SCHEDULES, PREFILL_WARPS, prefill_schedule, prefill_work
+from .prefill_plan import PREFILL_WARPS, check_schedule, prefill_schedule, prefill_work
 
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
@@ -304,10 +304,7 @@ def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, 
 
 def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None,
                   schedule: str | None = None) -> PrefillKernelPlan:
-    schedule = schedule or prefill_schedule()
-    if schedule not in PREFILL_SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(PREFILL_SCHEDULES)}, got {schedule!r}")
-    dynamic = schedule == "dynamic"
+    dynamic = (check_schedule(schedule) if schedule else prefill_schedule()) == "dynamic"
     group = query_like.shape[1] // k_cache.shape[1]
     work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs,
                                          order="by_sequence" if dynamic else "heaviest"))

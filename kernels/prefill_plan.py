@@ -34,9 +34,13 @@ def prefill_schedule() -> str:
     stripes over the blocks, alternately forwards and backwards) or "dynamic" (each block takes the
     next item from a device counter when it is ready for one, over a list that keeps a sequence's
     items together: the items running at once share their K/V in the L2). ValueError for others."""
-    value = os.environ.get(PREFILL_SCHEDULE_ENV, "static") or "static"
+    return check_schedule(os.environ.get(PREFILL_SCHEDULE_ENV, "static") or "static", PREFILL_SCHEDULE_ENV)
+
+
+def check_schedule(value: str, what: str = "schedule") -> str:
+    """``value`` if it names a schedule, else ValueError naming ``what`` (a variable, an argument)."""
     if value not in PREFILL_SCHEDULES:
-        raise ValueError(f"{PREFILL_SCHEDULE_ENV} must be one of {', '.join(PREFILL_SCHEDULES)}, got {value!r}")
+        raise ValueError(f"{what} must be one of {', '.join(PREFILL_SCHEDULES)}, got {value!r}")
     return value
 
 

@@ -316,9 +316,8 @@ struct PrefillBlock {
     my_row = loader / CCPR;
   }
 
-  // Q tile -> shared at dst (default: sQ) by cp.async; padding rows are zero-filled.
-  __device__ __forceinline__ void load_q(T* dst = nullptr) {
-    if (dst == nullptr) dst = sQ;
+  // Q tile -> shared (cp.async); padding rows are zero-filled.
+  __device__ __forceinline__ void load_q() {
     for (int idx = loader; idx < BM * CPR; idx += NT) {
       const int r = idx / CPR, ch = idx % CPR;
       const int gr = row0 + r;
@@ -326,7 +325,7 @@ struct PrefillBlock {
       const int token = valid ? gr / G : 0, h = kvh * G + (valid ? gr % G : 0);
       const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(q_start + token) * a.q_stride_tok +
                      static_cast<int64_t>(h) * a.q_stride_head + ch * 8;
-      cp_async16(smem_addr(dst + tile_off<BM>(r, ch)), src, valid);
+      cp_async16(smem_addr(sQ + tile_off<BM>(r, ch)), src, valid);
     }
   }
 

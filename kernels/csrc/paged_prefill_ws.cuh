@@ -369,6 +369,14 @@ __device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* 
   }
 }
 
+// O += P V over the V tile at v_tile (N-major), issued (not waited for).
+template <typename T, int D, int BN>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[BN / 16][4], uint32_t v_tile) {
+  const uint64_t v_desc = gmma_desc(v_tile, BN * 128, 1024);
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
+}
+
 // Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
 template <typename T, int D>
 __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw) {
@@ -430,9 +438,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
         mbar_wait(sm.full_v(prev.stage), prev.phase);
         fence_proxy_async();
-        const uint64_t v_desc = gmma_desc(sm.v_tile(prev.stage), BN * 128, 1024);
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
+        issue_pv<T, D, BN>(o, pa, sm.v_tile(prev.stage));
         wgmma_commit();
       }
       if (j > 0)
@@ -462,12 +468,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     if (blk.n_tiles > 0) {   // the last P V
       mbar_wait(sm.full_v(prev.stage), prev.phase);
       fence_proxy_async();
-      const uint64_t v_desc = gmma_desc(sm.v_tile(prev.stage), BN * 128, 1024);
       fence_regs(o);
       fence_regs(pa);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
+      issue_pv<T, D, BN>(o, pa, sm.v_tile(prev.stage));
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
