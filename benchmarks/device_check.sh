@@ -7,6 +7,10 @@
 #
 #   bash benchmarks/device_check.sh            # the prefill checks and timings (~4 min on an H100/H200)
 #   bash benchmarks/device_check.sh decode     # also the decode GPU tests and --only flush,quick,list_loads
+#   VARIANTS="base=;q2=-DKVPAGER_PREFILL_WS_QBUF=2" bash benchmarks/device_check.sh
+#       # times the prefill table for each build variant (kernels.py --variants) instead of once;
+#       # the checks run on the first variant's build
+#   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
 #
 # Every step has a time limit (a kernel that deadlocks on its barriers would otherwise spin until
 # the device command's own limit). The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
@@ -18,12 +22,26 @@ mkdir -p "$out"
 summary=()
 
 nvidia-smi --query-gpu=name --format=csv,noheader
+variants=${VARIANTS:-}
+if [ -n "$variants" ]; then
+  # The checks below run on the first variant's build: kernels.py --variants builds each variant
+  # in <tempdir>/kvpager_variant_<name> with its flags, and finds this one built.
+  # The other variants build meanwhile, in the background.
+  build="from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()"
+  IFS=';' read -ra specs <<< "$variants"
+  for spec in "${specs[@]:1}"; do
+    name=$(echo "${spec%%=*}" | xargs)
+    KVPAGER_EXT_DIR=/tmp/kvpager_variant_$name KVPAGER_EXT_CUDA_FLAGS=${spec#*=} timeout 600 python3 -c "$build" \
+        > "$out/build_$name.log" 2>&1 &
+  done
+  first=${variants%%;*}
+  export KVPAGER_EXT_DIR=/tmp/kvpager_variant_$(echo "${first%%=*}" | xargs) KVPAGER_EXT_CUDA_FLAGS=${first#*=}
+fi
 timeout 600 python3 -c "from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()" || exit 1
 
 timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_prefill_gpu.py > "$out/test_prefill.log" 2>&1
 summary+=("tests/gpu/test_prefill_gpu.py: $(grep -E 'passed|failed|error' "$out/test_prefill.log" | tail -1)")
 
-timeout 300 python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" | tee "$out/prefill_kernel.log"
 
 for tool in memcheck racecheck; do
   for schedule in static dynamic; do
@@ -33,8 +51,18 @@ for tool in memcheck racecheck; do
   done
 done
 
+if [ -n "$variants" ]; then
+  wait
+  (unset KVPAGER_EXT_DIR KVPAGER_EXT_CUDA_FLAGS
+   timeout 600 python3 benchmarks/kernels.py --variants "$variants" --only prefill_kernel 2>&1 | grep -v "SDPA backends" \
+       | tee "$out/prefill_kernel.log")
+else
+  timeout 300 python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" | tee "$out/prefill_kernel.log"
+fi
+
 metrics=gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
 for shape in "32 x 512 prompts" "8 x 2K prompts" "1 x 4K prompt"; do
+  [ "${NCU:-1}" = 0 ] && break
   for schedule in static dynamic; do
     timeout 120 ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --metrics $metrics \
         python3 benchmarks/prefill_shape.py "$shape" --schedule $schedule > "$out/ncu.log" 2>&1

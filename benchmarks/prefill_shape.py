@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the shape names")
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--schedule", choices=("static", "dynamic"), default=None,
-                    help="the persistent kernel's schedule (default: KVPAGER_PREFILL_SCHEDULE, else static)")
+                    help="the persistent kernel's schedule (default: KVPAGER_PREFILL_SCHEDULE, else dynamic)")
     args = ap.parse_args()
     if args.list:
         print("\n".join(shapes))

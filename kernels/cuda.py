@@ -304,7 +304,10 @@ def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, 
 
 def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None,
                   schedule: str | None = None) -> PrefillKernelPlan:
-    dynamic = (check_schedule(schedule) if schedule else prefill_schedule()) == "dynamic"
+    use_wgmma = (prefill_wgmma(query_like.device) and warps == 8) if wgmma is None else bool(wgmma)
+    # The persistent kernel (paged_prefill_ws.cuh) runs for wgmma over a cache of the queries' dtype.
+    persistent = use_wgmma and k_cache.dtype == query_like.dtype
+    dynamic = (check_schedule(schedule) if schedule else prefill_schedule(persistent)) == "dynamic"
     group = query_like.shape[1] // k_cache.shape[1]
     work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs,
                                          order="by_sequence" if dynamic else "heaviest"))
@@ -313,7 +316,6 @@ def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bo
         work = work.pin_memory().to(query_like.device, non_blocking=True)
         if dynamic:
             counter = torch.zeros(2, dtype=torch.int32, device=query_like.device)
-    use_wgmma = (prefill_wgmma(query_like.device) and warps == 8) if wgmma is None else bool(wgmma)
     return PrefillKernelPlan(work, warps, use_wgmma, counter)
 
 

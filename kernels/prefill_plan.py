@@ -6,12 +6,16 @@ tiles of 16 * warps rows; a work item is one (sequence, row tile), run for every
 is the K/V positions it reads (the cached prefix and the tile's own causal span). The kernel
 (``kernels/csrc/paged_prefill_ws.cuh`` on Hopper) takes the list in one of two ways:
 
-- static (the default): the list sorted heaviest first, dealt over the blocks in stripes,
-  alternately forwards and backwards; balanced because the costs fall along the list;
-- dynamic (``KVPAGER_PREFILL_SCHEDULE=dynamic``): each block takes the next (item, KV head) pair
+- static: the list sorted heaviest first, dealt over the blocks in stripes, alternately forwards
+  and backwards; balanced because the costs fall along the list;
+- dynamic (the default for the persistent kernel): each block takes the next (item, KV head) pair
   from a device counter when it is ready for one, so any order balances, and the list keeps each
   sequence's items together: the pairs running at once then share their K/V in the L2 (with the
-  static stripes they span every sequence, and short prompts in large batches miss the L2).
+  static stripes they span every sequence, and short prompts in large batches miss the L2:
+  docs/performance.md, "Prefill kernel, warp-specialized").
+
+``KVPAGER_PREFILL_SCHEDULE=static|dynamic`` overrides the default. The one-block-per-item kernels
+(fp8 caches, GPUs before Hopper) always take the heaviest-first list in launch order.
 
 Plan once per step, run per layer (``cuda.plan_prefill``): the list depends only on the step's
 lengths. Pure numpy; no GPU needed.
@@ -28,13 +32,17 @@ PREFILL_SCHEDULE_ENV = "KVPAGER_PREFILL_SCHEDULE"
 PREFILL_SCHEDULES = ("static", "dynamic")
 
 
-def prefill_schedule() -> str:
-    """How the prefill kernel's persistent (Hopper) blocks take their work, from
-    ``KVPAGER_PREFILL_SCHEDULE``: "static" (the default: the list sorted heaviest first, dealt in
-    stripes over the blocks, alternately forwards and backwards) or "dynamic" (each block takes the
-    next item from a device counter when it is ready for one, over a list that keeps a sequence's
-    items together: the items running at once share their K/V in the L2). ValueError for others."""
-    return check_schedule(os.environ.get(PREFILL_SCHEDULE_ENV, "static") or "static", PREFILL_SCHEDULE_ENV)
+def prefill_schedule(persistent: bool = True) -> str:
+    """How the prefill kernel's blocks take their work: ``KVPAGER_PREFILL_SCHEDULE`` where set
+    ("static": the list sorted heaviest first, dealt in stripes over the blocks, alternately
+    forwards and backwards; "dynamic": each block takes the next item from a device counter when
+    it is ready for one, over a list that keeps a sequence's items together, so the items running
+    at once share their K/V in the L2; ValueError for others), else "dynamic" for the persistent
+    (Hopper, 16-bit cache) kernel and "static" for the others."""
+    value = os.environ.get(PREFILL_SCHEDULE_ENV, "")
+    if not value:
+        return "dynamic" if persistent else "static"
+    return check_schedule(value, PREFILL_SCHEDULE_ENV)
 
 
 def check_schedule(value: str, what: str = "schedule") -> str:

@@ -31,7 +31,8 @@
 // done) and tiles while the consumers finish the item: its last P V and its output rows.
 //
 // Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
-// one more (thread 0's, releasing the record); empty barriers one arrival per consumer warp (8).
+// one more (thread 0's, releasing the record); empty K/V barriers one arrival per consumer warp
+// (8), q_empty one per consumer thread (256: each thread read the record).
 #pragma once
 
 #include "paged_prefill.cuh"
@@ -39,8 +40,9 @@
 namespace kvpager {
 
 // KVPAGER_PREFILL_WS_QBUF=2: two Q buffers (the producer loads the next item's Q while the
-// consumers still read this one's), and then room for only 2 K/V stages; 1 (default): one Q
-// buffer, 3 stages.
+// consumers still read this one's); 1 (default): one Q buffer.
+// KVPAGER_PREFILL_WS_STAGES: K/V stages (default 3). Shared memory at head_dim 128: 32 KB per Q
+// buffer and 64 KB per stage (K and V tiles of 128 positions), of the 227 KB a block can have.
 // KVPAGER_PREFILL_WS_PINGPONG=0: the consumer warpgroups issue their GEMMs without taking turns.
 #ifndef KVPAGER_PREFILL_WS_PINGPONG
 #define KVPAGER_PREFILL_WS_PINGPONG 1
@@ -48,11 +50,14 @@ namespace kvpager {
 #ifndef KVPAGER_PREFILL_WS_QBUF
 #define KVPAGER_PREFILL_WS_QBUF 1
 #endif
+#ifndef KVPAGER_PREFILL_WS_STAGES
+#define KVPAGER_PREFILL_WS_STAGES 3
+#endif
 constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUF;
-constexpr int kWsStages = kWsQBufs == 2 ? 2 : 3;   // K and V stages (tiles of kWgmmaBN positions)
+constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWgmmaBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
-constexpr int kWsBarrierBytes = 128;
+constexpr int kWsBarrierBytes = (8 * (4 * kWsStages + 2 * kWsQBufs) + 15) / 16 * 16;   // full/empty K, V and Q
 constexpr int kWsRecordBytes = 32;   // one WsRecord per Q buffer
 constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-schedule ticket
 
@@ -63,6 +68,10 @@ constexpr int prefill_ws_smem_bytes() {
   return (kWsQBufs * kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes +
          kWsQBufs * kWsRecordBytes + kWsTicketBytes;
 }
+
+static_assert(prefill_ws_smem_bytes<128>() <= 227 * 1024,
+              "Q buffers and K/V stages fit the 227 KB of shared memory a Hopper block can have "
+              "(a stage of K and V is 64 KB at head_dim 128: QBUF=2 leaves room for 2 stages)");
 
 namespace prefill_detail {
 #if KVPAGER_PREFILL_WGMMA
@@ -321,6 +330,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     const PrefillItem item = load_item(a, pair / a.num_kv_heads);
     Blk blk(a, smem_raw, item, pair % a.num_kv_heads, threadIdx.x);
     if (!blk.live) continue;   // the consumers never hear of it
+    int pages = tile_pages(blk, 0);   // the first tile's block ids: loads issued before the wait
     // Both consumers' last S GEMM of the item that used this buffer before is done.
     mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
     if (threadIdx.x == 0) {
@@ -333,7 +343,6 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
     const RowCopier<T, D> rows(blk);
-    int pages = tile_pages(blk, 0);
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * Blk::BN;
       const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
@@ -394,8 +403,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
 
   for (;;) {
-    // The producer's next item: its Q tile and its record (the record is read before the buffer
-    // can be refilled: that waits for this item's last S GEMM).
+    // The producer's next item: its Q tile and its record. Every consumer thread signals the
+    // buffer free (q_empty) after this item's last S GEMM, so each one's read of the record is
+    // ordered before the producer's next write by its own arrival (racecheck flags an order
+    // that runs through __syncwarp and one lane's arrival).
     const int qb = qcur.stage;
     mbar_wait(sm.q_full(qb), qcur.phase);
     qcur.advance();
@@ -450,10 +461,8 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       named_arrive(their_turn, 256);
       fence_regs(s);
       __syncwarp();
-      if (signals) {
-        mbar_arrive(sm.empty_k(cur.stage));
-        if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty(qb));   // the item's last read of Q
-      }
+      if (signals) mbar_arrive(sm.empty_k(cur.stage));
+      if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty(qb));   // the item's last read of Q
       const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
       wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
       fence_regs(o);
@@ -477,7 +486,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(o);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_v(prev.stage));
-    } else if (signals) {
+    } else {
       mbar_arrive(sm.q_empty(qb));
     }
     write_rows<T, D, BN>(blk, soft, o, r_a, t4);
@@ -500,7 +509,7 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
     }
     for (int qb = 0; qb < kWsQBufs; ++qb) {
       mbar_init(sm.q_full(qb), 129);   // the copies' 128 arrivals and thread 0's for the record
-      mbar_init(sm.q_empty(qb), 8);
+      mbar_init(sm.q_empty(qb), 256);   // every consumer thread (the record's readers)
     }
   }
   __syncthreads();

@@ -81,6 +81,9 @@ def test_unknown_order_is_refused():
 
 def test_schedule_from_the_environment(monkeypatch):
     monkeypatch.delenv(plan.PREFILL_SCHEDULE_ENV, raising=False)
+    assert plan.prefill_schedule() == "dynamic"
+    assert plan.prefill_schedule(persistent=False) == "static"
+    monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "static")
     assert plan.prefill_schedule() == "static"
     monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "dynamic")
     assert plan.prefill_schedule() == "dynamic"
