@@ -19,7 +19,9 @@
 //   thread's rows fall in pages and slots known at compile time: one shuffle and one address per
 //   page, then one cp.async per row (about 4 instructions each; computing page and slot per row
 //   took about 25, a third of the SM's issue slots on a 4K prompt, taken from the consumers);
-// - warpgroups 1 and 2, the consumers, take 64 of the item's 128 query rows each. For tile j:
+// - warpgroups 1 and 2, the consumers, take 64 of the item's 128 query rows each, and copy their
+//   rows of Q into registers (the A operand of every S GEMM), which frees the Q buffer at once, so
+//   the producer loads the next item's Q while this one runs. For tile j:
 //   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j while
 //   that runs; release K_j and V_{j-1} to the producer (mbarrier arrivals, one per warp).
 //   Descriptors are built once per tile and stepped by constants; S_j's first k-step ignores
@@ -27,12 +29,12 @@
 //   The two warpgroups take turns issuing their GEMMs (named barriers 1 and 2, FA3's ping-pong):
 //   a warpgroup passes the turn once its S_j is done, so the other's GEMMs queue on the tensor
 //   cores behind its P_{j-1} V_{j-1}, and one's softmax runs under the other's GEMMs.
-// The producer moves on to the next item's Q (once both consumers' last S GEMM of the item is
-// done) and tiles while the consumers finish the item: its last P V and its output rows.
+// The producer moves on to the next item's Q and tiles as soon as it has issued this item's, so
+// the consumers find them landed when they finish the item (its last P V and its output rows).
 //
 // Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
 // one more (thread 0's, releasing the record); empty K/V barriers one arrival per consumer warp
-// (8), q_empty one per consumer thread (256: each thread read the record).
+// (8), q_empty one per consumer thread (256: each thread read the record and its Q fragments).
 #pragma once
 
 #include "paged_prefill.cuh"
@@ -287,8 +289,8 @@ struct RowCopier {
 // This thread's rows of an item's Q tile into the shared tile at `dst`, by cp.async: rows
 // my_row + i * ROW_STEP (i < RPT), chunk my_ch (the rows and chunk it copies of every K/V tile).
 // Row r is token r / G, query head kvh * G + r % G: divided once per item, then each row steps
-// token and head by constants (a division per row cost ~40 instructions, on the path between an
-// item's last S GEMM and the next item's first). Padding rows are zero-filled, never read.
+// token and head by constants (a division per row cost ~40 instructions). Padding rows are
+// zero-filled, never read.
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void ws_load_q(const Blk& blk, uint32_t dst) {
   constexpr int RS = Blk::ROW_STEP, RPT = Blk::RPT;
@@ -331,7 +333,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     Blk blk(a, smem_raw, item, pair % a.num_kv_heads, threadIdx.x);
     if (!blk.live) continue;   // the consumers never hear of it
     int pages = tile_pages(blk, 0);   // the first tile's block ids: loads issued before the wait
-    // Both consumers' last S GEMM of the item that used this buffer before is done.
+    // Every consumer has its Q fragments of the item that used this buffer before.
     mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
     if (threadIdx.x == 0) {
       WsRecord* rec = sm.record(qcur.stage);
@@ -403,10 +405,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
 
   for (;;) {
-    // The producer's next item: its Q tile and its record. Every consumer thread signals the
-    // buffer free (q_empty) after this item's last S GEMM, so each one's read of the record is
-    // ordered before the producer's next write by its own arrival (racecheck flags an order
-    // that runs through __syncwarp and one lane's arrival).
+    // The producer's next item: its Q tile and its record.
     const int qb = qcur.stage;
     mbar_wait(sm.q_full(qb), qcur.phase);
     qcur.advance();
@@ -419,31 +418,39 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
-    // This warpgroup's 64 rows of each 128-byte panel of Q; the descriptors of a tile's k-steps are
-    // its first one's plus a constant (addresses stay inside the descriptor's 18-bit field).
-    const uint64_t q_desc = gmma_desc(sm.q(qb) + wg * 64 * 128, 16, 1024);
+    // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
+    // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
+    // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
+    // (racecheck flags an order that runs through __syncwarp and one lane's arrival).
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    mbar_arrive(sm.q_empty(qb));
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
     StageCursor<> prev;        // V_{j-1}'s stage
 
-    fence_proxy_async();   // cp.async (generic proxy) writes, then wgmma (async proxy) reads
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * BN;
       float s[BN / 8][4];   // not zeroed: the first k-step's wgmma ignores its old contents (scale_d 0)
       mbar_wait(sm.full_k(cur.stage), cur.phase);
       fence_proxy_async();
       named_sync(my_turn, 256);
+      // The descriptors of a tile's k-steps are its first one's plus a constant (addresses stay
+      // inside the descriptor's 18-bit field).
       const uint64_t k_desc = gmma_desc(sm.k_tile(cur.stage), 16, 1024);
       fence_regs(s);
       fence_regs(o);
       fence_regs(pa);
+      fence_regs(qa);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t dq = (kk >> 2) * (BM * 128) + (kk & 3) * 32, dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-        wgmma_ss(Tag<T>{}, s, q_desc + (dq >> 4), k_desc + (dk >> 4), kk == 0 ? 0 : 1);
+        const uint32_t dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+        wgmma_rs<0>(Tag<T>{}, s, qa[kk], k_desc + (dk >> 4), kk == 0 ? 0 : 1);
       }
       wgmma_commit();
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
@@ -462,7 +469,6 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(s);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_k(cur.stage));
-      if (j + 1 == blk.n_tiles) mbar_arrive(sm.q_empty(qb));   // the item's last read of Q
       const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
       wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
       fence_regs(o);
@@ -486,8 +492,6 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(o);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_v(prev.stage));
-    } else {
-      mbar_arrive(sm.q_empty(qb));
     }
     write_rows<T, D, BN>(blk, soft, o, r_a, t4);
   }
