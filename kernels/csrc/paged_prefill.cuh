@@ -464,7 +464,29 @@ struct RowSoftmax {
   }
 };
 
-// Normalizes and writes this thread's two rows (warp rows g and g + 8) of o.
+// Within each quad (the 4 lanes of one accumulator row), w[c] of lane t (the two elements of
+// 8-column group c at columns 2t, 2t + 1) goes to lane c as its word t: each lane ends with the 8
+// contiguous elements of group t (16 bytes). Two exchanges (partners t ^ 1, then t ^ 2) of two
+// words each; every lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4) {
+#pragma unroll
+  for (int bit = 1; bit <= 2; bit <<= 1) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int p = bit == 1 ? 2 * k : k, q = p + bit;   // the pair of words exchanged
+      const bool high = (t4 & bit) != 0;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[p] : w[q], bit);
+      if (high)
+        w[p] = got;
+      else
+        w[q] = got;
+    }
+  }
+}
+
+// Normalizes and writes this thread's two rows (warp rows g and g + 8) of o: each quad's row
+// transposed across its lanes (quad_transpose), so that every store is 16 contiguous bytes
+// (4-byte stores took a quarter of a short item's time in the consumers, ncu 2026-11-26).
 template <typename T, int D, int BN, typename B>
 __device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, BN>& sm, float (&o)[D / 8][4], int r_a,
                                            int t4) {
@@ -477,15 +499,20 @@ __device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, 
   const float inv_a = l_a > 0.f ? blk.a.v_scale / l_a : 0.f, inv_b = l_b > 0.f ? blk.a.v_scale / l_b : 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    const float inv = half == 0 ? inv_a : inv_b;
+    uint32_t w[D / 32][4];   // [group of 4 column groups][column group in it]
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) w[i / 4][i % 4] = M::pack(o[i][2 * half] * inv, o[i][2 * half + 1] * inv);
+#pragma unroll
+    for (int q = 0; q < D / 32; ++q) quad_transpose(w[q], t4);
     const int gr = r_a + 8 * half;
     if (gr >= blk.rows) continue;
-    const float inv = half == 0 ? inv_a : inv_b;
     const int token = gr / blk.G, h = blk.kvh * blk.G + gr % blk.G;
     T* op = static_cast<T*>(blk.a.out) + static_cast<int64_t>(blk.q_start + token) * blk.a.o_stride_tok +
-            static_cast<int64_t>(h) * blk.a.o_stride_head + 2 * t4;
+            static_cast<int64_t>(h) * blk.a.o_stride_head + 8 * t4;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      *reinterpret_cast<uint32_t*>(op + i * 8) = M::pack(o[i][2 * half] * inv, o[i][2 * half + 1] * inv);
+    for (int q = 0; q < D / 32; ++q)
+      *reinterpret_cast<uint4*>(op + 32 * q) = make_uint4(w[q][0], w[q][1], w[q][2], w[q][3]);
   }
 }
 

@@ -470,6 +470,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_k(cur.stage));
       const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
+      // P_j computed here, under P_{j-1} V_{j-1}: without the fence the compiler sinks most of
+      // the softmax below the wait (ncu showed it there, 2026-11-26), and the GEMM and the
+      // softmax of one warpgroup ran one after the other.
+      fence_regs(s);
       wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
       fence_regs(o);
       fence_regs(pa);
