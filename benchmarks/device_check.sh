@@ -7,10 +7,12 @@
 #
 #   bash benchmarks/device_check.sh            # the prefill checks and timings (~4 min on an H100/H200)
 #   bash benchmarks/device_check.sh decode     # also the decode GPU tests and --only flush,quick,list_loads
-#   VARIANTS="base=;q2=-DKVPAGER_PREFILL_WS_QBUF=2" bash benchmarks/device_check.sh
+#   VARIANTS="base=;s2=-DKVPAGER_PREFILL_WS_STAGES=2" bash benchmarks/device_check.sh
 #       # times the prefill table for each build variant (kernels.py --variants) instead of once;
 #       # the checks run on the first variant's build
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
+#   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
+#       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py
 #
 # Every step has a time limit (a kernel that deadlocks on its barriers would otherwise spin until
 # the device command's own limit). The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
@@ -70,6 +72,19 @@ for shape in "32 x 512 prompts" "8 x 2K prompts" "1 x 4K prompt"; do
     summary+=("ncu $shape, $schedule: $vals")
   done
 done
+
+if [ "${PROFILE:-0}" = 1 ]; then
+  for shape in "32 x 512 prompts" "1 x 4K prompt"; do
+    tag=$(echo "$shape" | tr -cd '0-9x')
+    timeout 200 ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --set full \
+        --import-source yes -o "/tmp/prefill_$tag" -f python3 benchmarks/prefill_shape.py "$shape" > /dev/null 2>&1
+    ncu -i "/tmp/prefill_$tag.ncu-rep" --page details > "$out/details_$tag.txt" 2>&1
+    ncu -i "/tmp/prefill_$tag.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$tag.csv" 2>/dev/null
+    python3 benchmarks/ncu_sass_summary.py "/tmp/sass_$tag.csv" > "$out/stalls_$tag.txt" 2>&1
+    gzip -c "/tmp/sass_$tag.csv" > "$out/sass_$tag.csv.gz"
+    summary+=("profile $shape: $(grep -E '^(consumers|producer)' "$out/stalls_$tag.txt" | tr '\n' ' ')")
+  done
+fi
 
 if [ "${1:-}" = "decode" ]; then
   timeout 600 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/gpu/test_fp8_model_gpu.py \

@@ -41,21 +41,18 @@
 
 namespace kvpager {
 
-// KVPAGER_PREFILL_WS_QBUF=2: two Q buffers (the producer loads the next item's Q while the
-// consumers still read this one's); 1 (default): one Q buffer.
-// KVPAGER_PREFILL_WS_STAGES: K/V stages (default 3). Shared memory at head_dim 128: 32 KB per Q
-// buffer and 64 KB per stage (K and V tiles of 128 positions), of the 227 KB a block can have.
+// KVPAGER_PREFILL_WS_STAGES: K/V stages (default 3, the most that fit at head_dim 128: 64 KB a
+// stage, K and V tiles of 128 positions, beside the 32 KB Q buffer, of the 227 KB a block can have).
 // KVPAGER_PREFILL_WS_PINGPONG=0: the consumer warpgroups issue their GEMMs without taking turns.
 #ifndef KVPAGER_PREFILL_WS_PINGPONG
 #define KVPAGER_PREFILL_WS_PINGPONG 1
 #endif
-#ifndef KVPAGER_PREFILL_WS_QBUF
-#define KVPAGER_PREFILL_WS_QBUF 1
-#endif
 #ifndef KVPAGER_PREFILL_WS_STAGES
 #define KVPAGER_PREFILL_WS_STAGES 3
 #endif
-constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUF;
+// One Q buffer: the consumers copy their rows of Q to registers as an item starts, and the
+// producer then loads the next item's Q into it (two buffers measured no faster, 2026-11-26).
+constexpr int kWsQBufs = 1;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWgmmaBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
@@ -72,8 +69,8 @@ constexpr int prefill_ws_smem_bytes() {
 }
 
 static_assert(prefill_ws_smem_bytes<128>() <= 227 * 1024,
-              "Q buffers and K/V stages fit the 227 KB of shared memory a Hopper block can have "
-              "(a stage of K and V is 64 KB at head_dim 128: QBUF=2 leaves room for 2 stages)");
+              "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
+              "(a stage of K and V is 64 KB at head_dim 128)");
 
 namespace prefill_detail {
 #if KVPAGER_PREFILL_WGMMA
