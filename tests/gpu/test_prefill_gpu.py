@@ -207,7 +207,7 @@ def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtyp
     on the same inputs: every (item, KV head) pair is computed the same way whichever block takes
     it, so the outputs are equal bit for bit, launch after launch of one plan (as a step's
     layers run it), and each launch leaves the counter zero. On a Hopper build this runs the
-    warp-specialized kernel; elsewhere the counter is unused and the grid kernel runs."""
+    warp-specialized kernel; elsewhere the grid kernel runs and "dynamic" plans as "static"."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill dynamic schedule", dtype, group, block_size, head_dim)
@@ -220,7 +220,8 @@ def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtyp
     scale = head_dim ** -0.5
     static = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "static")
     dynamic = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "dynamic")
-    assert static.counter is None and dynamic.counter is not None
+    persistent = cuda.prefill_wgmma(query.device)
+    assert static.counter is None and (dynamic.counter is not None) == persistent
     assert sorted(map(tuple, static.work.tolist())) == sorted(map(tuple, dynamic.work.tolist()))
     want = cuda.paged_prefill_run(static, query, kv[:, LAYER, 0], kv[:, LAYER, 1], tables, lens, starts_d, scale)
     for _ in range(3):
@@ -229,7 +230,8 @@ def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtyp
                                out=out)
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-        assert dynamic.counter.tolist() == [0, 0]
+        if persistent:
+            assert dynamic.counter.tolist() == [0, 0]
     assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]
 
 

@@ -90,3 +90,35 @@ def test_schedule_from_the_environment(monkeypatch):
     monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "fastest")
     with pytest.raises(ValueError, match=plan.PREFILL_SCHEDULE_ENV):
         plan.prefill_schedule()
+
+
+def test_the_plan_takes_the_dynamic_order_only_for_the_persistent_kernel(monkeypatch):
+    """cuda._plan_prefill (what every prefill step plans with), on CPU tensors: the list by
+    sequence for the persistent kernel (wgmma over a cache of the queries' dtype) unless the
+    variable says static, heaviest first for the one-block-per-item kernels (mma.sync; wgmma over
+    an fp8 cache) whatever it says. No counter without a GPU."""
+    torch = pytest.importorskip("torch")
+    from kvpager.kernels import cuda
+
+    monkeypatch.delenv(plan.PREFILL_SCHEDULE_ENV, raising=False)
+    starts, ctx, _ = _batch(np.random.default_rng(7), 24)
+    query = torch.zeros(starts[-1], 8, 64, dtype=torch.bfloat16)
+    cache16 = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
+    cache8 = torch.zeros(4, 2, 16, 64, dtype=torch.float8_e4m3fn)
+    by_sequence = plan.prefill_work(starts, ctx, 4, order="by_sequence")
+    heaviest = plan.prefill_work(starts, ctx, 4, order="heaviest")
+    assert not np.array_equal(by_sequence, heaviest)
+
+    def work(cache, wgmma):
+        p = cuda._plan_prefill(query, cache, (starts, ctx), None, plan.PREFILL_WARPS, wgmma)
+        assert p.counter is None and p.wgmma == wgmma
+        return p.work.numpy()
+
+    assert np.array_equal(work(cache16, True), by_sequence)
+    assert np.array_equal(work(cache8, True), heaviest)
+    assert np.array_equal(work(cache16, False), heaviest)
+    monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "static")
+    assert np.array_equal(work(cache16, True), heaviest)
+    monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "dynamic")
+    assert np.array_equal(work(cache16, False), heaviest)
+    assert np.array_equal(work(cache8, True), heaviest)
