@@ -7,9 +7,9 @@
 #
 #   bash benchmarks/device_check.sh            # the prefill checks and timings (~4 min on an H100/H200)
 #   bash benchmarks/device_check.sh decode     # also the decode GPU tests and --only flush,quick,list_loads
-#   VARIANTS="base=;s2=-DKVPAGER_PREFILL_WS_STAGES=2" bash benchmarks/device_check.sh
+#   VARIANTS="overlap=-DKVPAGER_PREFILL_WS_OVERLAP=1;base=" NCU=0 bash benchmarks/device_check.sh
 #       # times the prefill table for each build variant (kernels.py --variants) instead of once;
-#       # the checks run on the first variant's build
+#       # the checks (tests, memcheck, racecheck) run on the first variant's build
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
 #   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
 #       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py

@@ -484,19 +484,29 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t4) {
   }
 }
 
-// Normalizes and writes this thread's two rows (warp rows g and g + 8) of o: each quad's row
-// transposed across its lanes (quad_transpose), so that every store is 16 contiguous bytes
-// (4-byte stores took a quarter of a short item's time in the consumers, ncu 2026-11-26).
-template <typename T, int D, int BN, typename B>
-__device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, BN>& sm, float (&o)[D / 8][4], int r_a,
-                                           int t4) {
+// Where one thread's two output rows go (warp rows g and g + 8 of an item), and their softmax sums.
+struct OutRows {
+  int rows, G, kvh, q_start, r_a;   // the item's rows, GQA group, KV head, first token; row g's index
+  float l_a, l_b;                   // this thread's part of the two rows' sums of P
+};
+
+template <typename B, typename S>
+__device__ __forceinline__ OutRows out_rows(const B& blk, const S& soft, int r_a) {
+  return OutRows{blk.rows, blk.G, blk.kvh, blk.q_start, r_a, soft.l_a, soft.l_b};
+}
+
+// Normalizes and writes this thread's two rows of o: each quad's row transposed across its lanes
+// (quad_transpose), so that every store is 16 contiguous bytes (4-byte stores took a fifth of a
+// short item's time in the consumers, ncu 2026-11-26). Every lane of the warp must call it.
+template <typename T, int D>
+__device__ __forceinline__ void write_out_rows(const PrefillArgs& a, const OutRows& r, float (&o)[D / 8][4], int t4) {
   using M = Mma<T>;
-  float l_a = sm.l_a, l_b = sm.l_b;
+  float l_a = r.l_a, l_b = r.l_b;
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? blk.a.v_scale / l_a : 0.f, inv_b = l_b > 0.f ? blk.a.v_scale / l_b : 0.f;
+  const float inv_a = l_a > 0.f ? a.v_scale / l_a : 0.f, inv_b = l_b > 0.f ? a.v_scale / l_b : 0.f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float inv = half == 0 ? inv_a : inv_b;
@@ -505,15 +515,21 @@ __device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, 
     for (int i = 0; i < D / 8; ++i) w[i / 4][i % 4] = M::pack(o[i][2 * half] * inv, o[i][2 * half + 1] * inv);
 #pragma unroll
     for (int q = 0; q < D / 32; ++q) quad_transpose(w[q], t4);
-    const int gr = r_a + 8 * half;
-    if (gr >= blk.rows) continue;
-    const int token = gr / blk.G, h = blk.kvh * blk.G + gr % blk.G;
-    T* op = static_cast<T*>(blk.a.out) + static_cast<int64_t>(blk.q_start + token) * blk.a.o_stride_tok +
-            static_cast<int64_t>(h) * blk.a.o_stride_head + 8 * t4;
+    const int gr = r.r_a + 8 * half;
+    if (gr >= r.rows) continue;
+    const int token = gr / r.G, h = r.kvh * r.G + gr % r.G;
+    T* op = static_cast<T*>(a.out) + static_cast<int64_t>(r.q_start + token) * a.o_stride_tok +
+            static_cast<int64_t>(h) * a.o_stride_head + 8 * t4;
 #pragma unroll
     for (int q = 0; q < D / 32; ++q)
       *reinterpret_cast<uint4*>(op + 32 * q) = make_uint4(w[q][0], w[q][1], w[q][2], w[q][3]);
   }
+}
+
+template <typename T, int D, int BN, typename B>
+__device__ __forceinline__ void write_rows(const B& blk, const RowSoftmax<T, D, BN>& sm, float (&o)[D / 8][4], int r_a,
+                                           int t4) {
+  write_out_rows<T, D>(blk.a, out_rows(blk, sm, r_a), o, t4);
 }
 
 // mma.sync version (any sm_80+): each warp multiplies its 16 rows by the whole K/V tile, B

@@ -50,6 +50,13 @@ namespace kvpager {
 #ifndef KVPAGER_PREFILL_WS_STAGES
 #define KVPAGER_PREFILL_WS_STAGES 3
 #endif
+// KVPAGER_PREFILL_WS_OVERLAP=1: a consumer leaves an item's last P V running while it takes the
+// next item (its record, Q fragments, set-up), and waits for it and writes the item's rows only
+// then (default 0: wait and write first). Compile-checked, not yet measured: to A/B on a device.
+#ifndef KVPAGER_PREFILL_WS_OVERLAP
+#define KVPAGER_PREFILL_WS_OVERLAP 0
+#endif
+constexpr bool kWsOverlap = KVPAGER_PREFILL_WS_OVERLAP != 0;
 // One Q buffer: the consumers copy their rows of Q to registers as an item starts, and the
 // producer then loads the next item's Q into it (two buffers measured no faster, 2026-11-26).
 constexpr int kWsQBufs = 1;
@@ -400,6 +407,23 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   StageCursor<> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
+  // The item whose rows are still to be written (with kWsOverlap, while its last P V runs under
+  // the next item's set-up): its accumulators (o), the V stage that P V reads (prev, when
+  // pending_v) and where its rows go.
+  float o[D / 8][4];
+  StageCursor<> prev;   // V_{j-1}'s stage
+  bool pending = false, pending_v = false;
+  OutRows out{};
+  auto finish_pending = [&]() {   // wait for the last P V, free its V stage, write the rows
+    wgmma_wait<0>();
+    fence_regs(o);
+    __syncwarp();
+    if (pending) {
+      if (pending_v && signals) mbar_arrive(sm.empty_v(prev.stage));
+      write_out_rows<T, D>(a, out, o, t4);
+      pending = false;
+    }
+  };
 
   for (;;) {
     // The producer's next item: its Q tile and its record.
@@ -424,11 +448,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     for (int kk = 0; kk < D / 16; ++kk)
       ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
     mbar_arrive(sm.q_empty(qb));
-    float o[D / 8][4];
+    if (kWsOverlap) finish_pending();   // the previous item's last P V ran under this set-up
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
-    StageCursor<> prev;        // V_{j-1}'s stage
 
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * BN;
@@ -489,13 +512,13 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       wgmma_fence();
       issue_pv<T, D, BN>(o, pa, sm.v_tile(prev.stage));
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(o);
-      __syncwarp();
-      if (signals) mbar_arrive(sm.empty_v(prev.stage));
     }
-    write_rows<T, D, BN>(blk, soft, o, r_a, t4);
+    out = out_rows(blk, soft, r_a);   // (no tiles: nothing visible, zero rows)
+    pending = true;
+    pending_v = blk.n_tiles > 0;
+    if (!kWsOverlap) finish_pending();
   }
+  if (kWsOverlap) finish_pending();
   // Warpgroup 1's last "your turn" arrival on barrier 1 has no issue left to admit: take it, so
   // that no named barrier is left half-arrived at exit.
   if (wg == 0) named_sync(kWsTurnBar, 256);
