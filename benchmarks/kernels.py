@@ -502,6 +502,10 @@ def bench_list_loads(ceiling: float) -> None:
     scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(1)
     print("\nwork list with 2 vs 4 loads in flight, and the grid (us, % of the copy ceiling):")
+    probe = make_case(1, 16)
+    print(f"(the planner's work lists take {cuda.decode_work_geometry(probe[0], probe[1][:, 0, 0]).loads} loads "
+          "on this device)")
+    del probe
     for kind, batch, longest in RAGGED_CONFIGS + SMALL_STEP_CONFIGS:
         q, cache, tables, lens = make_case(batch, longest, gen=gen)
         if kind == "ragged":

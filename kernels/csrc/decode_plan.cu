@@ -166,6 +166,9 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
   g->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
   if (g->head_tile == 0) return cudaErrorInvalidValue;
   g->loads = requested_loads != 0 ? requested_loads : kWorkDefaultLoads;
+  if (requested_loads == 0 && cache_dtype == dtype && device_memory_bandwidth(device) >= kFourLoadsBandwidth &&
+      decode_instance_built(dtype, cache_dtype, z.head_dim, g->head_tile, 4, mma))
+    g->loads = 4;
   const int64_t units = static_cast<int64_t>(z.num_kv_heads) * ceil_div(group, g->head_tile);
   const int64_t slots = static_cast<int64_t>(device_sm_count(device)) *
                         decode_blocks_per_sm(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads, mma, device);

@@ -19,7 +19,12 @@ namespace kvpager {
 constexpr int kMinPartitionTokens = 1024;          // automatic grid splits are at least this long ...
 constexpr int kMinPartitionTokensSmall = 256;      // ... or this, when longer ones leave SMs without blocks
 constexpr int kMinPartitionTokensFewLoads = 2048;  // splits of the 2-loads kernel instance, unless unsplit
-constexpr int kWorkDefaultLoads = 2;               // kernel instance of work-list launches (a full resident grid)
+constexpr int kWorkDefaultLoads = 2;               // kernel instance of work-list launches (a full resident grid) ...
+// ... or 4 loads in flight per lane over 16-bit caches where DRAM peaks at this or more (an
+// H200's ~4.9 TB/s; not an H100's 3.35): on the H200, work lists with 4 loads read 5-21 points of
+// the copy ceiling more on long and ragged steps and the same on short ones; on the H100 they
+// were 1-8% slower on large steps (benchmarks/kernels.py --only list_loads, docs/performance.md).
+constexpr double kFourLoadsBandwidth = 4.2e12;
 constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-list planner tries (decode_plan.py ROUNDS)
 // Whether plans over fp8 e4m3 caches take the tensor-core instance (paged_decode_mma.cuh) where it
 // is built (head_dim 64/128); requested_mma overrides it (kernels/debug.py: side-by-side runs).

@@ -132,11 +132,12 @@ int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 // A positive device attribute, cached per device (a query costs microseconds of host time, as
 // much as a small kernel); `fallback` when it cannot be had (not cached). Attributes by slot:
-enum CachedAttribute : int { kSmCount = 0, kCcMajor = 1, kCachedAttributes = 2 };
+enum CachedAttribute : int { kSmCount = 0, kCcMajor = 1, kMemoryKhz = 2, kBusBits = 3, kCachedAttributes = 4 };
 
 int cached_device_attribute(CachedAttribute slot, int device, int fallback) {
-  static constexpr cudaDeviceAttr kAttr[kCachedAttributes] = {cudaDevAttrMultiProcessorCount,
-                                                              cudaDevAttrComputeCapabilityMajor};
+  static constexpr cudaDeviceAttr kAttr[kCachedAttributes] = {
+      cudaDevAttrMultiProcessorCount, cudaDevAttrComputeCapabilityMajor, cudaDevAttrMemoryClockRate,
+      cudaDevAttrGlobalMemoryBusWidth};
   static std::atomic<int> cached[kCachedAttributes][64] = {};
   const bool cacheable = device >= 0 && device < 64;
   if (cacheable) {
@@ -166,6 +167,11 @@ int decode_smem_bytes(int partition_tokens, int block_size) {
 // ---- kernel facts the planner reads (decode_plan.cu) ----
 
 int device_sm_count(int device) { return cached_device_attribute(kSmCount, device, 1); }
+
+double device_memory_bandwidth(int device) {
+  const int khz = cached_device_attribute(kMemoryKhz, device, 0), bits = cached_device_attribute(kBusBits, device, 0);
+  return 2.0 * 1e3 * khz * (bits / 8);
+}
 
 bool decode_instance_built(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma) {
   return dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [](auto) {});

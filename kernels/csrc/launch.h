@@ -78,6 +78,9 @@ int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_til
 // Resident blocks per SM of that instance at that shared memory (cached per device; 1 if unknown).
 int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma, int device);
 int device_sm_count(int device);   // cached per device
+// Peak DRAM bandwidth in bytes/s from the memory clock and bus width (double data rate), cached
+// per device; 0 if unknown.
+double device_memory_bandwidth(int device);
 
 // Launches the decode kernel (and, when num_splits > 1 or in work-list mode, the merge kernel) on
 // `stream`, as the plan fields say (checked, never re-planned: cudaErrorInvalidValue when the
