@@ -10,6 +10,10 @@
 #   VARIANTS="overlap=-DKVPAGER_PREFILL_WS_OVERLAP=1;base=" NCU=0 bash benchmarks/device_check.sh
 #       # times the prefill table for each build variant (kernels.py --variants) instead of once;
 #       # the checks (tests, memcheck, racecheck) run on the first variant's build
+#   BASE=.gpu/base NCU=0 bash benchmarks/device_check.sh
+#       # A/B against a committed checkout: times base, working tree, base, working tree (each tree
+#       # builds its own extension; the build cache is keyed by the sources). Here, first:
+#       # git archive <commit> | (mkdir -p .gpu/base && tar -x -C .gpu/base); carry [".gpu"] there.
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
 #   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
 #       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py
@@ -24,12 +28,14 @@ mkdir -p "$out"
 summary=()
 
 nvidia-smi --query-gpu=name --format=csv,noheader
+build="from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()"
 variants=${VARIANTS:-}
+base=${BASE:-}
+[ -n "$base" ] && (cd "$base" && PYTHONPATH=$PWD timeout 600 python3 -c "$build" > "$out/build_base.log" 2>&1) &
 if [ -n "$variants" ]; then
   # The checks below run on the first variant's build: kernels.py --variants builds each variant
   # in <tempdir>/kvpager_variant_<name> with its flags, and finds this one built.
   # The other variants build meanwhile, in the background.
-  build="from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()"
   IFS=';' read -ra specs <<< "$variants"
   for spec in "${specs[@]:1}"; do
     name=$(echo "${spec%%=*}" | xargs)
@@ -39,11 +45,10 @@ if [ -n "$variants" ]; then
   first=${variants%%;*}
   export KVPAGER_EXT_DIR=/tmp/kvpager_variant_$(echo "${first%%=*}" | xargs) KVPAGER_EXT_CUDA_FLAGS=${first#*=}
 fi
-timeout 600 python3 -c "from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()" || exit 1
+timeout 600 python3 -c "$build" || exit 1
 
 timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_prefill_gpu.py > "$out/test_prefill.log" 2>&1
 summary+=("tests/gpu/test_prefill_gpu.py: $(grep -E 'passed|failed|error' "$out/test_prefill.log" | tail -1)")
-
 
 for tool in memcheck racecheck; do
   for schedule in static dynamic; do
@@ -53,11 +58,18 @@ for tool in memcheck racecheck; do
   done
 done
 
+wait
 if [ -n "$variants" ]; then
-  wait
   (unset KVPAGER_EXT_DIR KVPAGER_EXT_CUDA_FLAGS
    timeout 600 python3 benchmarks/kernels.py --variants "$variants" --only prefill_kernel 2>&1 | grep -v "SDPA backends" \
        | tee "$out/prefill_kernel.log")
+elif [ -n "$base" ]; then
+  for who in base new base new; do   # alternately, so that drift on the machine shows as spread
+    echo "=== $who" | tee -a "$out/prefill_kernel.log"
+    (if [ "$who" = base ]; then cd "$base" && export PYTHONPATH=$PWD; fi
+     timeout 200 python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" \
+         | tee -a "$out/prefill_kernel.log")
+  done
 else
   timeout 300 python3 benchmarks/kernels.py --only prefill_kernel 2>&1 | grep -v "SDPA backends" | tee "$out/prefill_kernel.log"
 fi
