@@ -12,10 +12,11 @@ what to fix; the serving figures come from benchmarks/serving.py.
 
 ``--launch-cost B1,B2,..`` measures instead, per batch size, a decode step's CPU launch cost against
 its GPU time, the way the worker runs it (``DecodeGraphs.run``: host inputs, the work list planned
-on the host, one pinned upload, device copies into the graph's buffers, one replay, the logits):
-with the GPU idle first, the host time of that call (it returns without waiting for the device),
-of ``graph.replay()`` alone, and of the eager ``forward_paged`` launch for contrast, against the
-step's device time from CUDA events. ``--model 1b`` / ``8b`` builds (once, under ``--workdir``) the
+on the host, the uploads into the graph's buffers, one replay, the logits): with the GPU idle
+first, the host time of that call (it returns without waiting for the device), of the same call
+for a step whose tokens are all fed from the previous step's ids (serving's steady state, launched
+while the previous step runs), of ``graph.replay()`` alone, and of the eager ``forward_paged``
+launch for contrast, against the step's device time from CUDA events. ``--model 1b`` / ``8b`` builds (once, under ``--workdir``) the
 random checkpoint that benchmarks/serving.py uses.
 """
 
@@ -72,7 +73,9 @@ def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, table
 
 def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: int, block: int, reps: int) -> None:
     """Per batch: host time of the graph step's launch call, of the replay alone and of the eager
-    launch (each with the GPU idle before it), against the step's device time (CUDA events)."""
+    launch (each with the GPU idle before it), against the step's device time (CUDA events); and
+    of the same step with every token fed from the previous step's ids (serving's steady state),
+    launched while the step before it still runs."""
     from kvpager.kernels import cuda
 
     if not cuda.available():   # the graphs need our decode kernel
@@ -89,15 +92,20 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     print(f"launch cost of a decode step, {cfg.num_layers} layers, hidden {cfg.hidden_size}; {captured} graphs "
           f"captured; contexts uniform in [{context // 4}, {context * 7 // 4}]; p50 of {reps} steps, the GPU idle "
           "before each launch")
-    hdr = (f"{'batch':>5} | {'GPU ms':>7} | {'graph launch ms':>15} {'% of GPU':>8} | {'replay ms':>9} {'%':>5} | "
-           f"{'eager launch ms':>15} {'%':>5}")
+    hdr = (f"{'batch':>5} | {'GPU ms':>7} | {'graph launch ms':>15} {'% of GPU':>8} | {'fed launch ms':>13} "
+           f"{'%':>5} | {'replay ms':>9} {'%':>5} | {'eager launch ms':>15} {'%':>5}")
     print(hdr)
     print("-" * len(hdr))
     for b in batches:
         free = list(range(1, num_blocks))
         rng.shuffle(free)
         step = random_step(cfg, all_lens[b], width, block, free, rng)
-        graph_host, replay_host, eager_host, device = [], [], [], []
+        # The serving loop's steady state: every token taken from the previous step's ids.
+        previous = torch.randint(cfg.vocab_size, (b,), device=dev)
+        rows = list(range(b))
+        rng.shuffle(rows)
+        fed = dataclasses.replace(step, feedback_rows=rows, feedback_step=1)
+        graph_host, fed_host, replay_host, eager_host, device = [], [], [], [], []
         bucket = graphs.batch_buckets[bisect.bisect_left(graphs.batch_buckets, b)]
         graph = graphs._graphs[(bucket, graphs.max_blocks)]
         for _ in range(reps + 3):
@@ -110,6 +118,9 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
             end.record()
             end.synchronize()
             device.append(start.elapsed_time(end) / 1e3)
+            t0 = time.perf_counter()
+            graphs.run(fed, previous)
+            fed_host.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()
@@ -119,8 +130,10 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
             with torch.inference_mode():
                 model.forward_paged(step, cache.layer)
             eager_host.append(time.perf_counter() - t0)
-        gpu, launch, replay, eager = (statistics.median(x[3:]) * 1e3 for x in (device, graph_host, replay_host, eager_host))
-        print(f"{b:>5} | {gpu:7.2f} | {launch:15.3f} {100 * launch / gpu:7.1f}% | {replay:9.3f} {100 * replay / gpu:4.1f}% | "
+        gpu, launch, fed_launch, replay, eager = (statistics.median(x[3:]) * 1e3
+                                                  for x in (device, graph_host, fed_host, replay_host, eager_host))
+        print(f"{b:>5} | {gpu:7.2f} | {launch:15.3f} {100 * launch / gpu:7.1f}% | {fed_launch:13.3f} "
+              f"{100 * fed_launch / gpu:4.1f}% | {replay:9.3f} {100 * replay / gpu:4.1f}% | "
               f"{eager:15.2f} {100 * eager / gpu:4.0f}%")
     # Where the graph launch's host time goes, at the last batch size (GPU idle before each call).
     import cProfile
@@ -130,11 +143,80 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     for _ in range(reps):
         torch.cuda.synchronize()
         prof.enable()
-        graphs.run(step)
+        graphs.run(fed, previous)
         prof.disable()
     torch.cuda.synchronize()
-    print(f"\nhost profile of DecodeGraphs.run at batch {batches[-1]} ({reps} calls), by own time:")
+    print(f"\nhost profile of DecodeGraphs.run (fed) at batch {batches[-1]} ({reps} calls), by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    launch_phases(graphs, model, fed, previous, reps)
+    replay_after(graph, reps)
+
+
+def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int) -> None:
+    """Host time of ``graphs.run(step, previous)`` split by phase (the GPU idle before each call):
+    the host planner, the pinned buffer's reservation, the replay, the logits, the rest (numpy
+    fills and the copies' launches). Wraps those calls with timers for the measurement only."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+    planner, staging = getattr(graphs, "_planner", None), model.staging
+    saved_replay = torch.cuda.CUDAGraph.replay
+    if planner is not None:
+        planner.plan = timed("host planner", planner.plan)
+    if hasattr(staging, "reserve"):
+        staging.reserve = timed("pinned buffer", staging.reserve)
+    staging.upload = timed("pinned buffer", staging.upload)
+    model.logits = timed("logits (norm, lm_head)", model.logits)
+    torch.cuda.CUDAGraph.replay = timed("replay", saved_replay)
+    rows: dict[str, list[float]] = {}
+    try:
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            spent.clear()
+            t0 = time.perf_counter()
+            graphs.run(step, previous)
+            total = time.perf_counter() - t0
+            spent["rest (fills, copies)"] = total - sum(spent.values())
+            spent["total"] = total
+            for name, value in spent.items():
+                rows.setdefault(name, []).append(value)
+    finally:
+        torch.cuda.CUDAGraph.replay = saved_replay
+        for obj, name in ((planner, "plan"), (staging, "reserve"), (staging, "upload"), (model, "logits")):
+            if obj is not None and name in vars(obj):
+                delattr(obj, name)
+    print(f"\nDecodeGraphs.run (fed) at batch {step.num_seqs} by phase, the GPU idle before each call (p50 us):")
+    for name, values in rows.items():
+        print(f"  {name:<24} {statistics.median(values[3:]) * 1e6:8.1f}")
+
+
+def replay_after(graph: "torch.cuda.CUDAGraph", reps: int) -> None:
+    """Host time of ``graph.replay()`` right after one other operation on the stream (the GPU
+    idle before the pair): what a graph launch costs behind the step's input copies."""
+    dev = torch.device("cuda")
+    pinned = torch.zeros(16384, dtype=torch.uint8, pin_memory=True)
+    small, other = torch.zeros(16384, dtype=torch.uint8, device=dev), torch.zeros(16384, dtype=torch.uint8, device=dev)
+    probes = {"nothing": lambda: None, "H2D copy of 16 KB (pinned)": lambda: small.copy_(pinned, non_blocking=True),
+              "D2D copy of 16 KB": lambda: small.copy_(other), "one small kernel": lambda: small.add_(1),
+              "the same graph (still running)": graph.replay}
+    print("\ngraph.replay() host time right after one other operation on the stream, the GPU idle before (p50 us):")
+    for name, op in probes.items():
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            op()
+            t0 = time.perf_counter()
+            graph.replay()
+            times.append(time.perf_counter() - t0)
+        print(f"  after {name:<32} {statistics.median(times[3:]) * 1e6:8.1f}")
 
 
 def main() -> None:

@@ -143,17 +143,23 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
     return geometry
 
 
-def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None) -> np.ndarray:
+def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None, *,
+                     out: np.ndarray | None = None) -> np.ndarray:
     """The step's work list (int32 numpy, ``decode_plan`` layout) for these host context lengths
     (a list or an integer array, one per row; 0 for padding rows): the C++ planner, equal to
-    ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does."""
-    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, work_plan.ITEM_COST)
+    ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does.
+    ``out``: a contiguous int32 array of the plan's size to write it into (every int is written)."""
+    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, work_plan.ITEM_COST, out)
 
 
 def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min_item: int,
-               item_cost: int) -> np.ndarray:
+               item_cost: int, out: np.ndarray | None = None) -> np.ndarray:
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
-    out = np.zeros(geometry.plan_size(len(lens), capacity), dtype=np.int32)
+    size = geometry.plan_size(len(lens), capacity)
+    if out is None:
+        out = np.empty(size, dtype=np.int32)
+    elif out.dtype != np.int32 or out.shape != (size,) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous int32 array of {size} ints, got {out.dtype} {out.shape}")
     load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
                              torch.from_numpy(out))
     return out

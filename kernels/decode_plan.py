@@ -15,7 +15,8 @@ the model and the device, ``cuda.decode_work_geometry``, only the list's content
 
 Layout (int32, ``kernels/csrc/launch.h``, ``DecodeArgs::work``)::
 
-    [n, P, 0, 0]                      header (HEADER ints)
+    [n, P, 0, 0]                      header (HEADER ints; the caller may set int 2 to the block
+                                      tables' row stride, e.g. a CUDA graph's packed tables)
     workers + 1 offsets               worker y runs items offsets[y] .. offsets[y + 1] - 1
     capacity item codes                seq << 16 | piece (the first n used)
     2 ints per sequence                first partial row, number of pieces (1 = written directly)

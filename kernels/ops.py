@@ -104,10 +104,11 @@ class DecodePlanner:
         """Ints of a plan for ``rows`` rows."""
         return self.geometry.plan_size(rows)
 
-    def plan(self, context_lens) -> np.ndarray:
-        """The work list (int32, host) for rows of these context lengths (0 for padding rows).
-        O(S log S + items) in C++: tens of microseconds for hundreds of rows."""
-        return self._cuda.plan_decode_work(context_lens, self.geometry)
+    def plan(self, context_lens, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The work list (int32, host) for rows of these context lengths (0 for padding rows),
+        written into ``out`` when given (``plan_size(rows)`` int32s, e.g. a view of a pinned
+        buffer). O(S log S + items) in C++: tens of microseconds for hundreds of rows."""
+        return self._cuda.plan_decode_work(context_lens, self.geometry, out=out)
 
     def workspace(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A new split-KV workspace for plans of ``rows`` rows (uninitialized; each plan writes

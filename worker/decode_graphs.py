@@ -3,23 +3,31 @@
 A pure decode step (one token per sequence) of a single-rank model on CUDA runs the same
 kernels every time; only their inputs change. ``DecodeGraphs`` captures ``Decoder.decode_hidden``
 (embedding, every layer with its K/V write and our paged decode attention) once per shape and
-replays it: the step's tokens, positions, slots, block tables and lengths are copied into static
-device buffers the graph reads, then one ``replay()`` runs the whole model. The final norm,
-lm_head and argmax run eagerly after it (three launches; the logits' size depends on the batch).
+replays it, the final norm and lm_head inside too. A step's host work is a few numpy writes and
+three launches: its tokens, positions, slots, feedback rows, context lengths, work list and block
+tables are written in place into one pinned buffer (the planner's C++ writes the list there
+itself) and go up in one copy into the static buffer the graph reads (``_Inputs``: each batch
+bucket has its fixed layout there; the tables packed ``[S, W]``, their row stride W in the work
+list's header, so one graph serves every width); the ids that tokens are fed from
+(``feedback_rows``) are copied into a static buffer and the graph itself picks the tokens
+(``feed_tokens``' selection is its first kernel); then one ``replay()`` writes the logits into
+a static output.
 
 Shapes: a graph serves one batch bucket: a step of S sequences runs in the smallest bucket
-B >= S (``BATCH_BUCKETS``, capped at ``max_batch``), its tables in the first S rows of a
-buffer ``max_blocks`` wide (the work list reads each row only up to its context). Without a work
-list (``KVPAGER_DECODE_WORK_LIST=0``) the grid is planned from the table's width at capture, so
-a graph serves one (batch bucket, power-of-two width >= W) for tables W blocks wide. Rows
+B >= S (``BATCH_BUCKETS``, capped at ``max_batch``), its tables packed ``[S, W]`` (the kernel
+takes their row stride from the work list and reads each row only up to its context). Without a
+work list (``KVPAGER_DECODE_WORK_LIST=0``) the grid is planned from the table's width at capture,
+so a graph serves one (batch bucket, power-of-two width >= W) for tables W blocks wide, copied
+into rows of that width. Rows
 S..B-1 are padding: context 0 and slot -1, so they write nothing and attend to nothing; table
 entries past a row's context are never read, so the buffers are not cleared between steps.
 Attention runs from the step's work list (``kernels/decode_plan.py``), planned on the host from
 the real lengths and copied into a static buffer with the other inputs: the launch geometry is
 fixed per model, so one graph serves every plan. The worker captures every bucket when it starts
 (``capture_all``: about two eager steps' time each, one eager warm-up per process); shapes not
-captured yet (no work list) are captured the first time they are seen. Graphs share one memory pool: at most one runs at a time, and nothing a graph allocated outlives
-its replay except the static output, which every graph writes to the same buffer.
+captured yet (no work list) are captured the first time they are seen. Graphs share one memory
+pool: at most one runs at a time, and nothing a graph allocated outlives its replay; every graph
+writes its logits into the same static buffer.
 
 Ordering: the graph does not wait for the cache's last swap/copy plan itself (an event recorded
 outside a capture cannot be waited on inside it); ``run`` makes the current stream wait for it
@@ -35,6 +43,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -64,11 +73,46 @@ def supported(model: Decoder, cache: KVCache) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """Where a batch bucket's integer inputs lie, in bytes from the start of the static input
+    buffer (and of the pinned buffer they are staged in): int64 ``[4, batch]`` rows (tokens,
+    positions, slots, feedback rows) at 0, int32 context lengths at ``context_at``, the int32
+    work list from ``work_at`` to ``work_end``, then the int32 block tables from ``tables_at``
+    (a multiple of 16): packed ``[S, W]`` for a step of S rows W wide when a work list carries W
+    as their row stride, else ``[batch, width]`` rows of the graph's width."""
+    batch: int
+    context_at: int
+    work_at: int
+    work_end: int
+    tables_at: int
+
+    @classmethod
+    def of(cls, batch: int, work_ints: int) -> "_Inputs":
+        context_at = 32 * batch
+        work_at = context_at + 4 * batch
+        work_end = work_at + 4 * work_ints
+        return cls(batch, context_at, work_at, work_end, -(-work_end // 16) * 16)
+
+    def nbytes(self, width: int) -> int:
+        """Bytes of the layout with ``batch`` table rows ``width`` wide."""
+        return self.tables_at + 4 * self.batch * width
+
+    def views(self, buffer: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The longs ``[4, batch]``, context, work list and tables ``[batch, width]`` as typed
+        views of ``buffer`` (uint8, device or host; at least ``nbytes(width)`` long)."""
+        longs = buffer[:self.context_at].view(torch.int64).view(4, self.batch)
+        tables = buffer[self.tables_at:self.nbytes(width)].view(torch.int32).view(self.batch, width)
+        return (longs, buffer[self.context_at:self.work_at].view(torch.int32),
+                buffer[self.work_at:self.work_end].view(torch.int32), tables)
+
+
 class DecodeGraphs:
     def __init__(self, model: Decoder, cache: KVCache, max_batch: int = 512, max_blocks: int = 8192) -> None:
         """Graphs for decode batches of up to ``max_batch`` sequences whose tables are up to
         ``max_blocks`` wide (the longest context the model serves over the block size). The
-        static buffers take about ``max_batch * max_blocks * 4`` bytes."""
+        static buffers take about ``max_batch * (max_blocks + 1.5 * vocab) * 4`` bytes (the
+        tables, the logits and the graphs' bf16 logits)."""
         reason = supported(model, cache)
         if reason is not None:
             raise ValueError(f"decode steps cannot run as CUDA graphs: {reason}")
@@ -76,18 +120,17 @@ class DecodeGraphs:
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
         self.max_batch, self.max_blocks = max_batch, _width_bucket(max_blocks)
         dev = cache.device
+        # The step's work list and the split-KV workspace, sized for the largest bucket; a bucket
+        # of B rows uses their prefixes. (No planner: KVPAGER_DECODE_WORK_LIST=0, the per-call
+        # grid inside the graph, planned from the table's width at capture.)
+        self._planner = model.decode_planner(self._layer_cache)
+        self._inputs = {b: _Inputs.of(b, self._planner.plan_size(b) if self._planner else 0) for b in self.batch_buckets}
         with torch.cuda.device(dev):
-            self._longs = torch.zeros(3, max_batch, dtype=torch.long, device=dev)   # tokens, positions, slots
-            self._longs[2].fill_(-1)
-            self._tables = torch.zeros(max_batch, self.max_blocks, dtype=torch.int32, device=dev)
-            self._context = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-            self._hidden = torch.zeros(max_batch, model.cfg.hidden_size, dtype=model.embed.dtype, device=dev)
-            # The step's work list and the split-KV workspace, sized for the largest bucket; a
-            # bucket of B rows uses their prefixes. (No planner: KVPAGER_DECODE_WORK_LIST=0, the
-            # per-call grid inside the graph, planned from the table's width at capture.)
-            self._planner = model.decode_planner(self._layer_cache)
+            # Every bucket's inputs (``_Inputs``) at the start of one buffer: a step's go up in one copy.
+            self._staged = torch.zeros(self._inputs[max_batch].nbytes(self.max_blocks), dtype=torch.uint8, device=dev)
+            self._logits = torch.zeros(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+            self._previous = torch.zeros(max_batch, dtype=torch.long, device=dev)   # the ids tokens are fed from
             if self._planner is not None:
-                self._work = torch.zeros(self._planner.plan_size(max_batch), dtype=torch.int32, device=dev)
                 self._workspace = self._planner.workspace(max_batch)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -106,36 +149,50 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, step: StepInput, previous_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The step's logits ``[S, vocab]`` (float32), as ``Decoder.forward_paged`` gives them,
-        from one graph replay. The step must be one that ``serves`` takes. O(S * W) host work:
-        one host-to-device copy of its inputs, four device copies into the static buffers.
-        ``previous_ids``: as ``Decoder.forward_paged`` takes them (``step.feedback_rows``)."""
+        from one graph replay: a view of the graphs' static output, valid until the next ``run``
+        (read it, or copy it, in stream order before then: the worker's argmax and its copy to
+        the host do). The step must be one that ``serves`` takes. ``previous_ids``: as
+        ``Decoder.forward_paged`` takes them (``step.feedback_rows``); the graph feeds the tokens.
+        O(S * W) host work in numpy and C++ (the inputs, the work list and the tables written in
+        place into one pinned buffer) and three launches: one host-to-device copy, the fed ids'
+        copy, the replay (a fourth, a 2-D copy of the tables, without a work list)."""
         s, w = step.num_seqs, step.max_blocks
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, s)]
         # With a work list the kernel reads the tables only up to each row's context, so one
         # graph per batch bucket, over the buffer's full width, serves every width.
         width = self.max_blocks if self._planner is not None else _width_bucket(w)
         graph = self._graphs.get((batch, width)) or self._capture(batch, width)
-        pad = [np.zeros(batch - s, np.int64), np.full(batch - s, -1, np.int64)]   # padding rows: 0, slot -1
-        plan = np.zeros(0, np.int32)
-        if self._planner is not None:
-            plan = self._planner.plan(np.concatenate([np.asarray(step.context_lens, np.int32),
-                                                      np.zeros(batch - s, np.int32)]))
-        plan64 = np.concatenate([plan, np.zeros(len(plan) % 2, np.int32)]).view(np.int64)   # rides as int64 pairs
-        fed = [] if step.feedback_rows is None else [step.feedback_rows]
-        staged = self.model.staging.upload([step.token_ids, pad[0], step.positions, pad[0], step.slot_mapping, pad[1],
-                                            step.context_lens, pad[0], plan64, *fed, step.block_tables], np.int64)
-        self._longs[:, :batch].copy_(staged[:3 * batch].view(3, batch))
-        self._context[:batch].copy_(staged[3 * batch:4 * batch])
-        rows_at = 4 * batch + len(plan64)
-        tables_at = rows_at + (s if fed else 0)
-        if fed:
-            feed_tokens(self._longs[0, :s], staged[rows_at:tables_at], previous_ids)
-        if len(plan):
-            self._work[:len(plan)].copy_(staged[4 * batch:rows_at].view(torch.int32)[:len(plan)])
-        self._tables[:s, :w].copy_(staged[tables_at:].view(s, w))
+        fed = step.feedback_rows is not None
+        if fed and previous_ids is None:
+            raise ValueError(f"step {step.step_id} takes tokens from step {step.feedback_step}'s ids: pass them")
+        feed_in_graph = fed and len(previous_ids) <= self.max_batch
+        lay = self._inputs[batch]
+        packed = self._planner is not None   # the tables packed [s, w], their stride in the work list
+        host = self.model.staging.reserve(lay.tables_at + 4 * s * w)
+        longs, context, work, _ = (t.numpy() for t in lay.views(host, 0))
+        longs[0, :s], longs[1, :s], longs[2, :s] = step.token_ids, step.positions, step.slot_mapping
+        longs[3, :s] = step.feedback_rows if feed_in_graph else -1
+        longs[:2, s:], longs[2:, s:] = 0, -1   # padding rows: token 0, position 0, no slot, not fed
+        context[:s], context[s:] = step.context_lens, 0
+        if packed:
+            self._planner.plan(context, out=work)
+            work[2] = w
+        tables = host[lay.tables_at:lay.tables_at + 4 * s * w].view(torch.int32)
+        tables.numpy()[:] = step.block_tables
+        if packed:
+            self._staged[:lay.tables_at + 4 * s * w].copy_(host[:lay.tables_at + 4 * s * w], non_blocking=True)
+        else:   # the header, then the tables into the graph's rows (a 2-D copy)
+            self._staged[:lay.tables_at].copy_(host[:lay.tables_at], non_blocking=True)
+            lay.views(self._staged, width)[3][:s, :w].copy_(tables.view(s, w), non_blocking=True)
+        self.model.staging.sent()
+        if feed_in_graph:
+            self._previous[:len(previous_ids)].copy_(previous_ids)
+        elif fed:   # ids of a step wider than the buffer: fed here, before the replay
+            tokens = lay.views(self._staged, 0)[0][0, :s]
+            feed_tokens(tokens, torch.as_tensor(step.feedback_rows, device=tokens.device), previous_ids)
         self.cache.wait()
         graph.replay()
-        return self.model.logits(self._hidden[:s])
+        return self._logits[:s]
 
     def capture_all(self) -> int:
         """Capture every batch bucket now (with a work list one graph per bucket serves every
@@ -152,25 +209,25 @@ class DecodeGraphs:
         return self.cache.blocks[:, layer, 0], self.cache.blocks[:, layer, 1]
 
     def _body(self, batch: int, width: int) -> None:
-        tokens, positions, slots = self._longs[:, :batch]
+        (tokens, positions, slots, rows), context, work, tables = self._inputs[batch].views(self._staged, width)
+        tokens = torch.where(rows >= 0, self._previous[rows.clamp(min=0)], tokens)   # ``feed_tokens``, out of place
         plan = None
-        if self._planner is not None:   # the bucket's prefix of the static work list, the graph's own workspace
-            plan = self._planner.step_plan(self._work[:self._planner.plan_size(batch)], batch, self._workspace)
-        hidden = self.model.decode_hidden(tokens, positions, slots, self._tables[:batch, :width],
-                                          self._context[:batch], self._layer_cache, plan=plan)
-        self._hidden[:batch].copy_(hidden)
+        if self._planner is not None:   # the bucket's work list, the graph's own workspace
+            plan = self._planner.step_plan(work, batch, self._workspace)
+        hidden = self.model.decode_hidden(tokens, positions, slots, tables, context, self._layer_cache, plan=plan)
+        self.model.logits(hidden, out=self._logits[:batch])
 
     def _capture(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
         """Capture the shape on a side stream, with padding in every row it reads (the static
         buffers may hold a previous step's rows: they are reset to padding first)."""
         started = time.perf_counter()
         dev = self.cache.device
-        self._longs[:2, :batch].zero_()
-        self._longs[2, :batch].fill_(-1)
-        self._context[:batch].zero_()
+        longs, context, work, _ = self._inputs[batch].views(self._staged, 0)
+        longs[:2].zero_()
+        longs[2:].fill_(-1)
+        context.zero_()
         if self._planner is not None:
-            plan = self._planner.plan(np.zeros(batch, np.int32))   # all padding: what the warm-up runs
-            self._work[:len(plan)].copy_(torch.from_numpy(plan))
+            work.copy_(torch.from_numpy(self._planner.plan(np.zeros(batch, np.int32))))   # all padding
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

@@ -311,12 +311,15 @@ class Decoder:
         self._dist.all_reduce(x, group=self._group)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Float32 logits ``[rows, vocab]`` of these last hidden states (the final norm, then
-        lm_head; the whole vocabulary, gathered on rank 0); None on the other ranks."""
+        lm_head; the whole vocabulary, gathered on rank 0); None on the other ranks. ``out``: a
+        float32 ``[rows, vocab]`` tensor to write them into (single-rank models)."""
         local = F.linear(self._norm(hidden, self.final_norm), self.lm_head)
         if self._dist is None:
-            return local.float()
+            return local.float() if out is None else out.copy_(local)
+        if out is not None:
+            raise ValueError("logits(out=...) serves single-rank models only")
         parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.rank == 0 else None
         self._dist.gather(local, parts, dst=self._gather_dst, group=self._group)
         if self.rank != 0:

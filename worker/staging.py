@@ -27,6 +27,7 @@ class StagingRing:
         self._buffers: list[Optional[torch.Tensor]] = [None] * slots
         self._copied: list[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
+        self._reserved = 0   # the slot ``reserve`` gave last
 
     def upload(self, parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
         """The parts (lists or numpy arrays) one after the other as one 1-D tensor of ``dtype``
@@ -38,23 +39,35 @@ class StagingRing:
             return torch.from_numpy(np.concatenate(arrays)).to(self.device)
         np_dtype = np.dtype(dtype)
         total = sum(a.size for a in arrays)
+        host = self.reserve(total * np_dtype.itemsize)[:total * np_dtype.itemsize].view(_TORCH_DTYPES[np_dtype])
+        if total:
+            np.concatenate(arrays, out=host.numpy())
+        out = torch.empty(total, dtype=host.dtype, device=self.device)
+        out.copy_(host, non_blocking=True)
+        self.sent()
+        return out
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The next pinned buffer (uint8, at least ``nbytes``, 256-byte aligned), free to fill:
+        the copy that last read it has run. The caller fills it, enqueues the copies that read
+        it, then calls ``sent``. CUDA devices only. O(1) (O(nbytes) when the buffer grows)."""
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         copied = self._copied[slot]
         if copied is not None:
             copied.synchronize()   # the copy that last read this buffer (several uploads ago)
         buffer = self._buffers[slot]
-        need = max(total * np_dtype.itemsize, 1)
+        need = max(nbytes, 1)
         if buffer is None or buffer.numel() < need:
             buffer = torch.empty(max(need, 2 * (0 if buffer is None else buffer.numel())), dtype=torch.uint8,
                                  pin_memory=True)
             self._buffers[slot] = buffer
-        host = buffer[:total * np_dtype.itemsize].view(_TORCH_DTYPES[np_dtype])
-        if total:
-            np.concatenate(arrays, out=host.numpy())
-        out = torch.empty(total, dtype=host.dtype, device=self.device)
-        out.copy_(host, non_blocking=True)
+        self._reserved = slot
+        return buffer
+
+    def sent(self) -> None:
+        """The copies reading the buffer ``reserve`` gave are enqueued on the current stream:
+        it is refilled only once they have run."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._copied[slot] = event
-        return out
+        self._copied[self._reserved] = event

@@ -48,7 +48,8 @@ struct DecodeArgs {
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
   // a DEVICE int32 array [kWorkHeader + work_workers + 1 + work_capacity + 2 * num_seqs]:
-  //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2..3] unused;
+  //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2] the block
+  //   tables' row stride when > 0 (0: table_stride; the planner writes 0), [3] unused;
   //   work_workers + 1 offsets: worker (blockIdx.y) y runs items offsets[y] .. offsets[y + 1] - 1;
   //   work_capacity item codes (seq << 16 | piece), the first n used: an item covers tokens
   //   [piece * partition, min(context, (piece + 1) * partition)) of seq;

@@ -244,7 +244,10 @@ struct ItemTable {
     log2b = a.log2_block_size;
     first_blk = start >> log2b;
     nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
-    trow = a.block_tables + static_cast<int64_t>(seq) * a.table_stride + first_blk;
+    // A work list may carry the tables' row stride (header int 2, when > 0): a CUDA graph's step
+    // uploads its tables packed [S, W] for whatever W the step has (worker/decode_graphs.py).
+    const int64_t stride = a.work != nullptr && a.work[2] > 0 ? a.work[2] : a.table_stride;
+    trow = a.block_tables + static_cast<int64_t>(seq) * stride + first_blk;
     kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
     vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
     slab_bytes = static_cast<uint32_t>(a.block_size) * D * static_cast<uint32_t>(sizeof(C));

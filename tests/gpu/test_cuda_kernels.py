@@ -495,6 +495,34 @@ def test_work_list_decode_padding_rows_and_the_llama_shape():
     assert spans[0, 1] > 1 and (spans[[2, 4], 1] == 1).all()
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8-mma"])
+def test_work_list_takes_the_tables_row_stride_from_its_header(cache):
+    """A work list whose header int 2 holds W reads the block tables packed ``[S, W]`` at the
+    start of a wider buffer (a CUDA graph's step, worker/decode_graphs.py): the same output as
+    over the tables themselves, the buffer's other entries (invalid ids) never read."""
+    lens = [700, 33, 2500, 1, 4097, 16]
+    fp8 = cache == "fp8-mma"
+    query, k_view, v_view, tables, context = _case(torch.bfloat16, 128, 16, 2, 4, lens, seed=11,
+                                                   cache_dtype=reference.FP8 if fp8 else None)
+    geometry = debug.decode_work_geometry(query, k_view, mma=True if fp8 else None)
+    scale = query.shape[-1] ** -0.5
+    plan = cuda.plan_decode_work(lens, geometry)
+    rows, width = tables.shape
+
+    def run(host_plan, block_tables):
+        step = debug.decode_plan_on(DEV, host_plan, geometry, rows, num_q_heads=query.shape[1],
+                                    head_dim=query.shape[2])
+        return cuda.paged_decode_run(step, query, k_view, v_view, block_tables, context, scale)
+
+    want = run(plan, tables)
+    wide = torch.full((rows, width + 37), -7, dtype=torch.int32, device=DEV)
+    wide.view(-1)[:rows * width] = tables.reshape(-1)
+    packed = plan.copy()
+    packed[2] = width
+    assert torch.equal(run(packed, wide), want)
+    assert not torch.equal(run(plan, wide), want)   # without the stride, the wide rows are read
+
+
 def test_host_planners_agree():
     """The C++ planner the worker uses equals kernels/decode_plan.py's numpy one."""
     from kvpager.kernels import decode_plan

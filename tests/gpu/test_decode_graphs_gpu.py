@@ -107,6 +107,21 @@ def test_graph_steps_match_eager_steps(head):
     assert not graphs.serves(big)
 
 
+def test_graph_steps_without_a_work_list(monkeypatch):
+    """KVPAGER_DECODE_WORK_LIST=0: the per-call grid inside graphs of (batch, width) buckets, the
+    tables copied into rows of the graph's width."""
+    monkeypatch.setenv("KVPAGER_DECODE_WORK_LIST", "0")
+    model, eager_cache = make("d128")
+    _, graph_cache = make("d128")
+    graph_cache.blocks.copy_(eager_cache.blocks)
+    graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
+    assert graphs._planner is None
+    rng = random.Random(5)
+    for step_id, (batch, longest) in enumerate([(20, 900), (33, 3000), (9, 200)], start=1):
+        step, owned = random_step(rng, model, [rng.randint(1, longest) for _ in range(batch)], step_id)
+        compare(model, eager_cache, graph_cache, graphs, step, owned)
+
+
 def test_graph_step_waits_for_the_copy_plan():
     """A copy-on-write plan enqueued on the cache's swap stream right before the step: the
     replay reads the copied block (as the eager path does), not what was there before."""
@@ -160,6 +175,19 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
     want_eager = model.forward_paged(given, eager_cache.layer)
     got_eager = model.forward_paged(fed, eager_cache.layer, previous_ids=previous)
     assert torch.equal(got_eager, want_eager)
-    want_graph = graphs.run(given)
+    want_graph = graphs.run(given).clone()   # run's logits are valid until the next run
     got_graph = graphs.run(fed, previous)
     assert torch.equal(got_graph, want_graph)
+    # Ids of a previous step wider than the graph's buffers (an eager step of more rows): fed
+    # before the replay instead of inside it, with the same result.
+    wide = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(100)], device="cuda")
+    wide[:40] = previous
+    assert torch.equal(graphs.run(fed, wide), want_graph)
+    # A chain of fed steps, each taking its tokens from the last one's argmax, as serving runs them.
+    ids = previous
+    for _ in range(3):
+        want = graphs.run(replace(given, token_ids=[given.token_ids[3] if i == 3 else int(ids[r])
+                                                    for i, r in enumerate(rows)])).clone()
+        got = graphs.run(fed, ids)
+        assert torch.equal(got, want)
+        ids = torch.cat([got.argmax(-1), ids[30:]])

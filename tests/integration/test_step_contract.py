@@ -124,6 +124,11 @@ def test_fed_back_tokens_equal_sending_them(worker):
     assert torch.equal(worker.cache.blocks, before), "a refused step wrote K/V"
     assert int(worker.execute_model(first)[0]) == token   # step 1 again: its ids are held now
     assert torch.equal(worker.execute_model(fed), expect)
+    int(worker.execute_model(first)[0])
+    before = worker.cache.blocks.clone()
+    with pytest.raises(ValueError, match="row 1 of step 1's output, which has 1 rows"):
+        worker.execute_model(dataclasses.replace(fed, feedback_rows=[1]))   # past the output's rows
+    assert torch.equal(worker.cache.blocks, before), "a refused step wrote K/V"
 
 
 def test_launched_steps_are_fetched_by_ticket_in_any_order(worker):
