@@ -196,6 +196,25 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
     print(f"\nDecodeGraphs.run (fed) at batch {step.num_seqs} by phase, the GPU idle before each call (p50 us):")
     for name, values in rows.items():
         print(f"  {name:<24} {statistics.median(values[3:]) * 1e6:8.1f}")
+    if planner is not None:   # the host planner alone: its Python wrapper, and the extension's call
+        from kvpager.kernels import decode_plan
+        from kvpager.kernels.extension import load
+
+        geometry, lens = planner.geometry, np.asarray(step.context_lens, np.int32)
+        out = np.empty(geometry.plan_size(len(lens)), np.int32)
+        lens_t, out_t = torch.from_numpy(lens), torch.from_numpy(out)
+        calls = {"DecodePlanner.plan": lambda: planner.plan(lens, out=out),
+                 "extension call alone": lambda: load().plan_decode_work(lens_t, geometry.workers, geometry.longest_item,
+                                                                         decode_plan.MIN_ITEM, decode_plan.ITEM_COST,
+                                                                         out_t)}
+        print(f"  host planner alone, {len(lens)} rows, {geometry.workers} workers (p50 of 200, us):")
+        for name, call in calls.items():
+            times = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            print(f"    {name:<22} {statistics.median(times) * 1e6:8.1f}")
 
 
 def replay_after(graph: "torch.cuda.CUDAGraph", reps: int) -> None:

@@ -133,6 +133,7 @@ class DecodeGraphs:
             if self._planner is not None:
                 self._workspace = self._planner.workspace(max_batch)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._host_view_cache: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._pool = None
         self._warm = False
         self.capture_seconds = 0.0   # time spent capturing, all shapes together
@@ -169,7 +170,7 @@ class DecodeGraphs:
         lay = self._inputs[batch]
         packed = self._planner is not None   # the tables packed [s, w], their stride in the work list
         host = self.model.staging.reserve(lay.tables_at + 4 * s * w)
-        longs, context, work, _ = (t.numpy() for t in lay.views(host, 0))
+        host_bytes, longs, context, work = self._host_views(host, lay)
         longs[0, :s], longs[1, :s], longs[2, :s] = step.token_ids, step.positions, step.slot_mapping
         longs[3, :s] = step.feedback_rows if feed_in_graph else -1
         longs[:2, s:], longs[2:, s:] = 0, -1   # padding rows: token 0, position 0, no slot, not fed
@@ -177,13 +178,14 @@ class DecodeGraphs:
         if packed:
             self._planner.plan(context, out=work)
             work[2] = w
-        tables = host[lay.tables_at:lay.tables_at + 4 * s * w].view(torch.int32)
-        tables.numpy()[:] = step.block_tables
+        end = lay.tables_at + 4 * s * w
+        host_bytes[lay.tables_at:end].view(np.int32)[:] = step.block_tables
         if packed:
-            self._staged[:lay.tables_at + 4 * s * w].copy_(host[:lay.tables_at + 4 * s * w], non_blocking=True)
+            self._staged[:end].copy_(host[:end], non_blocking=True)
         else:   # the header, then the tables into the graph's rows (a 2-D copy)
             self._staged[:lay.tables_at].copy_(host[:lay.tables_at], non_blocking=True)
-            lay.views(self._staged, width)[3][:s, :w].copy_(tables.view(s, w), non_blocking=True)
+            tables = host[lay.tables_at:end].view(torch.int32).view(s, w)
+            lay.views(self._staged, width)[3][:s, :w].copy_(tables, non_blocking=True)
         self.model.staging.sent()
         if feed_in_graph:
             self._previous[:len(previous_ids)].copy_(previous_ids)
@@ -193,6 +195,18 @@ class DecodeGraphs:
         self.cache.wait()
         graph.replay()
         return self._logits[:s]
+
+    def _host_views(self, host: torch.Tensor, lay: _Inputs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Numpy views of a pinned staging buffer: its bytes, and the longs, context and work list
+        of ``lay``; made once per (buffer, bucket) and kept (the ring's buffers are few)."""
+        key = (host.data_ptr(), lay.batch)
+        views = self._host_view_cache.get(key)
+        if views is None:
+            if len(self._host_view_cache) >= 4 * len(self.batch_buckets):   # views of buffers the ring replaced
+                self._host_view_cache.clear()
+            longs, context, work, _ = (t.numpy() for t in lay.views(host, 0))
+            views = self._host_view_cache[key] = (host.numpy(), longs, context, work)
+        return views
 
     def capture_all(self) -> int:
         """Capture every batch bucket now (with a work list one graph per bucket serves every

@@ -68,6 +68,8 @@ class StagingRing:
     def sent(self) -> None:
         """The copies reading the buffer ``reserve`` gave are enqueued on the current stream:
         it is refilled only once they have run."""
-        event = torch.cuda.Event()
+        slot = self._reserved
+        event = self._copied[slot]
+        if event is None:   # one event per buffer, recorded again each time (``reserve`` waited for it)
+            event = self._copied[slot] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._copied[self._reserved] = event
