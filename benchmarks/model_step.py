@@ -14,9 +14,10 @@ what to fix; the serving figures come from benchmarks/serving.py.
 its GPU time, the way the worker runs it (``DecodeGraphs.run``: host inputs, the work list planned
 on the host, the uploads into the graph's buffers, one replay, the logits): with the GPU idle
 first, the host time of that call (it returns without waiting for the device), of the same call
-for a step whose tokens are all fed from the previous step's ids (serving's steady state, launched
-while the previous step runs), of ``graph.replay()`` alone, and of the eager ``forward_paged``
-launch for contrast, against the step's device time from CUDA events. ``--model 1b`` / ``8b`` builds (once, under ``--workdir``) the
+for a step whose tokens are all fed from the previous step's ids (serving's steady state: the
+graph's own ids, passed back in place), of ``graph.replay()`` alone, and of the eager
+``forward_paged`` launch for contrast, against the step's device time from CUDA events; then the
+fed call's host time by phase. ``--model 1b`` / ``8b`` builds (once, under ``--workdir``) the
 random checkpoint that benchmarks/serving.py uses.
 """
 
@@ -74,8 +75,8 @@ def random_step(cfg: ModelConfig, lens: list[int], width: int, block: int, table
 def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: int, block: int, reps: int) -> None:
     """Per batch: host time of the graph step's launch call, of the replay alone and of the eager
     launch (each with the GPU idle before it), against the step's device time (CUDA events); and
-    of the same step with every token fed from the previous step's ids (serving's steady state),
-    launched while the step before it still runs."""
+    of the same step with every token fed from the previous step's ids (serving's steady state,
+    the GPU idle before it too)."""
     from kvpager.kernels import cuda
 
     if not cuda.available():   # the graphs need our decode kernel
@@ -100,8 +101,10 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
         free = list(range(1, num_blocks))
         rng.shuffle(free)
         step = random_step(cfg, all_lens[b], width, block, free, rng)
-        # The serving loop's steady state: every token taken from the previous step's ids.
-        previous = torch.randint(cfg.vocab_size, (b,), device=dev)
+        # The serving loop's steady state: every token taken from the previous step's ids (the
+        # graph's own argmax where DecodeGraphs keeps it: the worker passes those back in place).
+        previous = (graphs.last_ids(b) if hasattr(graphs, "last_ids")
+                    else torch.randint(cfg.vocab_size, (b,), device=dev))
         rows = list(range(b))
         rng.shuffle(rows)
         fed = dataclasses.replace(step, feedback_rows=rows, feedback_step=1)

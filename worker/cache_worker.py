@@ -264,13 +264,13 @@ class CacheWorker:
             self._require_plan(step)
             previous = self._fed_tokens(step)
             if metrics is None:
-                logits = self._forward(step, previous_ids=previous)
+                logits, ids = self._forward(step, previous_ids=previous)
             else:
                 metrics.poll()
                 attention = metrics.attention_span()
                 start = metrics.timeline.begin()
-                logits = self._forward(step, attention, previous)
-            out = self._output(step, logits) if self.config.rank == 0 else None
+                logits, ids = self._forward(step, attention, previous)
+            out = self._output(step, logits, ids) if self.config.rank == 0 else None
             self._launched.add(ticket, out, self.cache.device)
             if metrics is not None:
                 metrics.observe_model_step(step.step_id, len(step.token_ids), start, attention,
@@ -291,22 +291,26 @@ class CacheWorker:
         return list(self.metrics.timeline.recent)
 
     def _forward(self, step: StepInput, attention_timer=None,
-                 previous_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                 previous_ids: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Under the lock: the model on the step, from a CUDA graph when one serves it (then the
-        attention is not timed per layer: the graph runs as one launch)."""
+        attention is not timed per layer: the graph runs as one launch); its logits, and their
+        argmax where the graph computed it (None: eager)."""
         if self.graphs is not None and self.graphs.serves(step):
-            return self.graphs.run(step, previous_ids)
+            return self.graphs.run(step, previous_ids), self.graphs.last_ids(step.num_seqs)
         return self.model.forward_paged(step, self.cache.layer, attention_timer=attention_timer,
-                                        previous_ids=previous_ids)
+                                        previous_ids=previous_ids), None
 
-    def _output(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor:
+    def _output(self, step: StepInput, logits: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Under the lock, on rank 0: what goes back (still on the device; the caller copies it
-        to the host): the logits, or their argmax for a greedy step, kept for a next step that
-        takes its tokens from them (``StepInput.feedback_rows``)."""
+        to the host): the logits, or their argmax for a greedy step (``ids`` when a graph
+        computed it), kept for a next step that takes its tokens from them
+        (``StepInput.feedback_rows``). A graph's logits and ids are its static outputs: the copy
+        to the host is enqueued before any later step can overwrite them."""
         if not step.greedy:
             self._last_ids, self._last_ids_step = None, 0
             return logits
-        ids = logits.argmax(dim=-1)
+        if ids is None:
+            ids = logits.argmax(dim=-1)
         self._last_ids, self._last_ids_step = ids, step.step_id
         return ids
 

@@ -75,6 +75,7 @@ def compare(model: Decoder, eager_cache: KVCache, graph_cache: KVCache, graphs: 
     scale = want.std().item()
     assert (got - want).abs().max().item() <= 0.05 * scale
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95   # bf16 near-ties may flip
+    assert torch.equal(graphs.last_ids(step.num_seqs), got.argmax(-1))   # the graph's own argmax
     untouched = torch.ones(NUM_BLOCKS, dtype=torch.bool)
     untouched[sorted(owned)] = False
     assert torch.equal(graph_cache.blocks[untouched], before[untouched]), "a graph step wrote outside its tables"
@@ -183,11 +184,17 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
     wide = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(100)], device="cuda")
     wide[:40] = previous
     assert torch.equal(graphs.run(fed, wide), want_graph)
-    # A chain of fed steps, each taking its tokens from the last one's argmax, as serving runs them.
-    ids = previous
+    # Serving's chain: each step fed in place from the last one's ids (``last_ids``, the argmax
+    # the graph computed), against the same step with those tokens given.
+    chain_rows = list(range(30))
+    rng.shuffle(chain_rows)
+    chain_rows[5] = -1
+    chained = replace(fed, token_ids=[given.token_ids[5] if i == 5 else 0 for i in range(30)],
+                      feedback_rows=chain_rows)
+    assert torch.equal(graphs.last_ids(30), graphs.run(given).argmax(-1))
     for _ in range(3):
-        want = graphs.run(replace(given, token_ids=[given.token_ids[3] if i == 3 else int(ids[r])
-                                                    for i, r in enumerate(rows)])).clone()
-        got = graphs.run(fed, ids)
-        assert torch.equal(got, want)
-        ids = torch.cat([got.argmax(-1), ids[30:]])
+        ids = graphs.last_ids(30).clone()
+        got = graphs.run(chained, graphs.last_ids(30)).clone()
+        assert torch.equal(graphs.last_ids(30), got.argmax(-1))
+        tokens = [given.token_ids[5] if i == 5 else int(ids[r]) for i, r in enumerate(chain_rows)]
+        assert torch.equal(graphs.run(replace(given, token_ids=tokens)), got)
