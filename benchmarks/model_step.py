@@ -151,11 +151,13 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     torch.cuda.synchronize()
     print(f"\nhost profile of DecodeGraphs.run (fed) at batch {batches[-1]} ({reps} calls), by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    launch_phases(graphs, model, fed, previous, reps)
+    launch_phases(graphs, model, fed, previous, reps, "fed from the graph's own ids")
+    launch_phases(graphs, model, fed, previous.clone(), reps, "fed from other ids (copied in)")
     replay_after(graph, reps)
 
 
-def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int) -> None:
+def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int,
+                  label: str) -> None:
     """Host time of ``graphs.run(step, previous)`` split by phase (the GPU idle before each call):
     the host planner, the pinned buffer's reservation, the replay, the logits, the rest (numpy
     fills and the copies' launches). Wraps those calls with timers for the measurement only."""
@@ -196,10 +198,13 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
         for obj, name in ((planner, "plan"), (staging, "reserve"), (staging, "upload"), (model, "logits")):
             if obj is not None and name in vars(obj):
                 delattr(obj, name)
-    print(f"\nDecodeGraphs.run (fed) at batch {step.num_seqs} by phase, the GPU idle before each call (p50 us):")
+    print(f"\nDecodeGraphs.run at batch {step.num_seqs}, {label}, by phase, the GPU idle before each call (p50 us):")
     for name, values in rows.items():
         print(f"  {name:<24} {statistics.median(values[3:]) * 1e6:8.1f}")
-    if planner is not None:   # the host planner alone: its Python wrapper, and the extension's call
+    import inspect
+
+    alone = planner is not None and "out" in inspect.signature(planner.plan).parameters and "copied" not in label
+    if alone:   # the host planner alone: its Python wrapper, and the extension's call
         from kvpager.kernels import decode_plan
         from kvpager.kernels.extension import load
 
