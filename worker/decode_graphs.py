@@ -9,10 +9,9 @@ and block tables are written in place into one pinned buffer (the planner's C++ 
 there itself) and go up in one copy into the static buffer the graph reads (``_Inputs``: each
 batch bucket has its fixed layout there; the tables packed ``[S, W]``, their row stride W in the
 work list's header, so one graph serves every width); then one ``replay()`` picks the fed tokens
-(``feed_tokens``' selection is its first kernel), runs the model and writes the logits and their
-argmax into static outputs. A greedy step's ids (``last_ids``) are what the next fed step feeds
-from, in place: no copy and no argmax launch between steps (ids from an eager step are copied in
-first).
+(``feed_tokens``' selection is its first kernel, from a static copy of the previous ids), runs
+the model and writes the logits and their argmax into static outputs (``last_ids``: a greedy
+step's ids with no argmax launch after the replay).
 
 Shapes: a graph serves one batch bucket: a step of S sequences runs in the smallest bucket
 B >= S (``BATCH_BUCKETS``, capped at ``max_batch``), its tables packed ``[S, W]`` (the kernel
@@ -130,8 +129,8 @@ class DecodeGraphs:
             # Every bucket's inputs (``_Inputs``) at the start of one buffer: a step's go up in one copy.
             self._staged = torch.zeros(self._inputs[max_batch].nbytes(self.max_blocks), dtype=torch.uint8, device=dev)
             self._logits = torch.zeros(max_batch, model.cfg.vocab_size, dtype=torch.float32, device=dev)
-            # The last replay's greedy ids (its logits' argmax), and the ids the next one feeds tokens from.
-            self._ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+            self._ids = torch.zeros(max_batch, dtype=torch.long, device=dev)        # the last replay's argmax
+            self._previous = torch.zeros(max_batch, dtype=torch.long, device=dev)   # the ids tokens are fed from
             if self._planner is not None:
                 self._workspace = self._planner.workspace(max_batch)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -158,8 +157,8 @@ class DecodeGraphs:
         ``Decoder.forward_paged`` takes them (``step.feedback_rows``); the graph feeds the tokens.
         O(S * W) host work in numpy and C++ (the inputs, the work list and the tables written in
         place into one pinned buffer) and two launches: one host-to-device copy and the replay
-        (one more to copy ``previous_ids`` other than ``last_ids``; one more, a 2-D copy of the
-        tables, without a work list)."""
+        (one more to copy ``previous_ids`` for a fed step; one more, a 2-D copy of the tables,
+        without a work list)."""
         s, w = step.num_seqs, step.max_blocks
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, s)]
         # With a work list the kernel reads the tables only up to each row's context, so one
@@ -190,8 +189,10 @@ class DecodeGraphs:
             tables = host[lay.tables_at:end].view(torch.int32).view(s, w)
             lay.views(self._staged, width)[3][:s, :w].copy_(tables, non_blocking=True)
         self.model.staging.sent()
-        if feed_in_graph and previous_ids.data_ptr() != self._ids.data_ptr():   # (else: the last replay's ids)
-            self._ids[:len(previous_ids)].copy_(previous_ids)
+        if feed_in_graph:
+            # Always a copy, even of ``last_ids``: feeding from the graph's own output in place
+            # made this call 100-300 us slower on the H100 host (measured, not understood).
+            self._previous[:len(previous_ids)].copy_(previous_ids)
         elif fed:   # ids of a step wider than the buffer: fed here, before the replay
             tokens = lay.views(self._staged, 0)[0][0, :s]
             feed_tokens(tokens, torch.as_tensor(step.feedback_rows, device=tokens.device), previous_ids)
@@ -213,8 +214,8 @@ class DecodeGraphs:
 
     def last_ids(self, rows: int) -> torch.Tensor:
         """The argmax of the last ``run``'s logits, its first ``rows`` rows (int64, on the device,
-        computed inside the graph): valid until the next ``run``, and, passed back to it as
-        ``previous_ids``, fed from in place (no copy)."""
+        computed inside the graph): valid until the next ``run`` (which may take them as
+        ``previous_ids``)."""
         return self._ids[:rows]
 
     def capture_all(self) -> int:
@@ -233,7 +234,7 @@ class DecodeGraphs:
 
     def _body(self, batch: int, width: int) -> None:
         (tokens, positions, slots, rows), context, work, tables = self._inputs[batch].views(self._staged, width)
-        tokens = torch.where(rows >= 0, self._ids[rows.clamp(min=0)], tokens)   # ``feed_tokens``, out of place
+        tokens = torch.where(rows >= 0, self._previous[rows.clamp(min=0)], tokens)   # ``feed_tokens``, out of place
         plan = None
         if self._planner is not None:   # the bucket's work list, the graph's own workspace
             plan = self._planner.step_plan(work, batch, self._workspace)

@@ -184,8 +184,8 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
     wide = torch.tensor([rng.randrange(model.cfg.vocab_size) for _ in range(100)], device="cuda")
     wide[:40] = previous
     assert torch.equal(graphs.run(fed, wide), want_graph)
-    # Serving's chain: each step fed in place from the last one's ids (``last_ids``, the argmax
-    # the graph computed), against the same step with those tokens given.
+    # Serving's chain: each step fed from the last one's ids (``last_ids``, the argmax the graph
+    # computed), against the same step with those tokens given.
     chain_rows = list(range(30))
     rng.shuffle(chain_rows)
     chain_rows[5] = -1

@@ -2,10 +2,10 @@
 previous step's ids on the device, two launched before either is fetched (as the overlapped
 scheduler sends them), give token for token what the same steps with their tokens given give.
 
-The fed chain reads the graph's own argmax in place (``DecodeGraphs.last_ids``: no copy between
-steps); the given chain runs on a second worker of the same weights, so both replay the same
-graphs and agree bit for bit. The first step is an eager prefill: the first fed step copies its
-ids into the graph's buffer.
+The fed chain's ids are the graph's own argmax (``DecodeGraphs.last_ids``, no argmax launch
+after the replay); the given chain runs on a second worker of the same weights, so both replay the same
+graphs and agree bit for bit. The first step is an eager prefill, whose ids the first fed step
+takes.
 """
 
 from __future__ import annotations
