@@ -18,6 +18,13 @@
 #   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
 #       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py
 #
+# The GPU image's grpcio (1.84) is older than our generated stubs need, so tests that import the
+# worker's gRPC side (tests/gpu/test_worker_graph_steps_gpu.py) need newer wheels: here, first,
+#   .venv/bin/pip download --no-deps -d .whl --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --only-binary=:all: grpcio==1.85.1 protobuf==7.36.2 grpcio-health-checking==1.85.1 \
+#       grpcio-reflection==1.85.1 grpcio-status==1.85.1
+# and carry [".whl"]: they are installed (--no-deps, offline) when present.
+#
 # Every step has a time limit (a kernel that deadlocks on its barriers would otherwise spin until
 # the device command's own limit). The tests run with --noconftest: tests/conftest.py imports the gRPC client, whose health-check
 # package the GPU image lacks, and the kernel tests need none of its fixtures.
@@ -28,6 +35,7 @@ mkdir -p "$out"
 summary=()
 
 nvidia-smi --query-gpu=name --format=csv,noheader
+if ls .whl/grpcio-*.whl > /dev/null 2>&1; then python3 -m pip install -q --no-deps --no-index .whl/*.whl; fi
 build="from kvpager.kernels import cuda; assert cuda.available(), cuda.load_error()"
 variants=${VARIANTS:-}
 base=${BASE:-}
@@ -100,7 +108,9 @@ fi
 
 if [ "${1:-}" = "decode" ]; then
   timeout 600 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_cuda_kernels.py tests/gpu/test_fp8_model_gpu.py \
-      tests/gpu/test_layer_ops_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_cuda_swap.py > "$out/test_decode.log" 2>&1
+      tests/gpu/test_layer_ops_gpu.py tests/gpu/test_decode_graphs_gpu.py tests/gpu/test_cuda_swap.py \
+      tests/gpu/test_staging_gpu.py $(ls .whl/grpcio-*.whl > /dev/null 2>&1 && echo tests/gpu/test_worker_graph_steps_gpu.py) \
+      > "$out/test_decode.log" 2>&1
   summary+=("decode GPU tests: $(grep -E 'passed|failed|error' "$out/test_decode.log" | tail -1)")
   # flush: short shapes under both L2 flushes; quick: the loads x splits sweep; list_loads: the work
   # list with 2 and 4 loads in flight (on an H200 the kernel stopped near 78% of the copy ceiling)

@@ -18,9 +18,9 @@ B >= S (``BATCH_BUCKETS``, capped at ``max_batch``), its tables packed ``[S, W]`
 takes their row stride from the work list and reads each row only up to its context). Without a
 work list (``KVPAGER_DECODE_WORK_LIST=0``) the grid is planned from the table's width at capture,
 so a graph serves one (batch bucket, power-of-two width >= W) for tables W blocks wide, copied
-into rows of that width. Rows
-S..B-1 are padding: context 0 and slot -1, so they write nothing and attend to nothing; table
-entries past a row's context are never read, so the buffers are not cleared between steps.
+into rows of that width. Rows S..B-1 are padding: context 0 and slot -1, so they write nothing
+and attend to nothing; table entries past a row's context are never read, so the buffers are not
+cleared between steps.
 Attention runs from the step's work list (``kernels/decode_plan.py``), planned on the host from
 the real lengths and copied into a static buffer with the other inputs: the launch geometry is
 fixed per model, so one graph serves every plan. The worker captures every bucket when it starts
@@ -124,7 +124,7 @@ class DecodeGraphs:
         # of B rows uses their prefixes. (No planner: KVPAGER_DECODE_WORK_LIST=0, the per-call
         # grid inside the graph, planned from the table's width at capture.)
         self._planner = model.decode_planner(self._layer_cache)
-        self._inputs = {b: _Inputs.of(b, self._planner.plan_size(b) if self._planner else 0) for b in self.batch_buckets}
+        self._inputs = {b: _Inputs.of(b, self._planner.plan_size(b) if self._planner is not None else 0) for b in self.batch_buckets}
         with torch.cuda.device(dev):
             # Every bucket's inputs (``_Inputs``) at the start of one buffer: a step's go up in one copy.
             self._staged = torch.zeros(self._inputs[max_batch].nbytes(self.max_blocks), dtype=torch.uint8, device=dev)
