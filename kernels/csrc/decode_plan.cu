@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "decode_plan.h"
@@ -202,6 +203,7 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
 
   std::vector<int64_t> pieces(num_seqs), last(num_seqs), loads(workers);
   std::vector<int> by_last(num_seqs);
+  std::vector<uint64_t> keys(num_seqs);
   // Items longest first: every piece but a sequence's last (seq-major), then the last pieces by
   // length (stable); fn(k, seq, piece, cost) for each.
   auto for_each_item = [&](int64_t size, auto&& fn) {
@@ -217,16 +219,31 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
       last[i] = ctx[i] - (pieces[i] - 1) * size;
       n += pieces[i];
     }
-    for (int i = 0; i < num_seqs; ++i) by_last[i] = i;
-    std::stable_sort(by_last.begin(), by_last.end(), [&](int a, int b) { return last[a] > last[b]; });
+    // by_last: longest last piece first, ties by row (a stable sort), as one sort of integer keys
+    // (row < 2^16, 0 <= last <= size < 2^31).
+    for (int i = 0; i < num_seqs; ++i)
+      keys[i] = (static_cast<uint64_t>(std::numeric_limits<int32_t>::max() - last[i]) << 16) | static_cast<uint64_t>(i);
+    std::sort(keys.begin(), keys.end());
+    for (int i = 0; i < num_seqs; ++i) by_last[i] = static_cast<int>(keys[i] & 0xFFFF);
     return n;
+  };
+  // The busiest worker's cost for this size (after layout): the m inner pieces, all of one cost,
+  // fill m / workers whole rounds and part of one more (the snake's direction by its parity), in
+  // O(workers); the last pieces follow item by item.
+  auto span_of = [&](int64_t size, int64_t n) {
+    const int64_t m = n - num_seqs, cost = size + item_cost;
+    const int64_t rounds = m / workers, rest = m % workers;
+    std::fill(loads.begin(), loads.end(), rounds * cost);
+    for (int64_t j = 0; j < rest; ++j) loads[rounds % 2 == 1 ? workers - 1 - j : j] += cost;
+    int64_t k = m;
+    for (int i : by_last) loads[snake_worker(k++, workers)] += last[i] + item_cost;
+    return *std::max_element(loads.begin(), loads.end());
   };
   int64_t best_size = 0, best_span = 0;
   for (const int64_t size : sizes) {   // largest first: ties keep the larger size
-    if (layout(size) > capacity) continue;
-    std::fill(loads.begin(), loads.end(), 0);
-    for_each_item(size, [&](int64_t k, int, int64_t, int64_t cost) { loads[snake_worker(k, workers)] += cost; });
-    const int64_t span = *std::max_element(loads.begin(), loads.end());
+    const int64_t n = layout(size);
+    if (n > capacity) continue;
+    const int64_t span = span_of(size, n);
     if (best_size == 0 || span < best_span) {
       best_size = size;
       best_span = span;
