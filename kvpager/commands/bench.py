@@ -15,7 +15,7 @@ from kvpager.commands import cli
 EPILOG = None  # no flags of its own read the environment
 BENCHMARKS = {"manager": "manager_bench.py", "load": "manager_load.py", "step-rpc": "step_rpc.py",
               "layout": "cache_layout.py", "kernels": "kernels.py", "serving": "serving.py",
-              "model-step": "model_step.py"}
+              "model-step": "model_step.py", "host-planner": "host_planner.py"}
 
 
 def benchmarks_dir() -> Path:
@@ -44,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
         raise cli.Failure(f"no benchmarks folder at {folder}: the benchmarks come with a source checkout "
                           "of kvpager (pip install -e .), not with the wheel")
     if args.list:
+        name_width, file_width = max(map(len, BENCHMARKS)), max(map(len, BENCHMARKS.values()))
         for name, file in BENCHMARKS.items():
-            print(f"{name:10s} {file:17s} {summary(folder / file)}")
+            print(f"{name:{name_width}s} {file:{file_width}s} {summary(folder / file)}")
         return 0
     if args.name is None:
         raise cli.UsageError("name a benchmark (or --list)")
