@@ -94,6 +94,8 @@ def test_reordered_plans_run_each_step_after_its_own(worker):
     (dict(query_lens=[2], context_lens=[2]), "add up"),
     (dict(block_tables=[1, 2, 3]), "not 1 rows of 2"),
     (dict(query_lens=[4], context_lens=[3]), "computes 4 tokens of a 3-token context"),
+    (dict(token_ids=[1], positions=[0], slot_mapping=[4], query_lens=[1], context_lens=[0]),
+     "computes 1 tokens of a 0-token context"),   # a decode step: past check's fast path
 ])
 def test_inconsistent_step_inputs_are_refused(worker, change, message):
     fields = dict(step_id=1, plan_step_id=0, token_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3],
