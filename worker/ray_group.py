@@ -31,6 +31,8 @@ log = logging.getLogger("kvpager.worker")
 
 
 LOOPBACK_NODE_IP = "127.0.0.2"
+STARTS = 3   # tries at starting a local Ray cluster that timed out starting (init_local_ray)
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 # A model step that has not finished after this long is stuck (a stopped rank, or one waiting
 # in a collective for a dead peer): far above any real step, prefill of a long prompt included.
 DEFAULT_STEP_TIMEOUT_S = 300.0
@@ -45,19 +47,23 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace:
     ``address="local"`` starts a new cluster, never one that ``ray start`` left on this machine."""
     import ray
 
-    for attempt in (1, 2):
+    for attempt in range(1, STARTS + 1):
         if ray.is_initialized():
             return
         try:
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                      log_to_driver=False, _node_ip_address=node_ip or LOOPBACK_NODE_IP, namespace=namespace)
-        except Exception as exc:  # noqa: BLE001 - Ray raises a plain Exception for this
+        except Exception as exc:  # noqa: BLE001 - Ray raises a plain Exception (or RuntimeError) for these
             # On a loaded machine the raylet sometimes never registers within Ray's fixed 30 s
-            # ("The current node timed out during startup"); a second start has always worked.
-            if attempt == 2 or "timed out during startup" not in str(exc):
+            # ("The current node timed out during startup"), or the GCS never writes its port file
+            # in time ("Timed out waiting for file .../gcs_server_port_..."); both were seen twice
+            # in a row on a shared 2-core machine, and a later start worked.
+            if attempt == STARTS or not any(sign in str(exc) for sign in STARTUP_TIMEOUTS):
                 raise
-            log.warning("the local Ray cluster did not start (%s); starting it once more", exc)
+            log.warning("the local Ray cluster did not start (%s); starting it again (%d of %d)", exc, attempt + 1,
+                        STARTS)
             ray.shutdown()
+            time.sleep(2 * attempt)   # let the machine's load pass
 
 
 def actor_name(rank: int) -> str:
