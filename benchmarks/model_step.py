@@ -151,13 +151,10 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     torch.cuda.synchronize()
     print(f"\nhost profile of DecodeGraphs.run (fed) at batch {batches[-1]} ({reps} calls), by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    launch_phases(graphs, model, fed, previous, reps, "fed from the graph's own ids")
-    launch_phases(graphs, model, fed, previous.clone(), reps, "fed from other ids (copied in)")
-    replay_after(graph, reps)
+    launch_phases(graphs, model, fed, previous, reps)
 
 
-def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int,
-                  label: str) -> None:
+def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int) -> None:
     """Host time of ``graphs.run(step, previous)`` split by phase (the GPU idle before each call):
     the host planner, the pinned buffer's reservation, the replay, the logits, the rest (numpy
     fills and the copies' launches). Wraps those calls with timers for the measurement only."""
@@ -198,12 +195,12 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
         for obj, name in ((planner, "plan"), (staging, "reserve"), (staging, "upload"), (model, "logits")):
             if obj is not None and name in vars(obj):
                 delattr(obj, name)
-    print(f"\nDecodeGraphs.run at batch {step.num_seqs}, {label}, by phase, the GPU idle before each call (p50 us):")
+    print(f"\nDecodeGraphs.run (fed) at batch {step.num_seqs} by phase, the GPU idle before each call (p50 us):")
     for name, values in rows.items():
         print(f"  {name:<24} {statistics.median(values[3:]) * 1e6:8.1f}")
     import inspect
 
-    alone = planner is not None and "out" in inspect.signature(planner.plan).parameters and "copied" not in label
+    alone = planner is not None and "out" in inspect.signature(planner.plan).parameters   # (not in older trees)
     if alone:   # the host planner alone: its Python wrapper, and the extension's call
         from kvpager.kernels import decode_plan
         from kvpager.kernels.extension import load
@@ -223,27 +220,6 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
                 call()
                 times.append(time.perf_counter() - t0)
             print(f"    {name:<22} {statistics.median(times) * 1e6:8.1f}")
-
-
-def replay_after(graph: "torch.cuda.CUDAGraph", reps: int) -> None:
-    """Host time of ``graph.replay()`` right after one other operation on the stream (the GPU
-    idle before the pair): what a graph launch costs behind the step's input copies."""
-    dev = torch.device("cuda")
-    pinned = torch.zeros(16384, dtype=torch.uint8, pin_memory=True)
-    small, other = torch.zeros(16384, dtype=torch.uint8, device=dev), torch.zeros(16384, dtype=torch.uint8, device=dev)
-    probes = {"nothing": lambda: None, "H2D copy of 16 KB (pinned)": lambda: small.copy_(pinned, non_blocking=True),
-              "D2D copy of 16 KB": lambda: small.copy_(other), "one small kernel": lambda: small.add_(1),
-              "the same graph (still running)": graph.replay}
-    print("\ngraph.replay() host time right after one other operation on the stream, the GPU idle before (p50 us):")
-    for name, op in probes.items():
-        times = []
-        for _ in range(reps + 3):
-            torch.cuda.synchronize()
-            op()
-            t0 = time.perf_counter()
-            graph.replay()
-            times.append(time.perf_counter() - t0)
-        print(f"  after {name:<32} {statistics.median(times[3:]) * 1e6:8.1f}")
 
 
 def main() -> None:

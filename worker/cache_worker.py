@@ -323,9 +323,9 @@ class CacheWorker:
             raise FeedbackUnavailable(
                 f"rank {self.config.rank}: step {step.step_id} takes tokens from step {step.feedback_step}'s output, "
                 f"but this worker holds {self._last_ids_step or 'none'} (single-rank groups only); nothing was run")
-        rows = step.feedback_rows
-        if max(rows) >= len(self._last_ids):
-            raise ValueError(f"step {step.step_id} takes tokens from row {max(rows)} of step {step.feedback_step}'s "
+        last_row = max(step.feedback_rows)
+        if last_row >= len(self._last_ids):
+            raise ValueError(f"step {step.step_id} takes tokens from row {last_row} of step {step.feedback_step}'s "
                              f"output, which has {len(self._last_ids)} rows; nothing was run")
         return self._last_ids
 
