@@ -10,7 +10,8 @@
 #   [BASE=.gpu/base] bash benchmarks/device_check.sh graphs
 #       # only the CUDA-graph decode step: its GPU tests (and the worker's, with the .whl wheels
 #       # below; and the C++ planner against the Python one), then benchmarks/model_step.py
-#       # --launch-cost on the 1B shape (new, base, new with BASE; each tree runs its own script)
+#       # --launch-cost on the 1B shape (new, base, new, base with BASE; each tree runs its own script:
+#       # copy this tree's benchmarks/model_step.py into BASE to measure both alike)
 #   VARIANTS="overlap=-DKVPAGER_PREFILL_WS_OVERLAP=1;base=" NCU=0 bash benchmarks/device_check.sh
 #       # times the prefill table for each build variant (kernels.py --variants) instead of once;
 #       # the checks (tests, memcheck, racecheck) run on the first variant's build
@@ -63,14 +64,14 @@ if [ "${1:-}" = "graphs" ]; then
   worker_test=$(ls .whl/grpcio-*.whl > /dev/null 2>&1 && echo tests/gpu/test_worker_graph_steps_gpu.py)
   timeout 300 python3 -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_decode_graphs_gpu.py \
       tests/gpu/test_staging_gpu.py $worker_test "tests/gpu/test_cuda_kernels.py::test_host_planners_agree" \
-      > "$out/test_graphs.log" 2>&1
+      tests/unit/test_decode_stage_cpp.py > "$out/test_graphs.log" 2>&1
   summary+=("graph GPU tests: $(grep -E 'passed|failed|error' "$out/test_graphs.log" | tail -1)")
   wait   # the base tree's build
-  for who in new ${base:+base new}; do
+  for who in new ${base:+base new base}; do
     echo "=== $who" | tee -a "$out/launch_cost.log"
     (if [ "$who" = base ]; then cd "$base" && export PYTHONPATH=$PWD; fi
-     timeout 150 python3 benchmarks/model_step.py --model 1b --workdir /tmp/kvpager_ckpt --launch-cost 32,64,128,256 \
-         --context 1277 --steps 20 2>&1 | tee -a "$out/launch_cost.log")
+     timeout 150 python3 benchmarks/model_step.py --model 1b --workdir /tmp/kvpager_ckpt --launch-cost 32,64,128,256,32 \
+         --context 1277 --steps 30 2>&1 | tee -a "$out/launch_cost.log")
   done
   printf '\n== summary\n'
   printf '%s\n' "${summary[@]}"

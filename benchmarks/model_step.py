@@ -30,6 +30,7 @@ import os
 import random
 import statistics
 import time
+import types
 
 import numpy as np
 import torch
@@ -39,6 +40,10 @@ from kvpager.step import StepInput
 from kvpager.worker.decode_graphs import DecodeGraphs
 from kvpager.worker.kv_cache import CacheSpec, KVCache
 from kvpager.worker.model import Decoder, ModelConfig
+
+# Launch-cost calls run untimed first, per batch size (2026-11-26 on an H100 host, with 3 of them:
+# batch 32, measured first, cost more per fed call than batch 128 measured later, 0.30 vs 0.24 ms).
+WARMUP = 10
 
 
 def copy_ceiling(device: torch.device) -> float:
@@ -97,6 +102,7 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
            f"{'%':>5} | {'replay ms':>9} {'%':>5} | {'eager launch ms':>15} {'%':>5}")
     print(hdr)
     print("-" * len(hdr))
+    fed_steps = {}
     for b in batches:
         free = list(range(1, num_blocks))
         rng.shuffle(free)
@@ -108,10 +114,11 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
         rows = list(range(b))
         rng.shuffle(rows)
         fed = dataclasses.replace(step, feedback_rows=rows, feedback_step=1)
+        fed_steps[b] = (fed, previous)
         graph_host, fed_host, replay_host, eager_host, device = [], [], [], [], []
         bucket = graphs.batch_buckets[bisect.bisect_left(graphs.batch_buckets, b)]
         graph = graphs._graphs[(bucket, graphs.max_blocks)]
-        for _ in range(reps + 3):
+        for _ in range(reps + WARMUP):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -133,7 +140,7 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
             with torch.inference_mode():
                 model.forward_paged(step, cache.layer)
             eager_host.append(time.perf_counter() - t0)
-        gpu, launch, fed_launch, replay, eager = (statistics.median(x[3:]) * 1e3
+        gpu, launch, fed_launch, replay, eager = (statistics.median(x[WARMUP:]) * 1e3
                                                   for x in (device, graph_host, fed_host, replay_host, eager_host))
         print(f"{b:>5} | {gpu:7.2f} | {launch:15.3f} {100 * launch / gpu:7.1f}% | {fed_launch:13.3f} "
               f"{100 * fed_launch / gpu:4.1f}% | {replay:9.3f} {100 * replay / gpu:4.1f}% | "
@@ -151,7 +158,8 @@ def launch_cost(model: Decoder, cfg: ModelConfig, batches: list[int], context: i
     torch.cuda.synchronize()
     print(f"\nhost profile of DecodeGraphs.run (fed) at batch {batches[-1]} ({reps} calls), by own time:")
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    launch_phases(graphs, model, fed, previous, reps)
+    for b in sorted({min(batches), max(batches)}):
+        launch_phases(graphs, model, *fed_steps[b], reps)
 
 
 def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previous: torch.Tensor, reps: int) -> None:
@@ -171,6 +179,9 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
 
     planner, staging = getattr(graphs, "_planner", None), model.staging
     saved_replay = torch.cuda.CUDAGraph.replay
+    stager = getattr(graphs, "_stager", None)   # (trees since the C++ stager: planner and launch inside it)
+    if stager is not None:
+        graphs._stager = types.SimpleNamespace(stage=timed("stager (fills, plan, copies, launch)", stager.stage))
     if planner is not None:
         planner.plan = timed("host planner", planner.plan)
     if hasattr(staging, "reserve"):
@@ -180,7 +191,7 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
     torch.cuda.CUDAGraph.replay = timed("replay", saved_replay)
     rows: dict[str, list[float]] = {}
     try:
-        for _ in range(reps + 3):
+        for _ in range(reps + WARMUP):
             torch.cuda.synchronize()
             spent.clear()
             t0 = time.perf_counter()
@@ -192,12 +203,14 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
                 rows.setdefault(name, []).append(value)
     finally:
         torch.cuda.CUDAGraph.replay = saved_replay
+        if stager is not None:
+            graphs._stager = stager
         for obj, name in ((planner, "plan"), (staging, "reserve"), (staging, "upload"), (model, "logits")):
             if obj is not None and name in vars(obj):
                 delattr(obj, name)
     print(f"\nDecodeGraphs.run (fed) at batch {step.num_seqs} by phase, the GPU idle before each call (p50 us):")
     for name, values in rows.items():
-        print(f"  {name:<24} {statistics.median(values[3:]) * 1e6:8.1f}")
+        print(f"  {name:<24} {statistics.median(values[WARMUP:]) * 1e6:8.1f}")
     import inspect
 
     alone = planner is not None and "out" in inspect.signature(planner.plan).parameters   # (not in older trees)

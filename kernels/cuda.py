@@ -165,6 +165,23 @@ def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min
     return out
 
 
+def decode_step_stager(inputs: torch.Tensor, previous: torch.Tensor, layouts: list[tuple[int, int, int, int, int]],
+                       geometry: DecodeGeometry | None, slots: int = 4):
+    """The extension's ``DecodeStepStager`` (kernels/csrc/decode_stage_binding.cpp): a CUDA-graph
+    decode step's host path in one call. ``layouts``: each batch bucket's (batch, context_at,
+    work_at, work_end, tables_at) byte offsets in ``inputs`` (the graphs' uint8 input buffer) and
+    in the stager's own ``slots`` pinned buffers; ``previous``: the int64 ids fed steps take their
+    tokens from; ``geometry``: the work list's (None: the graphs take none).
+    ``stage(bucket, graph_exec, tokens, positions, slots, feedback_rows, context_lens, tables,
+    rows, width, table_stride, previous_ids)`` writes a step into the next pinned buffer (its work
+    list planned there as ``plan_decode_work`` plans it), enqueues on the current stream its copy,
+    the fed ids' copy and, unless ``graph_exec`` is 0, that graph's launch, and returns the bytes
+    copied; ValueError for bad input, with nothing enqueued."""
+    workers, longest = (geometry.workers, geometry.longest_item) if geometry is not None else (0, 0)
+    return load().DecodeStepStager(inputs, previous, [list(lay) for lay in layouts], workers, longest,
+                                   work_plan.MIN_ITEM, work_plan.ITEM_COST, slots)
+
+
 def decode_workspace(rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> Workspace:
     """An empty split-KV workspace of ``rows`` partial rows (a plan's capacity, or a grid plan's
     num_seqs * num_splits): each plan writes every row it reads."""

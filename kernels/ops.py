@@ -127,6 +127,15 @@ class DecodePlanner:
         return self._cuda.DecodePlan(self.geometry, work, workspace)
 
 
+def decode_step_stager(inputs: torch.Tensor, previous: torch.Tensor, layouts: list[tuple[int, int, int, int, int]],
+                       planner: Optional[DecodePlanner]):
+    """``cuda.decode_step_stager`` with ``planner``'s geometry (None: no work list): a CUDA-graph
+    decode step's host path, for graphs of our CUDA decode kernel only."""
+    from . import cuda
+
+    return cuda.decode_step_stager(inputs, previous, layouts, planner.geometry if planner is not None else None)
+
+
 def decode_planner(query_like: torch.Tensor, k_cache: torch.Tensor) -> Optional[DecodePlanner]:
     """A planner when our CUDA decode kernel serves queries like ``query_like`` ([*, heads,
     head_dim]) over this cache; None where the reference serves (no GPU, other sizes), or when

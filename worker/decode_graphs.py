@@ -3,13 +3,14 @@
 A pure decode step (one token per sequence) of a single-rank model on CUDA runs the same
 kernels every time; only their inputs change. ``DecodeGraphs`` captures ``Decoder.decode_hidden``
 (embedding, every layer with its K/V write and our paged decode attention) once per shape and
-replays it, the final norm, lm_head and argmax inside too. A step's host work is a few numpy
-writes and two launches: its tokens, positions, slots, feedback rows, context lengths, work list
-and block tables are written in place into one pinned buffer (the planner's C++ writes the list
-there itself) and go up in one copy into the static buffer the graph reads (``_Inputs``: each
-batch bucket has its fixed layout there; the tables packed ``[S, W]``, their row stride W in the
-work list's header, so one graph serves every width); then one ``replay()`` picks the fed tokens
-(``feed_tokens``' selection is its first kernel, from a static copy of the previous ids), runs
+replays it, the final norm, lm_head and argmax inside too. A step's host work is one C++ call
+and the replay: the call (``ops.decode_step_stager``, kernels/csrc/decode_stage.h) writes its
+tokens, positions, slots, feedback rows, context lengths and block tables straight from the
+step's lists and arrays into one pinned buffer, plans its work list there, and sends it in one
+copy into the static buffer the graph reads (``_Inputs``: each batch bucket has its fixed layout
+there; the tables packed ``[S, W]``, their row stride W in the work list's header, so one graph
+serves every width), with the fed ids copied beside it, and launches the graph, which picks the fed
+tokens (``feed_tokens``' selection is its first kernel, from a static copy of the previous ids), runs
 the model and writes the logits and their argmax into static outputs (``last_ids``: a greedy
 step's ids with no argmax launch after the replay).
 
@@ -94,6 +95,11 @@ class _Inputs:
         work_end = work_at + 4 * work_ints
         return cls(batch, context_at, work_at, work_end, -(-work_end // 16) * 16)
 
+    @property
+    def offsets(self) -> tuple[int, int, int, int, int]:
+        """(batch, context_at, work_at, work_end, tables_at), as ``ops.decode_step_stager`` takes them."""
+        return self.batch, self.context_at, self.work_at, self.work_end, self.tables_at
+
     def nbytes(self, width: int) -> int:
         """Bytes of the layout with ``batch`` table rows ``width`` wide."""
         return self.tables_at + 4 * self.batch * width
@@ -133,8 +139,13 @@ class DecodeGraphs:
             self._previous = torch.zeros(max_batch, dtype=torch.long, device=dev)   # the ids tokens are fed from
             if self._planner is not None:
                 self._workspace = self._planner.workspace(max_batch)
+        # A step's host path in one C++ call: its inputs written into a pinned buffer of its own
+        # ring, the work list planned there, the copies and the graph's launch enqueued.
+        self._stager = ops.decode_step_stager(self._staged, self._previous,
+                                              [lay.offsets for lay in self._inputs.values()], self._planner)
+        self._bucket_index = {b: i for i, b in enumerate(self._inputs)}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._host_view_cache: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
+        self._execs: dict[tuple[int, int], int] = {}   # each graph's cudaGraphExec_t (0: replay() it)
         self._pool = None
         self._warm = False
         self.capture_seconds = 0.0   # time spent capturing, all shapes together
@@ -148,69 +159,43 @@ class DecodeGraphs:
         """The (batch, width) shapes captured so far."""
         return sorted(self._graphs)
 
-    @torch.inference_mode()
     def run(self, step: StepInput, previous_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The step's logits ``[S, vocab]`` (float32), as ``Decoder.forward_paged`` gives them,
         from one graph replay: a view of the graphs' static output, valid until the next ``run``
         (read it, or copy it, in stream order before then: the worker's argmax and its copy to
         the host do). The step must be one that ``serves`` takes. ``previous_ids``: as
         ``Decoder.forward_paged`` takes them (``step.feedback_rows``); the graph feeds the tokens.
-        O(S * W) host work in numpy and C++ (the inputs, the work list and the tables written in
-        place into one pinned buffer) and two launches: one host-to-device copy and the replay
-        (one more to copy ``previous_ids`` for a fed step; one more, a 2-D copy of the tables,
-        without a work list)."""
+        O(S * W) host work in one C++ call: the inputs, the work list and the tables written in
+        place into a pinned buffer, from the step's lists or arrays as they are, then one
+        host-to-device copy (and, for a fed step, one device copy of ``previous_ids``) and the
+        graph's launch enqueued."""
         s, w = step.num_seqs, step.max_blocks
         batch = self.batch_buckets[bisect.bisect_left(self.batch_buckets, s)]
         # With a work list the kernel reads the tables only up to each row's context, so one
-        # graph per batch bucket, over the buffer's full width, serves every width.
+        # graph per batch bucket, over the buffer's full width, serves every width; the tables go
+        # packed [s, w] (their stride in the list's header). Else in rows of the graph's width.
         width = self.max_blocks if self._planner is not None else _width_bucket(w)
-        graph = self._graphs.get((batch, width)) or self._capture(batch, width)
+        shape = (batch, width)
+        graph = self._graphs.get(shape) or self._capture(batch, width)
         fed = step.feedback_rows is not None
         if fed and previous_ids is None:
             raise ValueError(f"step {step.step_id} takes tokens from step {step.feedback_step}'s ids: pass them")
         feed_in_graph = fed and len(previous_ids) <= self.max_batch
-        lay = self._inputs[batch]
-        packed = self._planner is not None   # the tables packed [s, w], their stride in the work list
-        host = self.model.staging.reserve(lay.tables_at + 4 * s * w)
-        host_bytes, longs, context, work = self._host_views(host, lay)
-        longs[0, :s], longs[1, :s], longs[2, :s] = step.token_ids, step.positions, step.slot_mapping
-        longs[3, :s] = step.feedback_rows if feed_in_graph else -1
-        longs[:2, s:], longs[2:, s:] = 0, -1   # padding rows: token 0, position 0, no slot, not fed
-        context[:s], context[s:] = step.context_lens, 0
-        if packed:
-            self._planner.plan(context, out=work)
-            work[2] = w
-        end = lay.tables_at + 4 * s * w
-        host_bytes[lay.tables_at:end].view(np.int32)[:] = step.block_tables
-        if packed:
-            self._staged[:end].copy_(host[:end], non_blocking=True)
-        else:   # the header, then the tables into the graph's rows (a 2-D copy)
-            self._staged[:lay.tables_at].copy_(host[:lay.tables_at], non_blocking=True)
-            tables = host[lay.tables_at:end].view(torch.int32).view(s, w)
-            lay.views(self._staged, width)[3][:s, :w].copy_(tables, non_blocking=True)
-        self.model.staging.sent()
-        if feed_in_graph:
-            # Always a copy, even of ``last_ids``: feeding from the graph's own output in place
-            # made this call 100-300 us slower on the H100 host (measured, not understood).
-            self._previous[:len(previous_ids)].copy_(previous_ids)
-        elif fed:   # ids of a step wider than the buffer: fed here, before the replay
-            tokens = lay.views(self._staged, 0)[0][0, :s]
-            feed_tokens(tokens, torch.as_tensor(step.feedback_rows, device=tokens.device), previous_ids)
+        # Ids of a step wider than the buffer are fed here, after the upload: the replay waits.
+        launch = self._execs[shape] if feed_in_graph or not fed else 0
         self.cache.wait()
-        graph.replay()
+        # The fed ids are always copied, even ``last_ids``: feeding from the graph's own output
+        # in place made this call 100-300 us slower on the H100 host (measured, not understood).
+        self._stager.stage(self._bucket_index[batch], launch, step.token_ids, step.positions, step.slot_mapping,
+                           step.feedback_rows if feed_in_graph else None, step.context_lens, step.block_tables,
+                           s, w, w if self._planner is not None else width, previous_ids if feed_in_graph else None)
+        if not launch:
+            if fed and not feed_in_graph:
+                with torch.inference_mode():
+                    tokens = self._inputs[batch].views(self._staged, 0)[0][0, :s]
+                    feed_tokens(tokens, torch.as_tensor(step.feedback_rows, device=tokens.device), previous_ids)
+            graph.replay()
         return self._logits[:s]
-
-    def _host_views(self, host: torch.Tensor, lay: _Inputs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Numpy views of a pinned staging buffer: its bytes, and the longs, context and work list
-        of ``lay``; made once per (buffer, bucket) and kept (the ring's buffers are few)."""
-        key = (host.data_ptr(), lay.batch)
-        views = self._host_view_cache.get(key)
-        if views is None:
-            if len(self._host_view_cache) >= 4 * len(self.batch_buckets):   # views of buffers the ring replaced
-                self._host_view_cache.clear()
-            longs, context, work, _ = (t.numpy() for t in lay.views(host, 0))
-            views = self._host_view_cache[key] = (host.numpy(), longs, context, work)
-        return views
 
     def last_ids(self, rows: int) -> torch.Tensor:
         """The argmax of the last ``run``'s logits, its first ``rows`` rows (int64, on the device,
@@ -241,6 +226,7 @@ class DecodeGraphs:
         hidden = self.model.decode_hidden(tokens, positions, slots, tables, context, self._layer_cache, plan=plan)
         torch.argmax(self.model.logits(hidden, out=self._logits[:batch]), dim=-1, out=self._ids[:batch])
 
+    @torch.inference_mode()
     def _capture(self, batch: int, width: int) -> torch.cuda.CUDAGraph:
         """Capture the shape on a side stream, with padding in every row it reads (the static
         buffers may hold a previous step's rows: they are reset to padding first)."""
@@ -265,6 +251,9 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[(batch, width)] = graph
+        # The stager launches the graph itself (one launch; torch's replay() also refills the RNG's
+        # graph-offset tensors, which this graph, argmax and no sampling, does not read).
+        self._execs[(batch, width)] = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else 0
         spent = time.perf_counter() - started
         self.capture_seconds += spent
         log.info("captured the decode step for batch %d, table width %d in %.0f ms (%d shapes)", batch, width,

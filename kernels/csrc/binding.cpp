@@ -744,6 +744,8 @@ void silu_and_mul(Tensor out, Tensor gate_up) {
 
 }  // namespace
 
+void bind_decode_stage(py::module_& m);   // decode_stage_binding.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvpager CUDA kernels (see kvpager.kernels.cuda for the typed wrappers)";
   m.def("decode_grid_plan", &decode_grid_plan,
@@ -794,4 +796,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin"));
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("out"),
         py::arg("gate_up"));
+  bind_decode_stage(m);
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,6 +98,8 @@ def test_graph_steps_match_eager_steps(head):
                                                 (128, 2000), (7, 33)], start=1):
         lens = [rng.randint(1, longest) for _ in range(batch)]
         step, owned = random_step(rng, model, lens, step_id)
+        if step_id % 2:   # the packed reply's tables: an int32 array (StepInput.from_step_reply)
+            step = replace(step, block_tables=np.asarray(step.block_tables, dtype=np.int32))
         assert graphs.serves(step)
         compare(model, eager_cache, graph_cache, graphs, step, owned)
     if graphs._planner is not None:   # a work list: one graph per batch bucket, over the full width
@@ -198,3 +201,24 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
         assert torch.equal(graphs.last_ids(30), got.argmax(-1))
         tokens = [given.token_ids[5] if i == 5 else int(ids[r]) for i, r in enumerate(chain_rows)]
         assert torch.equal(graphs.run(replace(given, token_ids=tokens)), got)
+
+
+def test_graph_step_refuses_bad_input_and_serves_on():
+    """A step the C++ stager cannot write (a token that is no integer, a table shorter than its
+    rows) raises ValueError naming the field, with nothing run; the next good step is served."""
+    model, eager_cache = make("d128")
+    _, graph_cache = make("d128")
+    graph_cache.blocks.copy_(eager_cache.blocks)
+    graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
+    rng = random.Random(6)
+    step, owned = random_step(rng, model, [rng.randint(1, 900) for _ in range(12)], 1)
+    compare(model, eager_cache, graph_cache, graphs, step, owned)
+    before = graph_cache.blocks.clone()
+    with pytest.raises(ValueError, match="token_ids: entry 2 is not an integer"):
+        graphs.run(replace(step, token_ids=step.token_ids[:2] + [0.5] + step.token_ids[3:]))
+    with pytest.raises(ValueError, match="block_tables: holds"):
+        graphs.run(replace(step, block_tables=step.block_tables[:-1]))
+    torch.cuda.synchronize()
+    assert torch.equal(graph_cache.blocks, before)   # nothing ran
+    step, owned = random_step(rng, model, [rng.randint(1, 900) for _ in range(12)], 2)
+    compare(model, eager_cache, graph_cache, graphs, step, owned)
