@@ -720,6 +720,9 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
       wgmma_wait<0>();
     fence_regs(s);
     const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
+    // P_j computed here, under P_{j-1} V_{j-1}: as in paged_prefill_ws.cuh, without this fence
+    // the compiler may sink the softmax below the wait, serializing it with the GEMM.
+    fence_regs(s);
     wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
     fence_regs(o);
     fence_regs(pa);
