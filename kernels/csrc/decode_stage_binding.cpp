@@ -35,7 +35,8 @@ struct PinnedSlot {
 // work_at, work_end, tables_at) in `inputs` (the graphs' uint8 device buffer) and in the pinned
 // buffers; `previous` the int64 device ids a fed step's tokens are taken from; the work-list
 // geometry the graphs were captured with (workers 0: none); `slots` pinned buffers used in turn,
-// each refilled only once the copy that last read it has run.
+// each refilled only once the copy that last read it has run. One caller at a time (the worker
+// runs steps under its lock): the ring's position is not guarded.
 class DecodeStepStager {
  public:
   DecodeStepStager(Tensor inputs, Tensor previous, const std::vector<std::vector<int64_t>>& layouts, int64_t workers,

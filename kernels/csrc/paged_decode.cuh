@@ -601,7 +601,7 @@ constexpr int decode_min_blocks() {
 #define KVPAGER_DECODE_PDL 1
 #endif
 
-// Merge-kernel experiments (both default 0, the measured path):
+// The merge's latency (defaults on since 2026-11-26; 0 for the older path, to A/B):
 // KVPAGER_MERGE_META_FIRST=1: the merge reads its sequence's context length (grid mode) or span
 //   (work list) before griddepcontrol.wait instead of after. Neither is written by the decode
 //   kernel (both are inputs of it, written before it started, and it reads them itself without a
@@ -609,11 +609,16 @@ constexpr int decode_min_blocks() {
 // KVPAGER_MERGE_EARLY_ROWS=N (N > 0): each merge warp loads its first N partial rows (splits warp,
 //   warp + kMergeWarps, ...: N = 8 covers 32 splits) together with the (max, sum) pairs, before the
 //   block reductions, instead of after them; same sums in the same order.
+// On the H100 (benchmarks/kernels.py --variants ... --only flush, two runs) both together took the
+// short steps 1.5-3.6 points of the copy ceiling higher under the write flush (1 x 32K: 66.0-66.5%
+// -> 69.2-69.6% grid) and up to 2 under the clean one, the large ones unchanged. (One warp per
+// (sequence, head) instead of a block was tried too: better at 8 x 4K, 5-9 points worse at 1 x 32K,
+// where one warp sums 32+ rows in turn.)
 #ifndef KVPAGER_MERGE_META_FIRST
-#define KVPAGER_MERGE_META_FIRST 0
+#define KVPAGER_MERGE_META_FIRST 1
 #endif
 #ifndef KVPAGER_MERGE_EARLY_ROWS
-#define KVPAGER_MERGE_EARLY_ROWS 0
+#define KVPAGER_MERGE_EARLY_ROWS 8
 #endif
 
 __device__ __forceinline__ void allow_dependent_launch() {
