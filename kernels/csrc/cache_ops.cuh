@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "launch.h"
+#include "pdl.cuh"
 
 namespace kvpager {
 
@@ -29,6 +30,9 @@ constexpr int kCopyUnroll = 4;   // 16-byte vectors in flight per thread
 // K and V (consecutive threads, consecutive 16 bytes of one head's row: coalesced).
 template <typename Idx>
 __global__ void __launch_bounds__(kWriteKVThreads) write_kv_kernel(const WriteKVArgs a) {
+#if KVPAGER_DECODE_PDL_AFTER_WRITE
+  allow_dependent_launch();   // the decode kernel after it may start (pdl.cuh)
+#endif
   const int t = blockIdx.x;
   const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
   const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
@@ -87,6 +91,9 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const uint4& u, float inv_scale)
 // thread i converts eight elements (16 input bytes, 8 cache bytes) of the token's K and V.
 template <typename Idx, typename TIn>
 __global__ void __launch_bounds__(kWriteKVThreads) write_kv_fp8_kernel(const WriteKVArgs a) {
+#if KVPAGER_DECODE_PDL_AFTER_WRITE
+  allow_dependent_launch();   // the decode kernel after it may start (pdl.cuh)
+#endif
   const int t = blockIdx.x;
   const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
   const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;

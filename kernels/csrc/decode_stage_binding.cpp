@@ -106,13 +106,17 @@ class DecodeStepStager {
     if (previous_ids.has_value() && previous_ids->numel() > 0)
       C10_CUDA_CHECK(cudaMemcpyAsync(previous_.data_ptr(), previous_ids->data_ptr(), previous_ids->numel() * 8,
                                      cudaMemcpyDeviceToDevice, stream));
-    if (graph_exec != 0) C10_CUDA_CHECK(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(static_cast<intptr_t>(graph_exec)), stream));
+    if (graph_exec != 0) {
+      const auto exec = reinterpret_cast<cudaGraphExec_t>(static_cast<intptr_t>(graph_exec));
+      C10_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    }
     return end;
   }
 
  private:
-  // The next buffer, at least `need` bytes, free to fill (its last copy has run). O(1), but a
-  // buffer that must grow is reallocated (cudaHostAlloc: milliseconds, once per size doubling).
+  // The next buffer, at least `need` bytes (<= the inputs buffer's), free to fill (its last copy
+  // has run). O(1), but a buffer that must grow is reallocated (cudaHostAlloc: milliseconds, once
+  // per size doubling, up to the inputs buffer's size).
   PinnedSlot& next_slot(int64_t need) {
     PinnedSlot& slot = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
@@ -121,7 +125,8 @@ class DecodeStepStager {
       slot.pending = false;
     }
     if (slot.bytes < need) {
-      const int64_t bytes = std::max<int64_t>({need, 2 * slot.bytes, int64_t{1} << 16});
+      // (never past the inputs buffer: no step needs more than it holds)
+      const int64_t bytes = std::min(std::max<int64_t>({need, 2 * slot.bytes, int64_t{1} << 16}), inputs_.numel());
       if (slot.data != nullptr) C10_CUDA_CHECK(cudaFreeHost(slot.data));
       slot.data = nullptr;
       slot.bytes = 0;

@@ -233,20 +233,28 @@ cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs
     // (num_kv_heads * head_chunks, work_workers); block: kDecodeWarps warps.
     const dim3 grid = listed ? dim3(a.num_kv_heads * a.head_chunks, a.work_workers)
                              : dim3(a.num_kv_heads * a.head_chunks, a.num_seqs, a.num_splits);
-    Cfg::kernel()<<<grid, kDecodeWarps * 32, smem, stream>>>(a);
-    err = cudaGetLastError();
+    // Both launches are programmatic dependents of the kernel before them on Hopper (pdl.cuh):
+    // the decode kernel of a write_kv (KVPAGER_DECODE_PDL_AFTER_WRITE), the merge of the decode.
+    cudaLaunchAttribute pdl[1];
+    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl[0].val.programmaticStreamSerializationAllowed = 1;
+    const bool hopper = KVPAGER_DECODE_PDL && current_device_major() >= 9;
+    cudaLaunchConfig_t decode = {};
+    decode.gridDim = grid;
+    decode.blockDim = dim3(kDecodeWarps * 32);
+    decode.dynamicSmemBytes = smem;
+    decode.stream = stream;
+    decode.attrs = pdl;
+    decode.numAttrs = hopper && KVPAGER_DECODE_PDL_AFTER_WRITE ? 1 : 0;
+    err = cudaLaunchKernelEx(&decode, Cfg::kernel(), a);
     if (err != cudaSuccess || (!listed && a.num_splits == 1)) return;
-    // grid: (num_q_heads, num_seqs); block: kMergeThreads threads. On Hopper a programmatic
-    // dependent of the decode kernel (paged_decode.cuh: allow_dependent_launch).
+    // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
     cudaLaunchConfig_t merge = {};
     merge.gridDim = dim3(a.num_q_heads, a.num_seqs);
     merge.blockDim = dim3(kMergeThreads);
     merge.stream = stream;
-    cudaLaunchAttribute pdl[1];
-    pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl[0].val.programmaticStreamSerializationAllowed = 1;
     merge.attrs = pdl;
-    merge.numAttrs = KVPAGER_DECODE_PDL && current_device_major() >= 9 ? 1 : 0;
+    merge.numAttrs = hopper ? 1 : 0;
     err = cudaLaunchKernelEx(&merge, paged_decode_merge_kernel<T>, a);
   });
   return ok ? err : cudaErrorInvalidValue;

@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "launch.h"
+#include "pdl.cuh"
 
 namespace kvpager {
 
@@ -369,6 +370,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   uint4 kr[U][VPL], vr[U][VPL];
 #if KVPAGER_DECODE_DIRECT_FIRST
   {   // The first iteration's K and V right away, their block ids straight from the block table.
+    wait_for_prerequisite_grids();   // (pdl.cuh: the K/V a write_kv before this launch writes)
     const C* kb = tbl.kslab + r * VEC;
     const C* vb = tbl.vslab + r * VEC;
 #pragma unroll
@@ -442,6 +444,9 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
 
 #if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
+  // Everything above read only what was written before the kernel before this one (pdl.cuh): the
+  // K/V (a write_kv launched just before may still be writing them) only from here.
+  wait_for_prerequisite_grids();
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -592,15 +597,6 @@ constexpr int decode_min_blocks() {
 #endif
 }
 
-// Programmatic dependent launch (Hopper): the merge kernel is launched as a dependent of the
-// decode kernel (launch.cu), so its launch and its blocks' start overlap the decode's last wave;
-// the decode blocks allow that from their start, and the merge waits for the whole decode grid
-// (and its writes) before it reads a partial row. A no-op before sm_90 and with
-// KVPAGER_DECODE_PDL=0 (the launcher then launches the merge plainly).
-#ifndef KVPAGER_DECODE_PDL
-#define KVPAGER_DECODE_PDL 1
-#endif
-
 // The merge's latency (defaults on since 2026-11-26; 0 for the older path, to A/B):
 // KVPAGER_MERGE_META_FIRST=1: the merge reads its sequence's context length (grid mode) or span
 //   (work list) before griddepcontrol.wait instead of after. Neither is written by the decode
@@ -620,18 +616,6 @@ constexpr int decode_min_blocks() {
 #ifndef KVPAGER_MERGE_EARLY_ROWS
 #define KVPAGER_MERGE_EARLY_ROWS 8
 #endif
-
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVPAGER_DECODE_PDL
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisite_grids() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVPAGER_DECODE_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 template <typename T, typename C, int D, int HT, int LOADS>
 __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<C, HT, LOADS>())

@@ -158,6 +158,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
 #if KVPAGER_DECODE_DIRECT_FIRST
   {   // The first iteration's K and V right away, their block ids straight from the block table
       // (the same loads as locate(0), load_k() and load_v() below).
+    wait_for_prerequisite_grids();
     const int k_lane = g * D + c * (D / 4), v_lane = 2 * c * D + g * VBYTES;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -279,6 +280,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   };
 #if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
+  wait_for_prerequisite_grids();   // the K/V only from here (pdl.cuh; paged_decode.cuh decode_item)
   load_k();
   load_v();
 #endif
