@@ -34,8 +34,8 @@ struct PinnedSlot {
 // One per DecodeGraphs: `layouts` are the batch buckets' byte offsets (batch, context_at,
 // work_at, work_end, tables_at) in `inputs` (the graphs' uint8 device buffer) and in the pinned
 // buffers; `previous` the int64 device ids a fed step's tokens are taken from; the work-list
-// geometry the graphs were captured with (workers 0: none); `slots` pinned buffers used in turn,
-// each refilled only once the copy that last read it has run. One caller at a time (the worker
+// geometry the graphs were captured with (workers 0: none); `slots` pinned buffers, each as large
+// as `inputs`, used in turn, each refilled only once the copy that last read it has run. One caller at a time (the worker
 // runs steps under its lock): the ring's position is not guarded.
 class DecodeStepStager {
  public:
@@ -55,9 +55,17 @@ class DecodeStepStager {
       if (l.size() != 5) refuse("a layout is (batch, context_at, work_at, work_end, tables_at)");
       layouts_.push_back({l[0], l[1], l[2], l[3], l[4]});
     }
+    // Every buffer at its full size now, never regrown: freeing pinned memory (cudaFreeHost)
+    // synchronizes the device, which on the serving path drains the steps in flight.
     const c10::cuda::CUDAGuard guard(inputs_.device());
     slots_.resize(slots);
-    for (auto& s : slots_) C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+    for (auto& s : slots_) {
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+      void* data = nullptr;
+      C10_CUDA_CHECK(cudaHostAlloc(&data, std::max<int64_t>(inputs_.numel(), 1), cudaHostAllocDefault));
+      s.data = static_cast<uint8_t*>(data);
+      s.bytes = inputs_.numel();
+    }
   }
 
   ~DecodeStepStager() {   // (errors ignored: at exit the CUDA context may be gone already)
@@ -95,7 +103,7 @@ class DecodeStepStager {
       refuse("the step needs " + std::to_string(need) + " bytes of inputs, the buffer holds " +
              std::to_string(inputs_.numel()));
     const c10::cuda::CUDAGuard guard(inputs_.device());
-    PinnedSlot& slot = next_slot(need);
+    PinnedSlot& slot = next_slot();
     const int64_t end = kvpager::stage_decode_inputs(slot.data, slot.bytes, lay, planner_, rows, tokens.ptr(),
                                                      positions.ptr(), slots.ptr(), feedback_rows.ptr(),
                                                      context_lens.ptr(), tables.ptr(), width, table_stride);
@@ -114,26 +122,14 @@ class DecodeStepStager {
   }
 
  private:
-  // The next buffer, at least `need` bytes (<= the inputs buffer's), free to fill (its last copy
-  // has run). O(1), but a buffer that must grow is reallocated (cudaHostAlloc: milliseconds, once
-  // per size doubling, up to the inputs buffer's size).
-  PinnedSlot& next_slot(int64_t need) {
+  // The next buffer (as large as the inputs buffer), free to fill: the copy that last read it
+  // has run (several steps ago, with a few buffers and two steps in flight). O(1).
+  PinnedSlot& next_slot() {
     PinnedSlot& slot = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
     if (slot.pending) {
       C10_CUDA_CHECK(cudaEventSynchronize(slot.copied));
       slot.pending = false;
-    }
-    if (slot.bytes < need) {
-      // (never past the inputs buffer: no step needs more than it holds)
-      const int64_t bytes = std::min(std::max<int64_t>({need, 2 * slot.bytes, int64_t{1} << 16}), inputs_.numel());
-      if (slot.data != nullptr) C10_CUDA_CHECK(cudaFreeHost(slot.data));
-      slot.data = nullptr;
-      slot.bytes = 0;
-      void* data = nullptr;
-      C10_CUDA_CHECK(cudaHostAlloc(&data, bytes, cudaHostAllocDefault));
-      slot.data = static_cast<uint8_t*>(data);
-      slot.bytes = bytes;
     }
     return slot;
   }
