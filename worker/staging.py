@@ -27,7 +27,6 @@ class StagingRing:
         self._buffers: list[Optional[torch.Tensor]] = [None] * slots
         self._copied: list[Optional[torch.cuda.Event]] = [None] * slots
         self._next = 0
-        self._reserved = 0   # the slot ``reserve`` gave last
 
     def upload(self, parts: Sequence[Sequence[int]], dtype: type) -> torch.Tensor:
         """The parts (lists or numpy arrays) one after the other as one 1-D tensor of ``dtype``
@@ -39,20 +38,23 @@ class StagingRing:
             return torch.from_numpy(np.concatenate(arrays)).to(self.device)
         np_dtype = np.dtype(dtype)
         total = sum(a.size for a in arrays)
-        host = self.reserve(total * np_dtype.itemsize)[:total * np_dtype.itemsize].view(_TORCH_DTYPES[np_dtype])
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        nbytes = total * np_dtype.itemsize
+        host = self._free_buffer(slot, nbytes)[:nbytes].view(_TORCH_DTYPES[np_dtype])
         if total:
             np.concatenate(arrays, out=host.numpy())
         out = torch.empty(total, dtype=host.dtype, device=self.device)
         out.copy_(host, non_blocking=True)
-        self.sent()
+        event = self._copied[slot]
+        if event is None:   # one event per buffer, recorded again each time (_free_buffer waited for it)
+            event = self._copied[slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
         return out
 
-    def reserve(self, nbytes: int) -> torch.Tensor:
-        """The next pinned buffer (uint8, at least ``nbytes``, 256-byte aligned), free to fill:
-        the copy that last read it has run. The caller fills it, enqueues the copies that read
-        it, then calls ``sent``. CUDA devices only. O(1) (O(nbytes) when the buffer grows)."""
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
+    def _free_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Slot ``slot``'s pinned buffer (uint8, at least ``nbytes``), free to fill: the copy that
+        last read it has run. O(1) (O(nbytes) when the buffer grows)."""
         copied = self._copied[slot]
         if copied is not None:
             copied.synchronize()   # the copy that last read this buffer (several uploads ago)
@@ -62,14 +64,4 @@ class StagingRing:
             buffer = torch.empty(max(need, 2 * (0 if buffer is None else buffer.numel())), dtype=torch.uint8,
                                  pin_memory=True)
             self._buffers[slot] = buffer
-        self._reserved = slot
         return buffer
-
-    def sent(self) -> None:
-        """The copies reading the buffer ``reserve`` gave are enqueued on the current stream:
-        it is refilled only once they have run."""
-        slot = self._reserved
-        event = self._copied[slot]
-        if event is None:   # one event per buffer, recorded again each time (``reserve`` waited for it)
-            event = self._copied[slot] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))

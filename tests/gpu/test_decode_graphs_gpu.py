@@ -45,6 +45,14 @@ def make(head: str, kv_cache_dtype: str = "auto"):
     return model, cache
 
 
+def make_pair(head: str, kv_cache_dtype: str = "auto"):
+    """The model, a cache for eager steps and a copy of it for graph steps (same random contents)."""
+    model, eager_cache = make(head, kv_cache_dtype)
+    _, graph_cache = make(head, kv_cache_dtype)
+    graph_cache.blocks.copy_(eager_cache.blocks)
+    return model, eager_cache, graph_cache
+
+
 def random_step(rng: random.Random, model: Decoder, lens: list[int], step_id: int) -> tuple[StepInput, set[int]]:
     """A decode step over ``lens`` (each context including its new token) with shuffled tables
     padded to the widest row plus a few extra columns; returns it and the blocks it owns."""
@@ -86,9 +94,7 @@ def compare(model: Decoder, eager_cache: KVCache, graph_cache: KVCache, graphs: 
 
 @pytest.mark.parametrize("head", sorted(SHAPES))
 def test_graph_steps_match_eager_steps(head):
-    model, eager_cache = make(head)
-    _, graph_cache = make(head)
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair(head)
     assert supported(model, graph_cache) is None
     graphs = DecodeGraphs(model, graph_cache, max_batch=128, max_blocks=4096 // BLOCK)
     rng = random.Random(1)
@@ -115,9 +121,7 @@ def test_graph_steps_without_a_work_list(monkeypatch):
     """KVPAGER_DECODE_WORK_LIST=0: the per-call grid inside graphs of (batch, width) buckets, the
     tables copied into rows of the graph's width."""
     monkeypatch.setenv("KVPAGER_DECODE_WORK_LIST", "0")
-    model, eager_cache = make("d128")
-    _, graph_cache = make("d128")
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair("d128")
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     assert graphs._planner is None
     rng = random.Random(5)
@@ -129,9 +133,7 @@ def test_graph_steps_without_a_work_list(monkeypatch):
 def test_graph_step_waits_for_the_copy_plan():
     """A copy-on-write plan enqueued on the cache's swap stream right before the step: the
     replay reads the copied block (as the eager path does), not what was there before."""
-    model, eager_cache = make("d128")
-    _, graph_cache = make("d128")
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair("d128")
     graphs = DecodeGraphs(model, graph_cache, max_batch=32, max_blocks=256)
     rng = random.Random(2)
     lens = [rng.randint(20, 900) for _ in range(20)]
@@ -148,9 +150,7 @@ def test_graph_step_waits_for_the_copy_plan():
 
 
 def test_graph_steps_on_an_fp8_cache():
-    model, eager_cache = make("d128", "fp8_e4m3")
-    _, graph_cache = make("d128", "fp8_e4m3")
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair("d128", "fp8_e4m3")
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     rng = random.Random(3)
     for step_id, batch in enumerate([5, 40], start=1):
@@ -161,9 +161,7 @@ def test_graph_steps_on_an_fp8_cache():
 def test_fed_back_tokens_in_graph_and_eager_steps():
     """Tokens taken on the device from the previous step's ids (``feedback_rows``, rows shuffled,
     one token given) give what the same step with the tokens given gives, graph and eager."""
-    model, eager_cache = make("d128")
-    _, graph_cache = make("d128")
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair("d128")
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     rng = random.Random(4)
     step, owned = random_step(rng, model, [rng.randint(1, 1500) for _ in range(30)], 1)
@@ -206,9 +204,7 @@ def test_fed_back_tokens_in_graph_and_eager_steps():
 def test_graph_step_refuses_bad_input_and_serves_on():
     """A step the C++ stager cannot write (a token that is no integer, a table shorter than its
     rows) raises ValueError naming the field, with nothing run; the next good step is served."""
-    model, eager_cache = make("d128")
-    _, graph_cache = make("d128")
-    graph_cache.blocks.copy_(eager_cache.blocks)
+    model, eager_cache, graph_cache = make_pair("d128")
     graphs = DecodeGraphs(model, graph_cache, max_batch=64, max_blocks=256)
     rng = random.Random(6)
     step, owned = random_step(rng, model, [rng.randint(1, 900) for _ in range(12)], 1)

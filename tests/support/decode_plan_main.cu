@@ -3,22 +3,14 @@
 // stdin, "rows workers longest_item capacity min_item item_cost" then the rows' context lengths;
 // prints per case the planner's return value, then its plan's ints when it planned (>= 0).
 // With --time N: prints per case the best of N calls' microseconds instead (benchmarks/host_planner.py).
-// The planner's device queries are not called here; they are defined only to link.
+// The planner's device queries are not called here (decode_plan_host_stubs.h).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "decode_plan.h"
-
-namespace kvpager {
-bool decode_instance_built(DType, DType, int, int, int, int) { return true; }
-int decode_merge_smem(DType, DType, int, int, int, int) { return 0; }
-double device_memory_bandwidth(int) { return 0; }
-int decode_blocks_per_sm(DType, DType, int, int, int, int, int) { return 1; }
-int device_sm_count(int) { return 1; }
-}  // namespace kvpager
+#include "decode_plan_host_stubs.h"
 
 int main(int argc, char** argv) {
   const int reps = argc == 3 && std::strcmp(argv[1], "--time") == 0 ? std::atoi(argv[2]) : 0;

@@ -4,21 +4,13 @@
 //         min_item, item_cost), rows, tokens, positions, slots, feedback_rows, context_lens,
 //         tables, width, table_stride) -> bytes to copy
 // with `buffer` a writable bytes-like object (a numpy uint8 array). The planner's device queries
-// are not called here; they are defined only to link.
+// are not called here (decode_plan_host_stubs.h).
 #include <Python.h>
 
 #include <stdexcept>
 
-#include "decode_plan.h"
+#include "decode_plan_host_stubs.h"
 #include "decode_stage.h"
-
-namespace kvpager {
-bool decode_instance_built(DType, DType, int, int, int, int) { return true; }
-int decode_merge_smem(DType, DType, int, int, int, int) { return 0; }
-double device_memory_bandwidth(int) { return 0; }
-int decode_blocks_per_sm(DType, DType, int, int, int, int, int) { return 1; }
-int device_sm_count(int) { return 1; }
-}  // namespace kvpager
 
 static PyObject* stage(PyObject*, PyObject* args) {
   Py_buffer buffer;
