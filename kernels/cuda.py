@@ -89,8 +89,7 @@ class DecodeGeometry:
 
     def plan_size(self, num_seqs: int, capacity: int | None = None) -> int:
         """Ints of a plan for ``num_seqs`` rows (``capacity`` item slots, default ``capacity(num_seqs)``)."""
-        return work_plan.plan_size(num_seqs, self.workers,
-                                   self.capacity(num_seqs) if capacity is None else capacity)
+        return work_plan.plan_size(num_seqs, self.capacity(num_seqs) if capacity is None else capacity)
 
 
 Workspace = tuple[torch.Tensor, torch.Tensor]   # part_out [rows, num_q_heads, head_dim], part_ml [rows, num_q_heads, 2]

@@ -17,8 +17,10 @@ Layout (int32, ``kernels/csrc/launch.h``, ``DecodeArgs::work``)::
 
     [n, P, 0, 0]                      header (HEADER ints; the caller may set int 2 to the block
                                       tables' row stride, e.g. a CUDA graph's packed tables)
-    workers + 1 offsets               worker y runs items offsets[y] .. offsets[y + 1] - 1
-    capacity item codes                seq << 16 | piece (the first n used)
+    capacity item records of 2 ints   (seq << 16 | piece, end): tokens [piece * P, end) of seq;
+                                      the first n used, in the order dealt (below): worker y's
+                                      round-r item is item r * workers + (y, or workers - 1 - y
+                                      in odd rounds), found with no offsets to read first
     2 ints per sequence                first partial row, number of pieces (1 = written directly)
 
 Choosing P: a few candidates, each scored by the exact makespan of its assignment (tokens plus
@@ -51,9 +53,9 @@ def capacity_for(num_seqs: int, workers: int) -> int:
     return num_seqs + MAX_ROUNDS * workers
 
 
-def plan_size(num_seqs: int, workers: int, capacity: int) -> int:
-    """Ints of a plan for ``num_seqs`` rows, ``workers`` workers and ``capacity`` item slots."""
-    return HEADER + workers + 1 + capacity + 2 * num_seqs
+def plan_size(num_seqs: int, capacity: int) -> int:
+    """Ints of a plan for ``num_seqs`` rows and ``capacity`` item slots."""
+    return HEADER + 2 * capacity + 2 * num_seqs
 
 
 def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: int | None = None, *,
@@ -85,23 +87,21 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
         pieces = np.maximum(1, -(-ctx // size))
         if int(pieces.sum()) > capacity:
             continue
-        seq, piece, cost = _sorted_items(ctx, pieces, size, item_cost)
+        seq, piece, tokens = _sorted_items(ctx, pieces, size)
         worker = _snake(len(seq), workers)
-        span = int(np.bincount(worker, weights=cost, minlength=workers).max())
+        span = int(np.bincount(worker, weights=tokens + item_cost, minlength=workers).max())
         if best is None or span < best[0] or (span == best[0] and size > best[1]):
-            best = (span, size, pieces, seq, piece, worker)
+            best = (span, size, pieces, seq, piece, tokens)
     if best is None:
         raise ValueError(f"{num_seqs} sequences of {total} tokens do not fit {capacity} items")
-    _, size, pieces, seq, piece, worker = best
-    by_worker = np.argsort(worker, kind="stable")
+    _, size, pieces, seq, piece, tokens = best
     n = len(seq)
-    out = np.zeros(plan_size(num_seqs, workers, capacity), dtype=np.int32)
+    out = np.zeros(plan_size(num_seqs, capacity), dtype=np.int32)
     out[0], out[1] = n, size
-    offsets = out[HEADER:HEADER + workers + 1]
-    offsets[1:] = np.cumsum(np.bincount(worker, minlength=workers))
-    items = out[HEADER + workers + 1:HEADER + workers + 1 + capacity]
-    items[:n] = ((seq[by_worker] << 16) | piece[by_worker]).astype(np.uint32).view(np.int32)
-    spans = out[HEADER + workers + 1 + capacity:].reshape(num_seqs, 2)
+    records = out[HEADER:HEADER + 2 * capacity].reshape(capacity, 2)
+    records[:n, 0] = ((seq << 16) | piece).astype(np.uint32).view(np.int32)
+    records[:n, 1] = piece * size + tokens
+    spans = out[HEADER + 2 * capacity:].reshape(num_seqs, 2)
     spans[:, 1] = pieces
     spans[1:, 0] = np.cumsum(pieces[:-1])
     return out
@@ -111,17 +111,16 @@ def _align_up(x: int) -> int:
     return ceil_div(x, ALIGN) * ALIGN
 
 
-def _sorted_items(ctx: np.ndarray, pieces: np.ndarray, size: int,
-                  item_cost: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(seq, piece, cost) of every item, longest first: every piece but a sequence's last holds
+def _sorted_items(ctx: np.ndarray, pieces: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seq, piece, tokens) of every item, longest first: every piece but a sequence's last holds
     ``size`` tokens; the last pieces follow by length."""
     inner = pieces - 1
     seq_inner = np.repeat(np.arange(len(ctx), dtype=np.int64), inner)
     piece_inner = np.arange(len(seq_inner), dtype=np.int64) - np.repeat(np.cumsum(inner) - inner, inner)
     last_tokens = ctx - inner * size
     seq_last = np.argsort(-last_tokens, kind="stable")
-    cost = np.concatenate([np.full(len(seq_inner), size + item_cost), last_tokens[seq_last] + item_cost])
-    return np.concatenate([seq_inner, seq_last]), np.concatenate([piece_inner, inner[seq_last]]), cost
+    tokens = np.concatenate([np.full(len(seq_inner), size), last_tokens[seq_last]])
+    return np.concatenate([seq_inner, seq_last]), np.concatenate([piece_inner, inner[seq_last]]), tokens
 
 
 def _snake(n: int, workers: int) -> np.ndarray:

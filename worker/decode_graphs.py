@@ -79,7 +79,8 @@ class _Inputs:
     """Where a batch bucket's integer inputs lie, in bytes from the start of the static input
     buffer (and of the pinned buffer they are staged in): int64 ``[4, batch]`` rows (tokens,
     positions, slots, feedback rows) at 0, int32 context lengths at ``context_at``, the int32
-    work list from ``work_at`` to ``work_end``, then the int32 block tables from ``tables_at``
+    work list from ``work_at`` (a multiple of 16: its item records are read as int pairs) to
+    ``work_end``, then the int32 block tables from ``tables_at``
     (a multiple of 16): packed ``[S, W]`` for a step of S rows W wide when a work list carries W
     as their row stride, else ``[batch, width]`` rows of the graph's width."""
     batch: int
@@ -91,7 +92,7 @@ class _Inputs:
     @classmethod
     def of(cls, batch: int, work_ints: int) -> "_Inputs":
         context_at = 32 * batch
-        work_at = context_at + 4 * batch
+        work_at = -(-(context_at + 4 * batch) // 16) * 16
         work_end = work_at + 4 * work_ints
         return cls(batch, context_at, work_at, work_end, -(-work_end // 16) * 16)
 
@@ -109,7 +110,7 @@ class _Inputs:
         views of ``buffer`` (uint8, device or host; at least ``nbytes(width)`` long)."""
         longs = buffer[:self.context_at].view(torch.int64).view(4, self.batch)
         tables = buffer[self.tables_at:self.nbytes(width)].view(torch.int32).view(self.batch, width)
-        return (longs, buffer[self.context_at:self.work_at].view(torch.int32),
+        return (longs, buffer[self.context_at:self.context_at + 4 * self.batch].view(torch.int32),
                 buffer[self.work_at:self.work_end].view(torch.int32), tables)
 
 

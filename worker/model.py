@@ -164,16 +164,19 @@ class Decoder:
         decode_lens = context_lens if decoding is None else [context_lens[i] for i in decoding]
         plan = [planner.plan(decode_lens)] if planner is not None and decode_lens else []
         rows = [] if computing is None else [computing]
-        ints = self.staging.upload([step.block_tables, context_lens, starts, *plan, *rows], np.int32)
-        tables = ints[:table_len].view(num_seqs, step.max_blocks)
+        # The plan first: the kernel reads its item records as int pairs, so it starts 8-byte aligned.
+        ints = self.staging.upload([*plan, step.block_tables, context_lens, starts, *rows], np.int32)
+        at = len(plan[0]) if plan else 0
+        tables = ints[at:at + table_len].view(num_seqs, step.max_blocks)
         if computing is not None:
             tables = tables.index_select(0, ints[len(ints) - len(computing):])
-        context = ints[table_len:table_len + len(context_lens)]
-        at = table_len + len(context_lens)
+        at += table_len
+        context = ints[at:at + len(context_lens)]
+        at += len(context_lens)
         query_starts = ints[at:at + len(starts)]
         decode_plan = None
         if plan:
-            decode_plan = planner.step_plan(ints[at + len(starts):at + len(starts) + len(plan[0])], len(decode_lens))
+            decode_plan = planner.step_plan(ints[:len(plan[0])], len(decode_lens))
         if step.decode_only:
             return self.logits(self.decode_hidden(tokens, positions, slots, tables, context, layer_cache, timer,
                                                   decode_plan))

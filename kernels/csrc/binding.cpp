@@ -342,9 +342,9 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
            "out must be a contiguous 1-d int32 tensor");
   const int64_t num_seqs = context_lens.size(0);
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
-  const int64_t capacity = out.size(0) - kvpager::kWorkHeader - (workers + 1) - 2 * num_seqs;
+  const int64_t capacity = kvpager::work_list_capacity(out.size(0), num_seqs);
   KV_CHECK(capacity >= num_seqs && capacity <= std::numeric_limits<int32_t>::max(), "out holds ", out.size(0),
-           " ints: too few for ", num_seqs, " sequences and ", workers, " workers");
+           " ints: too few for ", num_seqs, " sequences (kernels/decode_plan.py plan_size)");
   const int n = kvpager::plan_decode_work(context_lens.data_ptr<int32_t>(), static_cast<int>(num_seqs),
                                           static_cast<int>(workers), static_cast<int>(longest_item),
                                           static_cast<int>(capacity), static_cast<int>(min_item),
@@ -370,9 +370,11 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
-  const int64_t capacity = work.size(0) - kvpager::kWorkHeader - (workers + 1) - 2 * query.size(0);
+  KV_CHECK(reinterpret_cast<uintptr_t>(work.data_ptr()) % 8 == 0, "work must be 8-byte aligned (its item records "
+           "are read as pairs)");
+  const int64_t capacity = kvpager::work_list_capacity(work.size(0), query.size(0));
   KV_CHECK(capacity >= query.size(0), "work holds ", work.size(0), " ints: too few for ", query.size(0),
-           " sequences and ", workers, " workers (kernels/decode_plan.py plan_size)");
+           " sequences (kernels/decode_plan.py plan_size)");
   check_workspace(part_out, part_ml, query, capacity);
   KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
   KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);

@@ -75,12 +75,6 @@ int splits_for_full_waves(int64_t units, int64_t slots, int max_s, int64_t max_c
 
 int64_t align_up(int64_t x) { return (x + kPartitionAlign - 1) / kPartitionAlign * kPartitionAlign; }
 
-// The worker of the k-th longest item: dealt in rounds over the workers, odd rounds in reverse.
-int snake_worker(int64_t k, int workers) {
-  const int j = static_cast<int>(k % workers);
-  return (k / workers) % 2 == 1 ? workers - 1 - j : j;
-}
-
 }  // namespace
 
 int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma) {
@@ -205,12 +199,12 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
   std::vector<int> by_last(num_seqs);
   std::vector<uint64_t> keys(num_seqs);
   // Items longest first: every piece but a sequence's last (seq-major), then the last pieces by
-  // length (stable); fn(k, seq, piece, cost) for each.
+  // length (stable); fn(k, seq, piece, tokens) for each.
   auto for_each_item = [&](int64_t size, auto&& fn) {
     int64_t k = 0;
     for (int i = 0; i < num_seqs; ++i)
-      for (int64_t p = 0; p + 1 < pieces[i]; ++p) fn(k++, i, p, size + item_cost);
-    for (int i : by_last) fn(k++, i, pieces[i] - 1, last[i] + item_cost);
+      for (int64_t p = 0; p + 1 < pieces[i]; ++p) fn(k++, i, p, size);
+    for (int i : by_last) fn(k++, i, pieces[i] - 1, last[i]);
   };
   auto layout = [&](int64_t size) {   // pieces, last and by_last for this size; returns the item count
     int64_t n = 0;
@@ -236,7 +230,7 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
     std::fill(loads.begin(), loads.end(), rounds * cost);
     for (int64_t j = 0; j < rest; ++j) loads[rounds % 2 == 1 ? workers - 1 - j : j] += cost;
     int64_t k = m;
-    for (int i : by_last) loads[snake_worker(k++, workers)] += last[i] + item_cost;
+    for (int i : by_last) loads[work_snake_worker(k++, workers)] += last[i] + item_cost;
     return *std::max_element(loads.begin(), loads.end());
   };
   int64_t best_size = 0, best_span = 0;
@@ -251,20 +245,16 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
   }
   if (best_size == 0) return -3;
   const int64_t n = layout(best_size);
-  int32_t* offsets = out + kWorkHeader;
-  int32_t* items = offsets + workers + 1;
-  int32_t* spans = items + capacity;
-  std::fill(out, out + kWorkHeader + workers + 1, 0);
+  int32_t* items = out + kWorkHeader;   // records (code, end), in the order dealt
+  int32_t* spans = items + 2 * static_cast<int64_t>(capacity);
+  std::fill(out, out + kWorkHeader, 0);
   out[0] = static_cast<int32_t>(n);
   out[1] = static_cast<int32_t>(best_size);
-  for (int64_t k = 0; k < n; ++k) ++offsets[snake_worker(k, workers) + 1];
-  for (int w = 0; w < workers; ++w) offsets[w + 1] += offsets[w];
-  std::vector<int32_t> cursor(offsets, offsets + workers);
-  for_each_item(best_size, [&](int64_t k, int seq, int64_t piece, int64_t) {
-    items[cursor[snake_worker(k, workers)]++] =
-        static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
+  for_each_item(best_size, [&](int64_t k, int seq, int64_t piece, int64_t tokens) {
+    items[2 * k] = static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
+    items[2 * k + 1] = static_cast<int32_t>(piece * best_size + tokens);   // its end token
   });
-  std::fill(items + n, items + capacity, 0);
+  std::fill(items + 2 * n, items + 2 * static_cast<int64_t>(capacity), 0);
   int64_t first = 0;
   for (int i = 0; i < num_seqs; ++i) {
     spans[2 * i] = static_cast<int32_t>(first);

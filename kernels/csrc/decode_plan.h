@@ -80,7 +80,8 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
 // pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *
 // workers) for R in kWorkRounds, at least min_item tokens, by the exact busiest-worker cost,
 // tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
-// odd rounds in reverse. out: kWorkHeader + workers + 1 + capacity + 2 * num_seqs ints.
+// odd rounds in reverse, and stored in that order (work_snake_worker). out: work_list_ints(capacity,
+// num_seqs) ints.
 // Returns the item count, or < 0: -1 bad sizes, -2 a context too long for kMaxSplits pieces of
 // longest_item tokens, -3 more items than capacity.
 int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,

@@ -113,7 +113,7 @@ void check_layout(const DecodeStageLayout& lay, int64_t host_bytes, int64_t end)
   const int64_t b = lay.batch;
   const bool ordered = b >= 1 && lay.context_at >= 32 * b && lay.work_at >= lay.context_at + 4 * b &&
                        lay.work_end >= lay.work_at && lay.tables_at >= lay.work_end && lay.context_at % 4 == 0 &&
-                       lay.work_at % 4 == 0 && lay.work_end % 4 == 0 && lay.tables_at % 4 == 0;
+                       lay.work_at % 8 == 0 && lay.work_end % 4 == 0 && lay.tables_at % 4 == 0;
   if (!ordered) refuse("layout", "offsets out of order or misaligned for a batch of " + std::to_string(b));
   if (end > host_bytes)
     refuse("host buffer", std::to_string(host_bytes) + " bytes, the step needs " + std::to_string(end));
@@ -148,7 +148,7 @@ int64_t stage_decode_inputs(uint8_t* host, int64_t host_bytes, const DecodeStage
 
   if (planner.workers > 0) {
     int32_t* work = reinterpret_cast<int32_t*>(host + lay.work_at);
-    const int64_t capacity = (lay.work_end - lay.work_at) / 4 - kWorkHeader - (planner.workers + 1) - 2 * b;
+    const int64_t capacity = work_list_capacity((lay.work_end - lay.work_at) / 4, b);
     if (capacity < b) refuse("layout", "its work list holds too few ints for " + std::to_string(b) + " rows");
     const int n = plan_decode_work(context, static_cast<int>(b), planner.workers, planner.longest_item,
                                    static_cast<int>(capacity), planner.min_item, planner.item_cost, work);

@@ -27,6 +27,21 @@ constexpr int kDefaultPrefetchStepsMma = 0;    // ... of the tensor-core fp8 ins
 constexpr int kWorkHeader = 4;                 // ints before a work list's items (see DecodeArgs::work)
 constexpr int kMaxTileElems = 64;              // decode head tile x elements per lane (query + accumulators in registers)
 
+// A work list's size in ints for `capacity` item records and `num_seqs` sequences, and the
+// capacity a list of `ints` ints holds (DecodeArgs::work).
+constexpr int64_t work_list_ints(int64_t capacity, int64_t num_seqs) { return kWorkHeader + 2 * capacity + 2 * num_seqs; }
+constexpr int64_t work_list_capacity(int64_t ints, int64_t num_seqs) { return (ints - kWorkHeader - 2 * num_seqs) / 2; }
+
+// The worker that runs item k of a work list: items are dealt in rounds of `workers`, every other
+// round in reverse (a snake), so no worker gets the longest item of every round.
+__host__ __device__ constexpr int work_snake_worker(int64_t k, int workers) {
+  return (k / workers) % 2 == 1 ? workers - 1 - static_cast<int>(k % workers) : static_cast<int>(k % workers);
+}
+// The index of worker y's item of round r (the inverse of work_snake_worker).
+__host__ __device__ constexpr int64_t work_item_index(int r, int y, int workers) {
+  return static_cast<int64_t>(r) * workers + (r % 2 == 1 ? workers - 1 - y : y);
+}
+
 struct DecodeArgs {
   void* out;                       // [num_seqs, num_q_heads, head_dim], query dtype
   const void* query;               // [num_seqs, num_q_heads, head_dim], inner dim contiguous
@@ -47,12 +62,13 @@ struct DecodeArgs {
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
-  // a DEVICE int32 array [kWorkHeader + work_workers + 1 + work_capacity + 2 * num_seqs]:
+  // a DEVICE int32 array of work_list_ints(work_capacity, num_seqs) ints, 8-byte aligned:
   //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2] the block
   //   tables' row stride when > 0 (0: table_stride; the planner writes 0), [3] unused;
-  //   work_workers + 1 offsets: worker (blockIdx.y) y runs items offsets[y] .. offsets[y + 1] - 1;
-  //   work_capacity item codes (seq << 16 | piece), the first n used: an item covers tokens
-  //   [piece * partition, min(context, (piece + 1) * partition)) of seq;
+  //   work_capacity item records of 2 ints (seq << 16 | piece, end): the item covers tokens
+  //   [piece * partition, end) of seq; the first n are used, in the order they are dealt: item k
+  //   runs on worker (blockIdx.y) work_snake_worker(k, work_workers), in its round k / work_workers,
+  //   so worker y finds its r-th item at a computed index, with no offsets to read first;
   //   per sequence (first partial row, piece count): count >= 1 and <= kMaxSplits; a sequence
   //   of one piece is written directly, others through partial rows first .. first + count - 1.
   // part_out / part_ml then hold one row per item: [work_capacity, num_q_heads, head_dim] and

@@ -51,6 +51,13 @@ namespace kvpager {
 #define KVPAGER_DECODE_DIRECT_FIRST 0
 #endif
 
+// KVPAGER_DECODE_STAGE_BATCH: block-table entries a thread reads at once when it stages an item's
+// slice (ItemTable::stage); 1 reads them one at a time, each store waiting on its load (the
+// layout before 2026-11-26, fifth session).
+#ifndef KVPAGER_DECODE_STAGE_BATCH
+#define KVPAGER_DECODE_STAGE_BATCH 4
+#endif
+
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
@@ -226,6 +233,51 @@ constexpr int decode_merge_smem_bytes() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A work list as the decode kernels read it (layout: launch.h, DecodeArgs::work).
+// Tokens [start, end) of sequence seq, its piece-th piece (split); its block ids in the table row
+// seq, rows table_stride ints apart.
+struct WorkItem {
+  int seq, piece, start, end;
+  int64_t table_stride;
+};
+
+struct WorkList {
+  const int32_t* records;   // (seq << 16 | piece, end) per item
+  const int32_t* spans;     // per sequence: first partial row, piece count
+  int n, partition, capacity, workers;
+  int64_t table_stride;     // header int 2 when > 0 (a CUDA graph's tables, packed [S, W] for the
+                            // step's W: worker/decode_graphs.py), else a.table_stride
+
+  // The header, read once (before the first record's dependent loads, none of them behind it).
+  __device__ __forceinline__ explicit WorkList(const DecodeArgs& a)
+      : records(a.work + kWorkHeader), spans(a.work + kWorkHeader + 2 * static_cast<int64_t>(a.work_capacity)),
+        n(a.work[0]), partition(a.work[1]), capacity(a.work_capacity), workers(a.work_workers),
+        table_stride(a.work[2] > 0 ? a.work[2] : a.table_stride) {}
+
+  // This block's (worker blockIdx.y's) item of round r, its end clamped to `longest` (the tokens a
+  // table row holds); false past its last. The record is read before n is compared, so the two
+  // loads are in flight together (the index is below capacity, so the read is in bounds).
+  __device__ __forceinline__ bool item(int r, int longest, WorkItem* it) const {
+    const int64_t k = work_item_index(r, blockIdx.y, workers);
+    if (k >= capacity) return false;
+    const int2 rec = reinterpret_cast<const int2*>(records)[k];
+    if (k >= n) return false;
+    const uint32_t code = static_cast<uint32_t>(rec.x);
+    it->seq = static_cast<int>(code >> 16);
+    it->piece = static_cast<int>(code & 0xffffu);
+    it->start = it->piece * partition;
+    it->end = max(0, min(rec.y, longest));
+    it->table_stride = table_stride;
+    return true;
+  }
+  // Whether seq is one piece (its output written directly), and the partial row of a piece.
+  __device__ __forceinline__ bool direct(int seq) const { return spans[2 * seq + 1] <= 1; }
+  __device__ __forceinline__ int64_t partial_row(const WorkItem& it) const {
+    return static_cast<int64_t>(spans[2 * it.seq]) + it.piece;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
 // A work item's block-table slice and the L2 prefetch of its block slabs, shared by both decode
 // kernels (C: the cache's element type; STEP: tokens per block iteration). Slice entry i is the
 // block holding the item's tokens [(first_blk + i) << log2_block_size, ...); entries that are not a
@@ -241,14 +293,11 @@ struct ItemTable {
   uint32_t slab_bytes;
   int pd;                // a.prefetch_steps
 
-  __device__ __forceinline__ ItemTable(const DecodeArgs& a, int seq, int kvh, int start, int end) {
+  __device__ __forceinline__ ItemTable(const DecodeArgs& a, const WorkItem& it, int kvh) {
     log2b = a.log2_block_size;
-    first_blk = start >> log2b;
-    nblk = end > start ? ((end - 1) >> log2b) - first_blk + 1 : 0;
-    // A work list may carry the tables' row stride (header int 2, when > 0): a CUDA graph's step
-    // uploads its tables packed [S, W] for whatever W the step has (worker/decode_graphs.py).
-    const int64_t stride = a.work != nullptr && a.work[2] > 0 ? a.work[2] : a.table_stride;
-    trow = a.block_tables + static_cast<int64_t>(seq) * stride + first_blk;
+    first_blk = it.start >> log2b;
+    nblk = it.end > it.start ? ((it.end - 1) >> log2b) - first_blk + 1 : 0;
+    trow = a.block_tables + static_cast<int64_t>(it.seq) * it.table_stride + first_blk;
     kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
     vslab = static_cast<const C*>(a.v_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
     slab_bytes = static_cast<uint32_t>(a.block_size) * D * static_cast<uint32_t>(sizeof(C));
@@ -262,17 +311,27 @@ struct ItemTable {
   }
 
   // The slice into s_table (thread tid of NTHREADS), the first iterations' slabs into L2. The
-  // caller syncs before anyone reads s_table.
+  // caller syncs before anyone reads s_table. A thread's entries are read kStageBatch at a time,
+  // all loads issued before the first store waits on one (indices clamped into the slice, so the
+  // loads need no branch): a slice of up to kStageBatch * NTHREADS entries (8,192 tokens of block
+  // 16 with 128 threads) costs one memory latency, not one per NTHREADS entries.
   template <int NTHREADS>
   __device__ __forceinline__ void stage(const DecodeArgs& a, int* s_table, int tid) const {
+    constexpr int kStageBatch = KVPAGER_DECODE_STAGE_BATCH;
     const int first_prefetched = min(nblk, (pd * STEP + a.block_size - 1) >> log2b);
-    for (int i = tid; i < nblk; i += NTHREADS) {
-      const int b = trow[i];
-      const bool ok = b >= 0 && b < a.num_cache_blocks;
-      s_table[i] = ok ? b : -1;
-      if (ok && i < first_prefetched) {
-        prefetch_l2(kslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
-        prefetch_l2(vslab + static_cast<int64_t>(b) * a.kv_stride_block, slab_bytes);
+    for (int base = tid; base < nblk; base += kStageBatch * NTHREADS) {
+      int b[kStageBatch];
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) b[j] = trow[min(base + j * NTHREADS, nblk - 1)];
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        const int i = base + j * NTHREADS;
+        const bool ok = b[j] >= 0 && b[j] < a.num_cache_blocks;
+        if (i < nblk) s_table[i] = ok ? b[j] : -1;
+        if (ok && i < first_prefetched) {
+          prefetch_l2(kslab + static_cast<int64_t>(b[j]) * a.kv_stride_block, slab_bytes);
+          prefetch_l2(vslab + static_cast<int64_t>(b[j]) * a.kv_stride_block, slab_bytes);
+        }
       }
     }
   }
@@ -338,13 +397,14 @@ __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const flo
   }
 }
 
-// One work item: tokens [start, end) of sequence `seq`, for the query heads of the thread
+// One work item (`it`: tokens [start, end) of sequence seq), for the query heads of the thread
 // block's (KV head, head chunk). Writes the output rows when `direct` (the item is the whole
 // sequence), else partial row `item` (part_out[item][h][:], part_ml[item][h][:]) for the merge.
 // Uses the block's dynamic shared memory: the caller syncs before the next item reuses it.
 template <typename T, typename C, int D, int HT, int LOADS>
-__device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* smem, int seq, int start, int end,
+__device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* smem, const WorkItem& it,
                                             bool direct, int64_t item) {
+  const int seq = it.seq, start = it.start, end = it.end;
   using S = DecodeShape<C, D, LOADS>;
   constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
   constexpr int QVEC = Elem<T>::kVec;                   // query elements per 16-byte load
@@ -360,7 +420,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   const int nheads = min(HT, group - chunk * HT);
   const int log2b = a.log2_block_size;
 
-  const ItemTable<C, D, S::STEP> tbl(a, seq, kvh, start, end);
+  const ItemTable<C, D, S::STEP> tbl(a, it, kvh);
   const int first_blk = tbl.first_blk;
 
   // The iteration in flight: per row of this lane group, whether it is loaded (below end, in a
@@ -393,12 +453,8 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   }
 #endif
 
-  // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
-  // slabs to L2 right away, while the prologue runs.
-  tbl.template stage<NT>(a, s_table, tid);
-
-  // Query slice for every head of the tile, pre-scaled into the log2 domain.
-  float q[HT][E];
+  // Query slice for every head of the tile: its loads issued first, in flight with the table's.
+  uint4 qraw[HT][VPL][VEC / QVEC];
 #pragma unroll
   for (int g = 0; g < HT; ++g) {
     const bool live = g < nheads;
@@ -408,10 +464,23 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
     for (int j = 0; j < VPL; ++j)
 #pragma unroll
       for (int i = 0; i < VEC / QVEC; ++i) {
-        uint4 u = make_uint4(0, 0, 0, 0);
-        if (live) u = *reinterpret_cast<const uint4*>(qp + (j * LPT + r) * VEC + i * QVEC);
-        Elem<T>::unpack(u, &q[g][j * VEC + i * QVEC]);
+        qraw[g][j][i] = make_uint4(0, 0, 0, 0);
+        if (live) qraw[g][j][i] = *reinterpret_cast<const uint4*>(qp + (j * LPT + r) * VEC + i * QVEC);
       }
+  }
+
+  // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
+  // slabs to L2 right away, while the prologue runs.
+  tbl.template stage<NT>(a, s_table, tid);
+
+  // The query, pre-scaled into the log2 domain.
+  float q[HT][E];
+#pragma unroll
+  for (int g = 0; g < HT; ++g) {
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC / QVEC; ++i) Elem<T>::unpack(qraw[g][j][i], &q[g][j * VEC + i * QVEC]);
 #pragma unroll
     for (int e = 0; e < E; ++e) q[g][e] *= a.scale_log2;
   }
@@ -628,21 +697,17 @@ paged_decode_kernel(const DecodeArgs a) {
     const int ctx = max(0, min(a.context_lens[seq], longest));
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
-    decode_item<T, C, D, HT, LOADS>(a, smem, seq, start, min(ctx, start + a.partition_tokens), a.num_splits == 1,
-                                    static_cast<int64_t>(seq) * a.num_splits + split);
+    const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
+    decode_item<T, C, D, HT, LOADS>(a, smem, it, a.num_splits == 1, static_cast<int64_t>(seq) * a.num_splits + split);
     return;
   }
-  const int partition = a.work[1];
-  const int32_t* offsets = a.work + kWorkHeader;          // worker y runs items offsets[y] .. offsets[y + 1] - 1
-  const int32_t* items = offsets + a.work_workers + 1;
-  const int32_t* spans = items + a.work_capacity;         // per sequence: first partial row, piece count
-  for (int i = offsets[blockIdx.y]; i < offsets[blockIdx.y + 1]; ++i) {
-    const uint32_t code = static_cast<uint32_t>(items[i]);
-    const int seq = static_cast<int>(code >> 16), piece = static_cast<int>(code & 0xffffu);
-    const int ctx = max(0, min(a.context_lens[seq], longest));
-    const int start = piece * partition;
-    decode_item<T, C, D, HT, LOADS>(a, smem, seq, start, min(ctx, start + partition), spans[2 * seq + 1] <= 1,
-                                    static_cast<int64_t>(spans[2 * seq]) + piece);
+  // Worker y's items, round by round at computed indices (launch.h): its first record loads with
+  // the header, so the first K load waits on that record and then the table, as in grid mode.
+  const WorkList wl(a);
+  for (int r = 0;; ++r) {
+    WorkItem it;
+    if (!wl.item(r, longest, &it)) break;
+    decode_item<T, C, D, HT, LOADS>(a, smem, it, wl.direct(it.seq), wl.partial_row(it));
     __syncthreads();   // the next item rewrites the shared memory
   }
 }
@@ -698,7 +763,7 @@ paged_decode_merge_kernel(const DecodeArgs a) {
     first = static_cast<int64_t>(seq) * a.num_splits;
     nvalid = min(a.num_splits, (ctx + a.partition_tokens - 1) / a.partition_tokens);
   } else {
-    const int32_t* spans = a.work + kWorkHeader + a.work_workers + 1 + a.work_capacity;
+    const int32_t* spans = WorkList(a).spans;
     first = spans[2 * seq];
     nvalid = min(spans[2 * seq + 1], kMaxSplits);   // the planner keeps it <= kMaxSplits
     if (nvalid <= 1) return;   // written directly by its only item

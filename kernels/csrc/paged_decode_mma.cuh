@@ -121,8 +121,9 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 // head chunk) of up to kMmaHeads heads; writes the output rows when `direct`, else partial row
 // `item` (o / l * v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel.
 template <typename T, int D, int CH>
-__device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, int seq, int start, int end,
+__device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, const WorkItem& it,
                                                 bool direct, int64_t item) {
+  const int seq = it.seq, start = it.start, end = it.end;
   using namespace mma_detail;
   using S = MmaShape<D, CH>;
   constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, VBYTES = S::VBYTES, VWORDS = S::VWORDS,
@@ -145,7 +146,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
 
   // The item's block-table slice into shared memory (invalid ids -> -1), first slabs to L2
   // (ItemTable, paged_decode.cuh).
-  const ItemTable<C, D, S::STEP> tbl(a, seq, kvh, start, end);
+  const ItemTable<C, D, S::STEP> tbl(a, it, kvh);
   const int first_blk = tbl.first_blk;
   const C* kslab = tbl.kslab;
   const C* vslab = tbl.vslab;
@@ -191,25 +192,31 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   }
 #endif
 
-  tbl.template stage<NTHREADS>(a, s_table, tid);
-
   // Query: lane (g, c) takes head g's physical dims c * D/4 .. + D/4 (zeros past the tile's heads),
-  // times scale_log2 and 2^e (per warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs,
-  // into shared memory (s_q[warp][k-step][lane]: conflict-free 8-byte reads, and 16 (D = 128)
-  // registers fewer in the loop, which let 4 blocks fit per SM).
-  uint2* s_q = reinterpret_cast<uint2*>(smem) + warp * KSTEPS * 32 + lane;
-  float inv_qscale;
+  // loaded first (in flight with the table's loads below), then times scale_log2 and 2^e (per
+  // warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs, into shared memory
+  // (s_q[warp][k-step][lane]: conflict-free 8-byte reads, and 16 (D = 128) registers fewer in the
+  // loop, which let 4 blocks fit per SM).
+  uint4 qraw[S::QVECS];
   {
-    float qf[D / 4];
     const bool live = g < nheads;
     const T* qp = static_cast<const T*>(a.query) + static_cast<int64_t>(seq) * a.q_stride_seq +
                   static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head + c * (D / 4);
 #pragma unroll
     for (int i = 0; i < S::QVECS; ++i) {
-      uint4 u = make_uint4(0, 0, 0, 0);
-      if (live) u = *reinterpret_cast<const uint4*>(qp + i * 8);
-      Elem<T>::unpack(u, &qf[i * 8]);
+      qraw[i] = make_uint4(0, 0, 0, 0);
+      if (live) qraw[i] = *reinterpret_cast<const uint4*>(qp + i * 8);
     }
+  }
+
+  tbl.template stage<NTHREADS>(a, s_table, tid);
+
+  uint2* s_q = reinterpret_cast<uint2*>(smem) + warp * KSTEPS * 32 + lane;
+  float inv_qscale;
+  {
+    float qf[D / 4];
+#pragma unroll
+    for (int i = 0; i < S::QVECS; ++i) Elem<T>::unpack(qraw[i], &qf[i * 8]);
     float amax = 0.f;
 #pragma unroll
     for (int e = 0; e < D / 4; ++e) {
@@ -412,21 +419,15 @@ paged_decode_mma_kernel(const DecodeArgs a) {
     const int ctx = max(0, min(a.context_lens[seq], longest));
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;
-    decode_item_mma<T, D, CH>(a, smem, seq, start, min(ctx, start + a.partition_tokens), a.num_splits == 1,
-                              static_cast<int64_t>(seq) * a.num_splits + split);
+    const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
+    decode_item_mma<T, D, CH>(a, smem, it, a.num_splits == 1, static_cast<int64_t>(seq) * a.num_splits + split);
     return;
   }
-  const int partition = a.work[1];
-  const int32_t* offsets = a.work + kWorkHeader;
-  const int32_t* items = offsets + a.work_workers + 1;
-  const int32_t* spans = items + a.work_capacity;
-  for (int i = offsets[blockIdx.y]; i < offsets[blockIdx.y + 1]; ++i) {
-    const uint32_t code = static_cast<uint32_t>(items[i]);
-    const int seq = static_cast<int>(code >> 16), piece = static_cast<int>(code & 0xffffu);
-    const int ctx = max(0, min(a.context_lens[seq], longest));
-    const int start = piece * partition;
-    decode_item_mma<T, D, CH>(a, smem, seq, start, min(ctx, start + partition), spans[2 * seq + 1] <= 1,
-                              static_cast<int64_t>(spans[2 * seq]) + piece);
+  const WorkList wl(a);   // (paged_decode.cuh)
+  for (int r = 0;; ++r) {
+    WorkItem it;
+    if (!wl.item(r, longest, &it)) break;
+    decode_item_mma<T, D, CH>(a, smem, it, wl.direct(it.seq), wl.partial_row(it));
     __syncthreads();
   }
 }

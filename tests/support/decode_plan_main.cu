@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
     std::vector<int32_t> lens(rows);
     for (auto& x : lens)
       if (std::scanf("%d", &x) != 1) return 2;
-    std::vector<int32_t> out(kvpager::kWorkHeader + workers + 1 + capacity + 2 * rows, -12345);
+    std::vector<int32_t> out(kvpager::work_list_ints(capacity, rows), -12345);
     if (reps > 0) {
       double best = 1e30;
       for (int r = 0; r < reps; ++r) {

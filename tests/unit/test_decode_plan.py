@@ -1,5 +1,5 @@
 """The decode work-list planner (kernels/decode_plan.py): every token covered once, spans and
-offsets consistent, balance across workers, clear refusals; and the plan's semantics checked by
+item ends consistent, balance across workers, clear refusals; and the plan's semantics checked by
 running it in float64 torch (pieces attended separately, merged by log-sum-exp) against the
 reference attention over random paged K/V. The CUDA kernel and the C++ twin of the planner are
 checked on the GPU (tests/gpu/test_cuda_kernels.py)."""
@@ -15,29 +15,43 @@ from kvpager.kernels.decode_plan import HEADER, plan_decode_work
 from kvpager.numeric import ceil_div
 
 
-def _parts(plan: np.ndarray, rows: int, workers: int):
-    capacity = len(plan) - HEADER - (workers + 1) - 2 * rows
+def _parts(plan: np.ndarray, rows: int):
+    """(n, size, seq, piece, end, spans) of a plan: its n items in the order dealt."""
+    capacity = (len(plan) - HEADER - 2 * rows) // 2
     n, size = int(plan[0]), int(plan[1])
-    offsets = plan[HEADER:HEADER + workers + 1]
-    codes = plan[HEADER + workers + 1:HEADER + workers + 1 + n].view(np.uint32).astype(np.int64)
-    spans = plan[HEADER + workers + 1 + capacity:].reshape(rows, 2)
-    return n, size, offsets, codes >> 16, codes & 0xFFFF, spans
+    records = plan[HEADER:HEADER + 2 * capacity].reshape(capacity, 2)
+    assert (records[n:] == 0).all()
+    codes = records[:n, 0].view(np.uint32).astype(np.int64)
+    spans = plan[HEADER + 2 * capacity:].reshape(rows, 2)
+    return n, size, codes >> 16, codes & 0xFFFF, records[:n, 1].astype(np.int64), spans
+
+
+def _worker_items(n: int, workers: int, y: int) -> list[int]:
+    """The items worker y runs, in order, as the kernel finds them: round r's at r * workers + y,
+    or + workers - 1 - y in odd rounds."""
+    found, r = [], 0
+    while (k := r * workers + (workers - 1 - y if r % 2 else y)) < n:
+        found.append(k)
+        r += 1
+    return found
 
 
 def _check(lens, workers, longest_item=32768):
     plan = plan_decode_work(lens, workers, longest_item)
     rows = len(lens)
-    n, size, offsets, seq, piece, spans = _parts(plan, rows, workers)
+    n, size, seq, piece, end, spans = _parts(plan, rows)
     ctx = np.maximum(np.asarray(lens), 0)
     assert size % decode_plan.ALIGN == 0 and size <= longest_item
-    assert offsets[0] == 0 and offsets[-1] == n and (np.diff(offsets) >= 0).all()
     assert n <= decode_plan.capacity_for(rows, workers)
+    assert (end == np.minimum(ctx[seq], (piece + 1) * size)).all()
+    # Every item run by exactly one worker.
+    assert sorted(k for y in range(workers) for k in _worker_items(n, workers, y)) == list(range(n))
     pieces = np.maximum(1, -(-ctx // size))
     assert (spans[:, 1] == pieces).all() and (pieces <= decode_plan.MAX_PIECES).all()
     assert (spans[:, 0] == np.cumsum(pieces) - pieces).all()
     # Each (seq, piece) exactly once: the pieces tile [0, ctx) of every row.
     assert sorted(zip(seq.tolist(), piece.tolist())) == [(s, p) for s in range(rows) for p in range(pieces[s])]
-    return plan, size, seq, piece, offsets
+    return plan, size, seq, piece, end
 
 
 @pytest.mark.parametrize("workers", [1, 7, 132])
@@ -55,10 +69,12 @@ def test_ragged_batches_are_balanced_across_workers():
     workers = 132
     for lens in (rng.integers(1, 8193, 128), rng.integers(1, 32769, 64), rng.integers(1, 2049, 256),
                  rng.integers(128, 2600, 276), np.full(64, 4096), [32768]):
-        _, size, seq, piece, offsets = _check(list(lens), workers)
-        ctx = np.asarray(lens)
-        tokens = np.minimum(size, ctx[seq] - piece * size) + decode_plan.ITEM_COST
-        loads = np.bincount(np.repeat(np.arange(workers), np.diff(offsets)), weights=tokens, minlength=workers)
+        _, size, seq, piece, end = _check(list(lens), workers)
+        tokens = end - piece * size + decode_plan.ITEM_COST
+        worker = np.zeros(len(seq), np.int64)
+        for y in range(workers):
+            worker[_worker_items(len(seq), workers, y)] = y
+        loads = np.bincount(worker, weights=tokens, minlength=workers)
         average = tokens.sum() / workers
         assert loads.max() <= 1.08 * average + size / 4, (len(lens), size, loads.max(), average)
 
@@ -81,15 +97,15 @@ def _run_plan(plan, workers, query, k_cache, v_cache, tables, lens, scale):
     """Float64 attention executed the way the kernel executes a plan: each item over its token
     range (log-sum-exp partials), the pieces of a row merged."""
     rows = len(lens)
-    n, size, offsets, seq, piece, spans = _parts(plan, rows, workers)
+    n, size, seq, piece, end, spans = _parts(plan, rows)
     heads, dim = query.shape[1], query.shape[2]
     group = heads // k_cache.shape[1]
     bs = k_cache.shape[2]
     partial = {}
     for w in range(workers):
-        for i in range(offsets[w], offsets[w + 1]):
+        for i in _worker_items(n, workers, w):
             s, p = int(seq[i]), int(piece[i])
-            lo, hi = p * size, min(lens[s], (p + 1) * size)
+            lo, hi = p * size, int(end[i])
             pos = torch.arange(lo, max(lo, hi))
             blocks = tables[s, pos // bs].long()
             k = k_cache[blocks, :, pos % bs].repeat_interleave(group, dim=1)   # [t, heads, dim]

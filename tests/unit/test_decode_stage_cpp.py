@@ -44,7 +44,7 @@ def stager(tmp_path_factory):
 def numpy_stage(buf: np.ndarray, lay: _Inputs, planned: bool, rows: int, step: dict, width: int, stride: int) -> int:
     """What DecodeGraphs.run wrote with numpy before the C++ (the reference)."""
     longs = buf[:lay.context_at].view(np.int64).reshape(4, lay.batch)
-    context = buf[lay.context_at:lay.work_at].view(np.int32)
+    context = buf[lay.context_at:lay.context_at + 4 * lay.batch].view(np.int32)
     longs[0, :rows], longs[1, :rows], longs[2, :rows] = step["tokens"], step["positions"], step["slots"]
     longs[3, :rows] = -1 if step["feedback"] is None else step["feedback"]
     longs[:2, rows:], longs[2:, rows:] = 0, -1
@@ -78,7 +78,7 @@ def test_stage_writes_what_numpy_wrote(stager, kind):
         rows, width = int(rng.integers(1, batch + 1)), int(rng.integers(1, 64))
         planned = trial % 3 != 2   # else the graphs of KVPAGER_DECODE_WORK_LIST=0: no list, wider rows
         stride = width if planned else int(rng.integers(width, 2 * width + 1))
-        lay = _Inputs.of(batch, decode_plan.plan_size(batch, WORKERS, decode_plan.capacity_for(batch, WORKERS))
+        lay = _Inputs.of(batch, decode_plan.plan_size(batch, decode_plan.capacity_for(batch, WORKERS))
                          if planned else 0)
         step = random_step(rng, rows, width, kind)
         garbage = rng.integers(0, 256, lay.tables_at + 4 * batch * stride, dtype=np.uint8)
@@ -94,7 +94,7 @@ def test_stage_writes_what_numpy_wrote(stager, kind):
 def test_stage_refuses_bad_input(stager):
     rng = np.random.default_rng(5)
     batch, rows, width = 32, 20, 8
-    lay = _Inputs.of(batch, decode_plan.plan_size(batch, WORKERS, decode_plan.capacity_for(batch, WORKERS)))
+    lay = _Inputs.of(batch, decode_plan.plan_size(batch, decode_plan.capacity_for(batch, WORKERS)))
     layout = (batch, lay.context_at, lay.work_at, lay.work_end, lay.tables_at)
     planner = (WORKERS, LONGEST, decode_plan.MIN_ITEM, decode_plan.ITEM_COST)
     buf = np.zeros(lay.nbytes(width), np.uint8)
