@@ -79,7 +79,7 @@ class _Inputs:
     """Where a batch bucket's integer inputs lie, in bytes from the start of the static input
     buffer (and of the pinned buffer they are staged in): int64 ``[4, batch]`` rows (tokens,
     positions, slots, feedback rows) at 0, int32 context lengths at ``context_at``, the int32
-    work list from ``work_at`` (a multiple of 16: its item records are read as int pairs) to
+    work list from ``work_at`` (a multiple of 16: the kernel reads its header as one 16-byte load) to
     ``work_end``, then the int32 block tables from ``tables_at``
     (a multiple of 16): packed ``[S, W]`` for a step of S rows W wide when a work list carries W
     as their row stride, else ``[batch, width]`` rows of the graph's width."""

@@ -164,7 +164,7 @@ class Decoder:
         decode_lens = context_lens if decoding is None else [context_lens[i] for i in decoding]
         plan = [planner.plan(decode_lens)] if planner is not None and decode_lens else []
         rows = [] if computing is None else [computing]
-        # The plan first: the kernel reads its item records as int pairs, so it starts 8-byte aligned.
+        # The plan first, so it starts 16-byte aligned (the kernel reads its header as one 16-byte load).
         ints = self.staging.upload([*plan, step.block_tables, context_lens, starts, *rows], np.int32)
         at = len(plan[0]) if plan else 0
         tables = ints[at:at + table_len].view(num_seqs, step.max_blocks)

@@ -370,8 +370,8 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
-  KV_CHECK(reinterpret_cast<uintptr_t>(work.data_ptr()) % 8 == 0, "work must be 8-byte aligned (its item records "
-           "are read as pairs)");
+  KV_CHECK(reinterpret_cast<uintptr_t>(work.data_ptr()) % 16 == 0, "work must be 16-byte aligned (the kernel "
+           "reads its header as one 16-byte load and its item records as pairs)");
   const int64_t capacity = kvpager::work_list_capacity(work.size(0), query.size(0));
   KV_CHECK(capacity >= query.size(0), "work holds ", work.size(0), " ints: too few for ", query.size(0),
            " sequences (kernels/decode_plan.py plan_size)");

@@ -113,7 +113,7 @@ void check_layout(const DecodeStageLayout& lay, int64_t host_bytes, int64_t end)
   const int64_t b = lay.batch;
   const bool ordered = b >= 1 && lay.context_at >= 32 * b && lay.work_at >= lay.context_at + 4 * b &&
                        lay.work_end >= lay.work_at && lay.tables_at >= lay.work_end && lay.context_at % 4 == 0 &&
-                       lay.work_at % 8 == 0 && lay.work_end % 4 == 0 && lay.tables_at % 4 == 0;
+                       lay.work_at % 16 == 0 && lay.work_end % 4 == 0 && lay.tables_at % 4 == 0;
   if (!ordered) refuse("layout", "offsets out of order or misaligned for a batch of " + std::to_string(b));
   if (end > host_bytes)
     refuse("host buffer", std::to_string(host_bytes) + " bytes, the step needs " + std::to_string(end));

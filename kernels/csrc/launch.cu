@@ -216,7 +216,7 @@ cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs
       a.head_chunks != ceil_div(a.num_q_heads / a.num_kv_heads, a.head_tile))
     return cudaErrorInvalidValue;
   if (listed ? (a.work_capacity < a.num_seqs || a.work_workers < 1 || a.part_out == nullptr || a.part_ml == nullptr ||
-                reinterpret_cast<uintptr_t>(a.work) % 8 != 0)
+                reinterpret_cast<uintptr_t>(a.work) % 16 != 0)
              : (a.num_splits < 1 || a.num_splits > kMaxSplits || a.partition_tokens % kPartitionAlign != 0 ||
                 a.partition_tokens / a.block_size > kMaxTableEntries ||
                 (a.num_splits > 1 && (a.part_out == nullptr || a.part_ml == nullptr))) ||

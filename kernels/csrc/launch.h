@@ -62,7 +62,7 @@ struct DecodeArgs {
   float v_scale;                   // multiplies the output: 1, or the fp8 cache's V scale
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
-  // a DEVICE int32 array of work_list_ints(work_capacity, num_seqs) ints, 8-byte aligned:
+  // a DEVICE int32 array of work_list_ints(work_capacity, num_seqs) ints, 16-byte aligned:
   //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2] the block
   //   tables' row stride when > 0 (0: table_stride; the planner writes 0), [3] unused;
   //   work_capacity item records of 2 ints (seq << 16 | piece, end): the item covers tokens

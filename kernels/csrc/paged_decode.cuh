@@ -225,6 +225,20 @@ struct DecodeShape {
   static_assert(kPartitionAlign % STEP == 0, "a partition must be whole iterations");
 };
 
+// Minimum resident blocks per SM asked of the register allocator. The 2-loads instances exist
+// to run 4 blocks (16 warps) per SM once a grid fills whole waves, so with 4 warps a block they
+// ask for 4 (128 registers) where that fits without spills: head tiles up to 4 over 16- and
+// 32-bit caches (ptxas -v, sm_90a: 109-128 registers, no spills; unbounded, bf16 d128 took 150
+// registers, 3 blocks per SM, and the planner stopped picking the instance). Elsewhere 1.
+template <typename C, int HT, int LOADS>
+constexpr int decode_min_blocks() {
+#ifdef KVPAGER_DECODE_MIN_BLOCKS
+  return KVPAGER_DECODE_MIN_BLOCKS;
+#else
+  return kDecodeWarps == 4 && LOADS == 2 && HT <= 4 && sizeof(C) >= 2 ? 4 : 1;
+#endif
+}
+
 // Shared memory (dynamic) of one decode block: the block-table slice during the main loop,
 // then the per-warp partial results.
 template <int D, int HT>
@@ -241,41 +255,49 @@ struct WorkItem {
   int64_t table_stride;
 };
 
-struct WorkList {
-  const int32_t* records;   // (seq << 16 | piece, end) per item
-  const int32_t* spans;     // per sequence: first partial row, piece count
-  int n, partition, capacity, workers;
-  int64_t table_stride;     // header int 2 when > 0 (a CUDA graph's tables, packed [S, W] for the
-                            // step's W: worker/decode_graphs.py), else a.table_stride
+// Per sequence of a work list: (first partial row, piece count).
+__device__ __forceinline__ const int32_t* work_spans(const DecodeArgs& a) {
+  return a.work + kWorkHeader + 2 * static_cast<int64_t>(a.work_capacity);
+}
 
-  // The header, read once (before the first record's dependent loads, none of them behind it).
-  __device__ __forceinline__ explicit WorkList(const DecodeArgs& a)
-      : records(a.work + kWorkHeader), spans(a.work + kWorkHeader + 2 * static_cast<int64_t>(a.work_capacity)),
-        n(a.work[0]), partition(a.work[1]), capacity(a.work_capacity), workers(a.work_workers),
-        table_stride(a.work[2] > 0 ? a.work[2] : a.table_stride) {}
+// Worker blockIdx.y's item of round r, its end clamped to `longest` (the tokens a table row holds);
+// false past the worker's last item. The header (one 16-byte load) and the record are read
+// together (the index is below capacity, so the read is in bounds), afresh per item, through a
+// pointer laundered by empty asm so that the compiler hoists none of it out of the worker's loop.
+// The sequence's span, which only the item's output needs (item_destination), goes to L1 now.
+__device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longest, WorkItem* it) {
+  const int32_t* work = a.work;
+  asm volatile("" : "+l"(work));
+  const int64_t k = work_item_index(r, blockIdx.y, a.work_workers);
+  if (k >= a.work_capacity) return false;
+  const int4 header = *reinterpret_cast<const int4*>(work);   // n, partition, table stride, 0
+  const int2 rec = reinterpret_cast<const int2*>(work + kWorkHeader)[k];
+  if (k >= header.x) return false;
+  const uint32_t code = static_cast<uint32_t>(rec.x);
+  it->seq = static_cast<int>(code >> 16);
+  it->piece = static_cast<int>(code & 0xffffu);
+  it->start = it->piece * header.y;
+  it->end = max(0, min(rec.y, longest));
+  it->table_stride = header.z > 0 ? header.z : a.table_stride;
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(work_spans(a) + 2 * it->seq));
+  return true;
+}
 
-  // This block's (worker blockIdx.y's) item of round r, its end clamped to `longest` (the tokens a
-  // table row holds); false past its last. The record is read before n is compared, so the two
-  // loads are in flight together (the index is below capacity, so the read is in bounds).
-  __device__ __forceinline__ bool item(int r, int longest, WorkItem* it) const {
-    const int64_t k = work_item_index(r, blockIdx.y, workers);
-    if (k >= capacity) return false;
-    const int2 rec = reinterpret_cast<const int2*>(records)[k];
-    if (k >= n) return false;
-    const uint32_t code = static_cast<uint32_t>(rec.x);
-    it->seq = static_cast<int>(code >> 16);
-    it->piece = static_cast<int>(code & 0xffffu);
-    it->start = it->piece * partition;
-    it->end = max(0, min(rec.y, longest));
-    it->table_stride = table_stride;
-    return true;
+// Where an item's result goes: the output rows when `direct` (its sequence is one piece or one
+// split), else partial row `row`. Read at the item's end, not its start: in work-list mode the
+// span held in registers across the main loop had the compiler recompute the query (unpack and
+// scale) in every iteration of the work-list copy of the loop, 15% more instructions than the
+// grid copy (SASS, bf16 d128 on sm_90a), to free those registers.
+__device__ __forceinline__ void item_destination(const DecodeArgs& a, const WorkItem& it, bool* direct, int64_t* row) {
+  if (a.work == nullptr) {
+    *direct = a.num_splits == 1;
+    *row = static_cast<int64_t>(it.seq) * a.num_splits + it.piece;
+  } else {
+    const int2 span = *reinterpret_cast<const int2*>(work_spans(a) + 2 * it.seq);   // (first row, pieces)
+    *direct = span.y <= 1;
+    *row = static_cast<int64_t>(span.x) + it.piece;
   }
-  // Whether seq is one piece (its output written directly), and the partial row of a piece.
-  __device__ __forceinline__ bool direct(int seq) const { return spans[2 * seq + 1] <= 1; }
-  __device__ __forceinline__ int64_t partial_row(const WorkItem& it) const {
-    return static_cast<int64_t>(spans[2 * it.seq]) + it.piece;
-  }
-};
+}
 
 // ---------------------------------------------------------------------------------------------
 // A work item's block-table slice and the L2 prefetch of its block slabs, shared by both decode
@@ -365,10 +387,14 @@ struct ItemTable {
 // The end of a work item, shared by both decode kernels: the warps' partial results (s_acc:
 // [kDecodeWarps][HT][D] fp32 accumulators, s_ml: [kDecodeWarps][HT][2] running max and sum, in
 // shared memory, filled and synced by the caller) merged per head, then written as the output rows
-// when `direct` (the item is the whole sequence), else as partial row `item` for the merge kernel.
+// where item_destination says: the output rows or a partial row for the merge kernel.
 template <typename T, int D, int HT>
 __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const float* s_acc, const float* s_ml,
-                                                  int nheads, int head0, int seq, bool direct, int64_t item) {
+                                                  int nheads, int head0, const WorkItem& it) {
+  bool direct;
+  int64_t item;
+  item_destination(a, it, &direct, &item);
+  const int seq = it.seq;
   for (int idx = threadIdx.x; idx < nheads * D; idx += kDecodeWarps * 32) {
     const int g = idx / D, d = idx % D;
     float mm = -INFINITY;
@@ -398,12 +424,11 @@ __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const flo
 }
 
 // One work item (`it`: tokens [start, end) of sequence seq), for the query heads of the thread
-// block's (KV head, head chunk). Writes the output rows when `direct` (the item is the whole
-// sequence), else partial row `item` (part_out[item][h][:], part_ml[item][h][:]) for the merge.
+// block's (KV head, head chunk). Writes the output rows when the item is the whole sequence, else
+// its partial row (part_out[row][h][:], part_ml[row][h][:]) for the merge (item_destination).
 // Uses the block's dynamic shared memory: the caller syncs before the next item reuses it.
 template <typename T, typename C, int D, int HT, int LOADS>
-__device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* smem, const WorkItem& it,
-                                            bool direct, int64_t item) {
+__device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* smem, const WorkItem& it) {
   const int seq = it.seq, start = it.start, end = it.end;
   using S = DecodeShape<C, D, LOADS>;
   constexpr int VEC = S::VEC, LPT = S::LPT, VPL = S::VPL, TPW = S::TPW, U = S::U, E = S::E;
@@ -412,9 +437,13 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   constexpr int NT = kDecodeWarps * 32;
   int* s_table = reinterpret_cast<int*>(smem);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Laundered through empty asm (as in decode_item_mma): nothing derived from them is hoisted out
+  // of the work-list loop to stay live across items.
+  int tid = threadIdx.x, bx = blockIdx.x;
+  asm volatile("" : "+r"(tid), "+r"(bx));
+  const int lane = tid & 31, warp = tid >> 5;
   const int grp = lane / LPT, r = lane % LPT;
-  const int kvh = blockIdx.x / a.head_chunks, chunk = blockIdx.x % a.head_chunks;
+  const int kvh = bx / a.head_chunks, chunk = bx % a.head_chunks;
   const int group = a.num_q_heads / a.num_kv_heads;
   const int head0 = kvh * group + chunk * HT;
   const int nheads = min(HT, group - chunk * HT);
@@ -473,7 +502,12 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   // slabs to L2 right away, while the prologue runs.
   tbl.template stage<NT>(a, s_table, tid);
 
-  // The query, pre-scaled into the log2 domain.
+  // The query, pre-scaled into the log2 domain. In instances capped for several blocks per SM,
+  // opaque to the compiler from here (empty asm): in the work-list copy of the loop it otherwise
+  // kept the 16-bit query and unpacked and scaled it again in every iteration (SASS, bf16 d128
+  // on sm_90a: 64 FMUL a loop, not 32, and 478 instructions against the grid copy's 405).
+  // (Uncapped, the fence cost the 4-loads instance 9 registers and a block per SM.)
+  constexpr bool kQueryFence = decode_min_blocks<C, HT, LOADS>() > 1;
   float q[HT][E];
 #pragma unroll
   for (int g = 0; g < HT; ++g) {
@@ -482,7 +516,10 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
 #pragma unroll
       for (int i = 0; i < VEC / QVEC; ++i) Elem<T>::unpack(qraw[g][j][i], &q[g][j * VEC + i * QVEC]);
 #pragma unroll
-    for (int e = 0; e < E; ++e) q[g][e] *= a.scale_log2;
+    for (int e = 0; e < E; ++e) {
+      q[g][e] *= a.scale_log2;
+      if constexpr (kQueryFence) asm volatile("" : "+f"(q[g][e]));
+    }
   }
   __syncthreads();   // s_table ready
 
@@ -649,21 +686,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   }
   __syncthreads();
 
-  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, seq, direct, item);
-}
-
-// Minimum resident blocks per SM asked of the register allocator. The 2-loads instances exist
-// to run 4 blocks (16 warps) per SM once a grid fills whole waves, so with 4 warps a block they
-// ask for 4 (128 registers) where that fits without spills: head tiles up to 4 over 16- and
-// 32-bit caches (ptxas -v, sm_90a: 109-128 registers, no spills; unbounded, bf16 d128 took 150
-// registers, 3 blocks per SM, and the planner stopped picking the instance). Elsewhere 1.
-template <typename C, int HT, int LOADS>
-constexpr int decode_min_blocks() {
-#ifdef KVPAGER_DECODE_MIN_BLOCKS
-  return KVPAGER_DECODE_MIN_BLOCKS;
-#else
-  return kDecodeWarps == 4 && LOADS == 2 && HT <= 4 && sizeof(C) >= 2 ? 4 : 1;
-#endif
+  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, it);
 }
 
 // The merge's latency (defaults on since 2026-11-26; 0 for the older path, to A/B):
@@ -698,16 +721,15 @@ paged_decode_kernel(const DecodeArgs a) {
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
     const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
-    decode_item<T, C, D, HT, LOADS>(a, smem, it, a.num_splits == 1, static_cast<int64_t>(seq) * a.num_splits + split);
+    decode_item<T, C, D, HT, LOADS>(a, smem, it);
     return;
   }
   // Worker y's items, round by round at computed indices (launch.h): its first record loads with
   // the header, so the first K load waits on that record and then the table, as in grid mode.
-  const WorkList wl(a);
   for (int r = 0;; ++r) {
     WorkItem it;
-    if (!wl.item(r, longest, &it)) break;
-    decode_item<T, C, D, HT, LOADS>(a, smem, it, wl.direct(it.seq), wl.partial_row(it));
+    if (!work_item(a, r, longest, &it)) break;
+    decode_item<T, C, D, HT, LOADS>(a, smem, it);
     __syncthreads();   // the next item rewrites the shared memory
   }
 }
@@ -763,7 +785,7 @@ paged_decode_merge_kernel(const DecodeArgs a) {
     first = static_cast<int64_t>(seq) * a.num_splits;
     nvalid = min(a.num_splits, (ctx + a.partition_tokens - 1) / a.partition_tokens);
   } else {
-    const int32_t* spans = WorkList(a).spans;
+    const int32_t* spans = work_spans(a);
     first = spans[2 * seq];
     nvalid = min(spans[2 * seq + 1], kMaxSplits);   // the planner keeps it <= kMaxSplits
     if (nvalid <= 1) return;   // written directly by its only item

@@ -121,8 +121,7 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 // head chunk) of up to kMmaHeads heads; writes the output rows when `direct`, else partial row
 // `item` (o / l * v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel.
 template <typename T, int D, int CH>
-__device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, const WorkItem& it,
-                                                bool direct, int64_t item) {
+__device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, const WorkItem& it) {
   const int seq = it.seq, start = it.start, end = it.end;
   using namespace mma_detail;
   using S = MmaShape<D, CH>;
@@ -392,7 +391,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   }
   __syncthreads();
 
-  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, seq, direct, item);
+  write_item_output<T, D, HT>(a, s_acc, s_ml, nheads, head0, it);
 }
 
 // Resident blocks per SM asked of the register allocator: 16 tokens a warp iteration fit 128
@@ -420,14 +419,13 @@ paged_decode_mma_kernel(const DecodeArgs a) {
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;
     const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
-    decode_item_mma<T, D, CH>(a, smem, it, a.num_splits == 1, static_cast<int64_t>(seq) * a.num_splits + split);
+    decode_item_mma<T, D, CH>(a, smem, it);
     return;
   }
-  const WorkList wl(a);   // (paged_decode.cuh)
-  for (int r = 0;; ++r) {
+  for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item)
     WorkItem it;
-    if (!wl.item(r, longest, &it)) break;
-    decode_item_mma<T, D, CH>(a, smem, it, wl.direct(it.seq), wl.partial_row(it));
+    if (!work_item(a, r, longest, &it)) break;
+    decode_item_mma<T, D, CH>(a, smem, it);
     __syncthreads();
   }
 }
