@@ -58,6 +58,12 @@ namespace kvpager {
 #define KVPAGER_DECODE_STAGE_BATCH 4
 #endif
 
+// KVPAGER_DECODE_QUERY_FENCE=0: no fence on the query in the register-capped instances (decode_item),
+// to A/B it.
+#ifndef KVPAGER_DECODE_QUERY_FENCE
+#define KVPAGER_DECODE_QUERY_FENCE 1
+#endif
+
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
@@ -264,7 +270,9 @@ __device__ __forceinline__ const int32_t* work_spans(const DecodeArgs& a) {
 // false past the worker's last item. The header (one 16-byte load) and the record are read
 // together (the index is below capacity, so the read is in bounds), afresh per item, through a
 // pointer laundered by empty asm so that the compiler hoists none of it out of the worker's loop.
-// The sequence's span, which only the item's output needs (item_destination), goes to L1 now.
+// The sequence's span, which only the item's output needs, is read at its end (item_destination).
+// (An L1 prefetch of it here, prefetch.global.L1 = CCTL.E.PF1, cost the work list 6-10 points of
+// the copy ceiling on split sequences, H100: measured and dropped.)
 __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longest, WorkItem* it) {
   const int32_t* work = a.work;
   asm volatile("" : "+l"(work));
@@ -279,15 +287,12 @@ __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longes
   it->start = it->piece * header.y;
   it->end = max(0, min(rec.y, longest));
   it->table_stride = header.z > 0 ? header.z : a.table_stride;
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(work_spans(a) + 2 * it->seq));
   return true;
 }
 
 // Where an item's result goes: the output rows when `direct` (its sequence is one piece or one
-// split), else partial row `row`. Read at the item's end, not its start: in work-list mode the
-// span held in registers across the main loop had the compiler recompute the query (unpack and
-// scale) in every iteration of the work-list copy of the loop, 15% more instructions than the
-// grid copy (SASS, bf16 d128 on sm_90a), to free those registers.
+// split), else partial row `row`. Read at the item's end, where it is needed, so nothing of it is
+// held in registers across the main loop (not measured apart from this session's other changes).
 __device__ __forceinline__ void item_destination(const DecodeArgs& a, const WorkItem& it, bool* direct, int64_t* row) {
   if (a.work == nullptr) {
     *direct = a.num_splits == 1;
@@ -507,7 +512,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   // kept the 16-bit query and unpacked and scaled it again in every iteration (SASS, bf16 d128
   // on sm_90a: 64 FMUL a loop, not 32, and 478 instructions against the grid copy's 405).
   // (Uncapped, the fence cost the 4-loads instance 9 registers and a block per SM.)
-  constexpr bool kQueryFence = decode_min_blocks<C, HT, LOADS>() > 1;
+  constexpr bool kQueryFence = KVPAGER_DECODE_QUERY_FENCE && decode_min_blocks<C, HT, LOADS>() > 1;
   float q[HT][E];
 #pragma unroll
   for (int g = 0; g < HT; ++g) {
