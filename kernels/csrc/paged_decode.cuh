@@ -52,8 +52,8 @@ namespace kvpager {
 #endif
 
 // KVPAGER_DECODE_STAGE_BATCH: block-table entries a thread reads at once when it stages an item's
-// slice (ItemTable::stage); 1 reads them one at a time, each store waiting on its load (the
-// layout before 2026-11-26, fifth session).
+// slice (ItemTable::stage); 1 reads them one at a time, each store waiting on its load (the code
+// before 2026-11-26, fifth session; docs/performance.md has both timed).
 #ifndef KVPAGER_DECODE_STAGE_BATCH
 #define KVPAGER_DECODE_STAGE_BATCH 4
 #endif
@@ -292,7 +292,7 @@ __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longes
 
 // Where an item's result goes: the output rows when `direct` (its sequence is one piece or one
 // split), else partial row `row`. Read at the item's end, where it is needed, so nothing of it is
-// held in registers across the main loop (not measured apart from this session's other changes).
+// held in registers across the main loop.
 __device__ __forceinline__ void item_destination(const DecodeArgs& a, const WorkItem& it, bool* direct, int64_t* row) {
   if (a.work == nullptr) {
     *direct = a.num_splits == 1;

@@ -117,9 +117,9 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 
 }  // namespace mma_detail
 
-// One work item (decode_item's contract): tokens [start, end) of `seq` for the block's (KV head,
-// head chunk) of up to kMmaHeads heads; writes the output rows when `direct`, else partial row
-// `item` (o / l * v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel.
+// One work item (decode_item's contract): tokens [start, end) of sequence seq for the block's (KV
+// head, head chunk) of up to kMmaHeads heads; writes the output rows, or its partial row (o / l *
+// v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel (item_destination).
 template <typename T, int D, int CH>
 __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, const WorkItem& it) {
   const int seq = it.seq, start = it.start, end = it.end;
