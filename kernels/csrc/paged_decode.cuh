@@ -237,7 +237,7 @@ struct DecodeShape {
 // 32-bit caches (ptxas -v, sm_90a: 109-128 registers, no spills; unbounded, bf16 d128 took 150
 // registers, 3 blocks per SM, and the planner stopped picking the instance). Elsewhere 1.
 template <typename C, int HT, int LOADS>
-constexpr int decode_min_blocks() {
+__host__ __device__ constexpr int decode_min_blocks() {
 #ifdef KVPAGER_DECODE_MIN_BLOCKS
   return KVPAGER_DECODE_MIN_BLOCKS;
 #else
