@@ -92,7 +92,7 @@ def test_bfloat16_prefill_agrees_with_transformers_bf16(checkpoints, name):
 
 
 def test_ray_gpu_worker_serves_a_checkpoint_like_transformers(checkpoints):
-    pytest.importorskip("ray")
+    ray = pytest.importorskip("ray")
     from kvpager.embedded import embedded
     from kvpager.scheduler import Request, SamplingParams, Scheduler
     from kvpager.worker.ray_group import init_local_ray
@@ -101,10 +101,13 @@ def test_ray_gpu_worker_serves_a_checkpoint_like_transformers(checkpoints):
     model = ModelConfig.from_pretrained(path, dtype="float32")
     requests = [Request(f"r{i}", list(p), SamplingParams(max_new_tokens=8, n=1 + i)) for i, p in enumerate(PROMPTS)]
     init_local_ray(num_cpus=4, num_gpus=torch.cuda.device_count())
-    with embedded(model, block_size=16, tensor_parallel_size=1, num_gpu_blocks=64) as system:
-        assert "GPU" in system.kind
-        outputs = Scheduler(system.client, system.runner, block_size=16).run(requests)
-        system.check_invariants()
+    try:   # the cluster ends with the test (tests/conftest.py fails a run that leaves its processes)
+        with embedded(model, block_size=16, tensor_parallel_size=1, num_gpu_blocks=64) as system:
+            assert "GPU" in system.kind
+            outputs = Scheduler(system.client, system.runner, block_size=16).run(requests)
+            system.check_invariants()
+    finally:
+        ray.shutdown()
     want = hf_greedy(path, torch.float32, 8)
     for request, expected in zip(requests, want):
         assert outputs[request.request_id].samples == [expected] * request.params.n
