@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from kvpager.kernels import ops
+from kvpager.numeric import ceil_div
 from kvpager.step import StepInput
 
 from .kv_cache import KVCache
@@ -92,9 +93,9 @@ class _Inputs:
     @classmethod
     def of(cls, batch: int, work_ints: int) -> "_Inputs":
         context_at = 32 * batch
-        work_at = -(-(context_at + 4 * batch) // 16) * 16
+        work_at = ceil_div(context_at + 4 * batch, 16) * 16
         work_end = work_at + 4 * work_ints
-        return cls(batch, context_at, work_at, work_end, -(-work_end // 16) * 16)
+        return cls(batch, context_at, work_at, work_end, ceil_div(work_end, 16) * 16)
 
     @property
     def offsets(self) -> tuple[int, int, int, int, int]:

@@ -349,10 +349,8 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
                                           static_cast<int>(workers), static_cast<int>(longest_item),
                                           static_cast<int>(capacity), static_cast<int>(min_item),
                                           static_cast<int>(item_cost), out.data_ptr<int32_t>());
-  KV_CHECK(n != -2, "a context is longer than ", kvpager::kMaxSplits, " pieces of at most ", longest_item,
-           " tokens: the work-list decode cannot plan it");
-  KV_CHECK(n != -3, num_seqs, " sequences need more than the plan's ", capacity, " items");
-  KV_CHECK(n >= 0, "plan_decode_work: bad sizes (", num_seqs, " sequences, ", workers, " workers)");
+  KV_CHECK(n >= 0, kvpager::plan_decode_work_refusal(n, static_cast<int>(num_seqs), static_cast<int>(capacity),
+                                                     static_cast<int>(longest_item)));
   return n;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "decode_plan.h"
@@ -262,6 +263,18 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
     first += pieces[i];
   }
   return static_cast<int>(n);
+}
+
+std::string plan_decode_work_refusal(int code, int num_seqs, int capacity, int longest_item) {
+  switch (code) {
+    case -2:
+      return "a context is longer than " + std::to_string(kMaxSplits) + " pieces of at most " +
+             std::to_string(longest_item) + " tokens: the work-list decode cannot plan it";
+    case -3:
+      return std::to_string(num_seqs) + " sequences need more than the plan's " + std::to_string(capacity) + " items";
+    default:
+      return "bad sizes (" + std::to_string(num_seqs) + " sequences, capacity " + std::to_string(capacity) + ")";
+  }
 }
 
 }  // namespace kvpager

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cuda_runtime_api.h>
+#include <string>
 
 #include "launch.h"
 
@@ -86,5 +87,7 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
 // longest_item tokens, -3 more items than capacity.
 int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
                      int min_item, int item_cost, int32_t* out);
+// What plan_decode_work's refusal `code` (< 0) means, for the callers' error messages.
+std::string plan_decode_work_refusal(int code, int num_seqs, int capacity, int longest_item);
 
 }  // namespace kvpager

@@ -152,10 +152,9 @@ int64_t stage_decode_inputs(uint8_t* host, int64_t host_bytes, const DecodeStage
     if (capacity < b) refuse("layout", "its work list holds too few ints for " + std::to_string(b) + " rows");
     const int n = plan_decode_work(context, static_cast<int>(b), planner.workers, planner.longest_item,
                                    static_cast<int>(capacity), planner.min_item, planner.item_cost, work);
-    if (n == -2)
-      refuse("context_lens", "a context is longer than " + std::to_string(kMaxSplits) + " pieces of at most " +
-                                 std::to_string(planner.longest_item) + " tokens");
-    if (n < 0) refuse("context_lens", "the work-list planner refused the step (code " + std::to_string(n) + ")");
+    if (n < 0)
+      refuse("context_lens", plan_decode_work_refusal(n, static_cast<int>(b), static_cast<int>(capacity),
+                                                      planner.longest_item));
     work[2] = static_cast<int32_t>(table_stride);
   }
 
