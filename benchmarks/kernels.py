@@ -1054,11 +1054,14 @@ def bench_prefill_kernel() -> None:
     print(f"\nprefill kernel (bf16, {HQ}q/{HKV}kv, d{D}, block {B}; K/V in a {LAYERS}-layer block-major cache, "
           "randperm'd tables; L2 flushed; median of 15):")
     # (warps, wgmma, schedule): mma.sync 4 and 8 warps, the wgmma instance (on Hopper the
-    # warp-specialized kernel) with the static and the dynamic schedule (cuda.prefill_schedule)
+    # warp-specialized kernel) with the static and the dynamic schedule (cuda.prefill_schedule),
+    # each run from a plan made once, as a model's layers run a step's plan; and "dyn+plan": the
+    # dynamic schedule planned in every call (the host's planning and upload inside the timing:
+    # how this table was timed up to 2026-11-26, fifth session)
     instances = [(4, False, "static"), (8, False, "static"), (8, True, "static"), (8, True, "dynamic")]
     print(f"wgmma instances built: {cuda.has_wgmma(torch.device('cuda'))}")
-    print(f"{'shape':34} {'mma4':>7} {'mma8':>7} {'wgmma8':>7} {'dynamic':>7} {'TFLOP/s':>8} {'SDPA best ms':>16} "
-          f"{'gather+SDPA':>11} {'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
+    print(f"{'shape':34} {'mma4':>7} {'mma8':>7} {'wgmma8':>7} {'dynamic':>7} {'dyn+plan':>8} {'TFLOP/s':>8} "
+          f"{'SDPA best ms':>16} {'gather+SDPA':>11} {'SDPA/ours':>9} {'g+S/ours':>8} {'err':>8}")
     table = []
     for name, seqs in PREFILL_SHAPES + _ragged_prefill_shapes():
         case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
@@ -1068,8 +1071,9 @@ def bench_prefill_kernel() -> None:
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
         def ours(w, wg, schedule):
-            return lambda: debug.paged_prefill_attention(query, k, v, tables, lens, starts, scale,
-                                                         host_lengths=host, warps=w, wgmma=wg, schedule=schedule)
+            plan = debug.plan_prefill(query, k, host, warps=w, wgmma=wg, schedule=schedule)
+            return lambda: cuda.paged_prefill_run(plan, query, k, v, tables, lens, starts, scale)
+
         times = {}
         outs = {}
         for inst in instances:
@@ -1077,6 +1081,10 @@ def bench_prefill_kernel() -> None:
             warm_up(fn, 0.2)
             times[inst] = timed(fn)
             outs[inst] = fn()
+        planned_each_call = lambda: debug.paged_prefill_attention(  # noqa: E731
+            query, k, v, tables, lens, starts, scale, host_lengths=host, warps=8, wgmma=True, schedule="dynamic")
+        warm_up(planned_each_call, 0.2)
+        t_planned = timed(planned_each_call)
         prefill.use_kernel = False
         gs = lambda: prefill.paged_prefill_attention(query, k, v, tables, lens, starts, scale,  # noqa: E731
                                                      host_lengths=host)
@@ -1101,7 +1109,8 @@ def bench_prefill_kernel() -> None:
         t_ours = min(times.values())
         t_best = best[1] if best else float("nan")
         table.append((name, times, flops / t_ours / 1e12, best, t_gs, t_best / t_ours, t_gs / t_ours, err, results))
-        print(f"{name:34} " + " ".join(f"{times[i] * 1e3:7.3f}" for i in instances) + f" {flops / t_ours / 1e12:8.0f} "
+        print(f"{name:34} " + " ".join(f"{times[i] * 1e3:7.3f}" for i in instances) + f" {t_planned * 1e3:8.3f}"
+              f" {flops / t_ours / 1e12:8.0f} "
               f"{(best[0] + ' ' + format(best[1] * 1e3, '.3f')) if best else 'n/a':>16} {t_gs * 1e3:11.3f} "
               f"{t_best / t_ours:9.2f} {t_gs / t_ours:8.2f} {err:8.1e}")
         print(f"{'':34} SDPA backends (ms, every group once): {results}")

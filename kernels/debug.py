@@ -111,6 +111,15 @@ def with_work(plan: cuda.DecodePlan, host_plan: np.ndarray) -> cuda.DecodePlan:
     return dataclasses.replace(plan, work=torch.from_numpy(host_plan).to(plan.work.device))
 
 
+def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, seqs=None, *,
+                 warps: int | None = None, wgmma: bool | None = None,
+                 schedule: str | None = None) -> cuda.PrefillKernelPlan:
+    """``cuda.plan_prefill`` on a chosen instance (``warps``, ``wgmma``, ``schedule`` as in
+    :func:`paged_prefill_attention`), for ``cuda.paged_prefill_run``."""
+    w = _count("warps", warps, (4, 8)) or cuda.PREFILL_WARPS
+    return cuda._plan_prefill(query_like, k_cache, host_lengths, seqs, w, wgmma, schedule)
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *, host_lengths=None,

@@ -41,14 +41,21 @@
 
 namespace kvpager {
 
-// KVPAGER_PREFILL_WS_STAGES: K/V stages (default 3, the most that fit at head_dim 128: 64 KB a
-// stage, K and V tiles of 128 positions, beside the 32 KB Q buffer, of the 227 KB a block can have).
+// KVPAGER_PREFILL_WS_STAGES: K/V stages (default 3 with tiles of 128 positions, the most that fit
+// at head_dim 128: 64 KB a stage, beside the 32 KB Q buffer, of the 227 KB a block can have; 6
+// with tiles of 64).
 // KVPAGER_PREFILL_WS_PINGPONG=0: the consumer warpgroups issue their GEMMs without taking turns.
 #ifndef KVPAGER_PREFILL_WS_PINGPONG
 #define KVPAGER_PREFILL_WS_PINGPONG 1
 #endif
+// KVPAGER_PREFILL_WS_BN: K/V positions per tile (default 128). 64 halves the masked work of an
+// item's last tile, at twice the tiles: measured the same on 512-token prompts and 7-11% slower
+// on long ones (H100, 2026-11-26).
+#ifndef KVPAGER_PREFILL_WS_BN
+#define KVPAGER_PREFILL_WS_BN 128
+#endif
 #ifndef KVPAGER_PREFILL_WS_STAGES
-#define KVPAGER_PREFILL_WS_STAGES 3
+#define KVPAGER_PREFILL_WS_STAGES (384 / KVPAGER_PREFILL_WS_BN)
 #endif
 // KVPAGER_PREFILL_WS_OVERLAP=1: a consumer leaves an item's last P V running while it takes the
 // next item (its record, Q fragments, set-up), and waits for it and writes the item's rows only
@@ -60,7 +67,8 @@ constexpr bool kWsOverlap = KVPAGER_PREFILL_WS_OVERLAP != 0;
 // One Q buffer: the consumers copy their rows of Q to registers as an item starts, and the
 // producer then loads the next item's Q into it (two buffers measured no faster, 2026-11-26).
 constexpr int kWsQBufs = 1;
-constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWgmmaBN positions)
+constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
+constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
 constexpr int kWsThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kWsBarrierBytes = (8 * (4 * kWsStages + 2 * kWsQBufs) + 15) / 16 * 16;   // full/empty K, V and Q
@@ -71,7 +79,7 @@ constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-sc
 // records and the ticket word.
 template <int D>
 constexpr int prefill_ws_smem_bytes() {
-  return (kWsQBufs * kWsRows + 2 * kWsStages * kWgmmaBN) * D * 2 + 1024 + kWsBarrierBytes +
+  return (kWsQBufs * kWsRows + 2 * kWsStages * kWsBN) * D * 2 + 1024 + kWsBarrierBytes +
          kWsQBufs * kWsRecordBytes + kWsTicketBytes;
 }
 
@@ -140,7 +148,7 @@ static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 // Shared-memory addresses of one block's tiles and barriers.
 template <int D>
 struct WsSmem {
-  static constexpr int BN = kWgmmaBN, S = kWsStages;
+  static constexpr int BN = kWsBN, S = kWsStages;
   uint32_t q0, tiles, bars;
   unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
@@ -178,7 +186,7 @@ struct StageCursor {
 };
 
 template <typename T, int D>
-using WsBlock = PrefillBlock<T, T, D, kWsRows, kWgmmaBN, 128>;
+using WsBlock = PrefillBlock<T, T, D, kWsRows, kWsBN, 128>;
 static_assert(WsBlock<__half, 128>::ROW_STEP % 8 == 0 && WsBlock<__half, 64>::ROW_STEP % 8 == 0,
               "RowCopier: every row of a thread has the same swizzle");
 
@@ -291,14 +299,14 @@ struct RowCopier {
 };
 
 // This thread's rows of an item's Q tile into the shared tile at `dst`, by cp.async: rows
-// my_row + i * ROW_STEP (i < RPT), chunk my_ch (the rows and chunk it copies of every K/V tile).
+// my_row + i * ROW_STEP (i < kWsRows / ROW_STEP), chunk my_ch (as it copies every K/V tile).
 // Row r is token r / G, query head kvh * G + r % G: divided once per item, then each row steps
 // token and head by constants (a division per row cost ~40 instructions). Padding rows are
 // zero-filled, never read.
 template <typename T, int D, typename Blk>
 __device__ __forceinline__ void ws_load_q(const Blk& blk, uint32_t dst) {
-  constexpr int RS = Blk::ROW_STEP, RPT = Blk::RPT;
-  static_assert(RS * RPT == kWsRows, "the Q tile has as many rows as a K/V tile");
+  constexpr int RS = Blk::ROW_STEP, RPT = kWsRows / RS;
+  static_assert(RS * RPT == kWsRows, "the Q tile's rows split evenly over the producer's threads");
   const PrefillArgs& a = blk.a;
   const int G = blk.G, step_head = RS % G;
   const int gr = blk.row0 + blk.my_row;
@@ -396,8 +404,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&
 template <typename T, int D>
 __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw) {
   using Blk = WsBlock<T, D>;
-  using Softmax = RowSoftmax<T, D, kWgmmaBN>;
-  constexpr int BM = kWsRows, BN = kWgmmaBN;
+  using Softmax = RowSoftmax<T, D, kWsBN>;
+  constexpr int BM = kWsRows, BN = kWsBN;
   const WsSmem<D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
   const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7

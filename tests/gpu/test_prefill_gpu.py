@@ -250,3 +250,32 @@ def test_a_counter_that_is_not_int32_pair_is_refused():
     with pytest.raises(ValueError, match="counter"):
         cuda.paged_prefill_run(bad, query, kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV),
                                paged.context_lens.to(DEV), starts.to(DEV), 128 ** -0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_query_and_out_not_on_16_bytes_are_refused():
+    """The kernels copy Q and store O 16 bytes at a time: a query or output whose rows do not
+    start on 16 bytes is refused (it would fault), and a good call after it still runs."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill alignment check")
+    paged, queries, starts = _kernel_case(gen, 16, 128, torch.bfloat16, 4, [(40, 40)])
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    plan = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None)
+    args = (kv[:, LAYER, 0], kv[:, LAYER, 1], paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV),
+            128 ** -0.5)
+    padded = torch.empty(query.shape[0], query.shape[1], query.shape[2] + 4, dtype=query.dtype, device=DEV)
+    odd_out = padded[:, :, :query.shape[2]]             # head stride 132 elements: not a multiple of 8
+    with pytest.raises(ValueError, match="out strides .* must be multiples of 16 bytes"):
+        cuda.paged_prefill_run(plan, query, *args, out=odd_out)
+    padded[:, :, :query.shape[2]] = query
+    with pytest.raises(ValueError, match="query strides .* must be multiples of 16 bytes"):
+        cuda.paged_prefill_run(plan, padded[:, :, :query.shape[2]], *args)
+    shifted = torch.empty(query.numel() + 4, dtype=query.dtype, device=DEV)[4:].view(query.shape)   # 8 bytes off
+    with pytest.raises(ValueError, match="out data must be 16-byte aligned"):
+        cuda.paged_prefill_run(plan, query, *args, out=shifted)
+    want = cuda.paged_prefill_run(plan, query, *args)
+    torch.cuda.synchronize()
+    assert torch.isfinite(want).all()
