@@ -64,9 +64,14 @@ namespace kvpager {
 #define KVPAGER_PREFILL_WS_OVERLAP 0
 #endif
 constexpr bool kWsOverlap = KVPAGER_PREFILL_WS_OVERLAP != 0;
-// One Q buffer: the consumers copy their rows of Q to registers as an item starts, and the
-// producer then loads the next item's Q into it (two buffers measured no faster, 2026-11-26).
-constexpr int kWsQBufs = 1;
+// Q buffers (KVPAGER_PREFILL_WS_QBUFS, default 1): the consumers copy their rows of Q to registers
+// as an item starts, and the producer then loads the next item's Q into the buffer. Two buffers
+// (at head_dim 128 they fit beside 2 K/V stages, not 3) measured no faster, both when Q stayed in
+// shared memory for the whole item and since Q moved to registers (H100, 2026-11-26).
+#ifndef KVPAGER_PREFILL_WS_QBUFS
+#define KVPAGER_PREFILL_WS_QBUFS 1
+#endif
+constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
