@@ -12,7 +12,7 @@
 #       # below; and the C++ planner against the Python one), then benchmarks/model_step.py
 #       # --launch-cost on the 1B shape (new, base, new, base with BASE; each tree runs its own script:
 #       # copy this tree's benchmarks/model_step.py into BASE to measure both alike)
-#   VARIANTS="overlap=-DKVPAGER_PREFILL_WS_OVERLAP=1;base=" NCU=0 bash benchmarks/device_check.sh
+#   VARIANTS="nopp=-DKVPAGER_PREFILL_WS_PINGPONG=0;base=" NCU=0 bash benchmarks/device_check.sh
 #       # times the prefill table for each build variant (kernels.py --variants) instead of once;
 #       # the checks (tests, memcheck, racecheck) run on the first variant's build
 #   BASE=.gpu/base NCU=0 bash benchmarks/device_check.sh
@@ -21,7 +21,8 @@
 #       # git archive <commit> | (mkdir -p .gpu/base && tar -x -C .gpu/base); carry [".gpu"] there.
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
 #   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
-#       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py
+#       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py;
+#       # and cuDNN's SDPA kernel on 32 x 512 (prefill_shape.py --sdpa cudnn), its details page
 #
 # The GPU image's grpcio (1.84) is older than our generated stubs need, so tests that import the
 # worker's gRPC side (tests/gpu/test_worker_graph_steps_gpu.py) need newer wheels: here, first,
@@ -127,6 +128,12 @@ if [ "${PROFILE:-0}" = 1 ]; then
     gzip -c "/tmp/sass_$tag.csv" > "$out/sass_$tag.csv.gz"
     summary+=("profile $shape: $(grep -E '^(consumers|producer)' "$out/stalls_$tag.txt" | tr '\n' ' ')")
   done
+  # The kernel we are measured against on the short prompts, profiled alike (its details page only).
+  timeout 200 ncu --kernel-name regex:"cudnn|flash|fmha|sm90" --launch-skip 2 --launch-count 1 --set full \
+      -o /tmp/sdpa_32x512 -f python3 benchmarks/prefill_shape.py "32 x 512 prompts" --sdpa cudnn > /dev/null 2>&1
+  ncu -i /tmp/sdpa_32x512.ncu-rep --page details > "$out/details_sdpa_32x512.txt" 2>&1
+  summary+=("profile cuDNN 32 x 512: $(grep -E 'Duration|Issue Slots Busy|SM Busy|L2 Hit Rate' \
+      "$out/details_sdpa_32x512.txt" | awk '{print $1"="$NF}' | tr '\n' ' ')")
 fi
 
 if [ "${1:-}" = "decode" ]; then

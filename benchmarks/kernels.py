@@ -1043,11 +1043,29 @@ def prefill_case(seqs, gen: torch.Generator) -> PrefillCase:
                        torch.tensor(starts, dtype=torch.int32, device="cuda"), (starts, ctxs))
 
 
+def contiguous_prefill(case: PrefillCase, seqs):
+    """The case laid out for SDPA, one group per distinct (new tokens, context): the queries
+    [n, HQ, q, D], K and V [n, HKV, c, D] gathered from the pages, and (mask, is_causal)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    groups: dict = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(s, []).append(i)
+    starts = case.host[0]
+    q4s, ks, vs, masks = [], [], [], []
+    for (q, c), ids in groups.items():
+        idx = torch.tensor(ids, device="cuda")
+        ks.append(gather(case.k, case.tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
+        vs.append(gather(case.v, case.tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
+        sel = torch.cat([torch.arange(starts[i], starts[i] + q, device="cuda") for i in ids])
+        q4s.append(case.query[sel].view(len(ids), q, HQ, D).transpose(1, 2).contiguous())
+        masks.append((None, True) if q == c else (causal_lower_right(q, c), False))
+    return q4s, ks, vs, masks
+
+
 def bench_prefill_kernel() -> None:
     """Our paged prefill kernel against the fastest torch SDPA backend over the same shapes laid
     out contiguously, and against gather + SDPA (kernels/prefill.py without the kernel)."""
-    from torch.nn.attention.bias import causal_lower_right
-
     from kvpager.kernels import prefill
 
     scale = D ** -0.5
@@ -1067,7 +1085,6 @@ def bench_prefill_kernel() -> None:
         case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
         cache, k, v, tables, query, lens, starts, host = (case.cache, case.k, case.v, case.tables, case.query,
                                                           case.lens, case.starts, case.host)
-        starts_l = host[0]
         flops = sum(4 * HQ * D * (q * (c - q) + q * (q + 1) / 2) for q, c in seqs)
 
         def ours(w, wg, schedule):
@@ -1093,18 +1110,7 @@ def bench_prefill_kernel() -> None:
         ref_out = gs()
         prefill.use_kernel = None
         err = max(float((out.float() - ref_out.float()).norm() / ref_out.float().norm()) for out in outs.values())
-        # Contiguous K/V per group of equal shapes ([n, HKV, c, D]), the queries [n, HQ, q, D].
-        groups: dict = {}
-        for i, s in enumerate(seqs):
-            groups.setdefault(s, []).append(i)
-        q4s, ks, vs, masks = [], [], [], []
-        for (q, c), ids in groups.items():
-            idx = torch.tensor(ids, device="cuda")
-            ks.append(gather(k, tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
-            vs.append(gather(v, tables[idx, :ceil_div(c, B)]).contiguous()[:, :, :c].contiguous())
-            sel = torch.cat([torch.arange(starts_l[i], starts_l[i] + q, device="cuda") for i in ids])
-            q4s.append(query[sel].view(len(ids), q, HQ, D).transpose(1, 2).contiguous())
-            masks.append((None, True) if q == c else (causal_lower_right(q, c), False))
+        q4s, ks, vs, masks = contiguous_prefill(case, seqs)
         best, results = _fastest_sdpa(q4s, ks, vs, masks, scale)
         t_ours = min(times.values())
         t_best = best[1] if best else float("nan")

@@ -7,6 +7,13 @@ block-major cache behind randperm'd tables, as there.
         --import-source yes -o ws4k python3 benchmarks/prefill_shape.py "1 x 4K prompt"
     compute-sanitizer --tool racecheck python3 benchmarks/prefill_shape.py "ragged: 24 prompts 16-1K"
     python3 benchmarks/prefill_shape.py --list
+
+``--sdpa cudnn`` (or flash, efficient) runs torch SDPA on that backend instead, over the shape laid
+out contiguously as ``--only prefill_kernel`` times it (``--expand``: K/V repeated to the query
+heads), so that the same profiler compares our kernel with the one we are measured against:
+
+    ncu --kernel-name regex:"cudnn|flash|fmha" --launch-skip 2 --launch-count 1 --set full \
+        -o sdpa512 python3 benchmarks/prefill_shape.py "32 x 512 prompts" --sdpa cudnn
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import argparse
 import kernels as bench  # benchmarks/kernels.py (this script's folder): the shapes and the configuration
 import torch
 
-from kvpager.kernels import debug
+from kvpager.kernels import cuda, debug
 
 
 def main() -> None:
@@ -27,6 +34,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--schedule", choices=("static", "dynamic"), default=None,
                     help="the persistent kernel's schedule (default: KVPAGER_PREFILL_SCHEDULE, else dynamic)")
+    ap.add_argument("--sdpa", choices=("flash", "efficient", "cudnn"), default=None,
+                    help="run torch SDPA on this backend over the contiguous layout instead of our kernel")
+    ap.add_argument("--expand", action="store_true", help="with --sdpa: K/V repeated to the query heads")
     args = ap.parse_args()
     if args.list:
         print("\n".join(shapes))
@@ -34,11 +44,36 @@ def main() -> None:
     if args.shape not in shapes:
         ap.error(f"unknown shape {args.shape!r}; --list names them")
     c = bench.prefill_case(shapes[args.shape], torch.Generator(device="cuda").manual_seed(1))
+    scale = bench.D ** -0.5
+    if args.sdpa:
+        run = sdpa_runner(c, shapes[args.shape], args.sdpa, args.expand, scale)
+    else:
+        plan = debug.plan_prefill(c.query, c.k, c.host, warps=8, wgmma=True, schedule=args.schedule)
+        run = lambda: cuda.paged_prefill_run(plan, c.query, c.k, c.v, c.tables, c.lens, c.starts, scale)  # noqa: E731
     for _ in range(args.runs):
-        debug.paged_prefill_attention(c.query, c.k, c.v, c.tables, c.lens, c.starts, bench.D ** -0.5,
-                                      host_lengths=c.host, warps=8, wgmma=True, schedule=args.schedule)
+        run()
     torch.cuda.synchronize()
-    print(f"ran {args.shape!r} {args.runs} times")
+    print(f"ran {args.shape!r} {args.runs} times" + (f" on SDPA ({args.sdpa})" if args.sdpa else ""))
+
+
+def sdpa_runner(c, seqs, backend: str, expand: bool, scale: float):
+    """SDPA on `backend` over the case's contiguous layout (every group once per call)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    q4s, ks, vs, masks = bench.contiguous_prefill(c, seqs)
+    if expand:
+        ks = [k.repeat_interleave(bench.HQ // bench.HKV, dim=1) for k in ks]
+        vs = [v.repeat_interleave(bench.HQ // bench.HKV, dim=1) for v in vs]
+
+    def run():
+        with sdpa_kernel([chosen]):
+            for q4, k, v, (mask, causal) in zip(q4s, ks, vs, masks):
+                F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=not expand)
+    return run
 
 
 if __name__ == "__main__":
