@@ -32,6 +32,10 @@ prefixes and ragged batches, against the fastest torch SDPA backend (flash, effi
 GQA native or K/V expanded) over the same shapes laid out contiguously and against gather + SDPA
 (kernels/prefill.py with the kernel off), ratios side by side.
 
+And (``--only after_write``) a decode layer's attention as serving runs it: write_kv of the step's
+new K/V then the work-list decode (its prologue under write_kv on Hopper), against copying the new
+K/V into a contiguous cache then SDPA; each pair whole and each part alone, under both L2 flushes.
+
 Build variants of the decode kernel (the knobs at the top of kernels/csrc/paged_decode.cuh),
 each built in its own directory and timed in its own process, with ``--variants``:
      python benchmarks/kernels.py --variants "base=;rows8=-DKVPAGER_DECODE_ROWS=8"
@@ -354,6 +358,70 @@ def bench_flush(ceiling: float) -> None:
                 cells.append(f"{100 * nbytes / timed(fn) / ceiling:6.1f}%")
             FLUSH_MODE = kept
         print(f"{batch:>5} x {ctx:<6} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]} | {cells[4]} {cells[5]}")
+        del q, cache, k, v, kc, vc
+        torch.cuda.empty_cache()
+
+
+AFTER_WRITE_CONFIGS = [(8, 4096), (1, 32768), (32, 2048), (64, 4096)]
+
+
+def bench_after_write(ceiling: float) -> None:
+    """A decode layer's attention as serving runs it: the step's new K/V written first, then
+    attention over the cache. Ours: write_kv into the pages, then the work-list decode (on Hopper a
+    programmatic dependent of write_kv, pdl.cuh: its prologue, the work list, table slice and query,
+    runs while write_kv still runs). SDPA: the new K/V copied into the contiguous cache, then SDPA.
+    Each pair timed whole, and each part alone, under both L2 flushes; % of the copy ceiling in the
+    attention's K/V bytes, the pair's time against them."""
+    global FLUSH_MODE
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kept = FLUSH_MODE
+    print("\ndecode after the step's K/V write (bf16 32q/8kv d128 block 16), us and % of the copy ceiling:")
+    hdr = (f"{'batch x ctx':>12} {'flush':>5} | {'write_kv':>8} {'decode':>14} {'both':>14} | {'append':>8} "
+           f"{'SDPA':>14} {'both':>14} | {'SDPA both / ours both':>21}")
+    print(hdr)
+    print("-" * len(hdr))
+    for batch, ctx in AFTER_WRITE_CONFIGS:
+        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+        k, v = cache[:, 0, 0], cache[:, 0, 1]
+        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
+        out = torch.empty_like(q)
+        key = torch.randn(batch, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
+        value = torch.randn(batch, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
+        last = ctx - 1   # the step's token: its K/V go to each sequence's last position
+        slots = (tables[:, last // B].long() * B + last % B).contiguous()
+        geometry = cuda.decode_work_geometry(q, k)
+        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
+                                    num_q_heads=HQ, head_dim=D)
+        kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
+        q4 = q.view(batch, HQ, 1, D)
+
+        def write():
+            cuda.write_kv(key, value, k, v, slots)
+
+        def decode():
+            cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out)
+
+        def append():
+            kc[:, :, last].copy_(key)
+            vc[:, :, last].copy_(value)
+
+        def sdpa():
+            F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)
+
+        fns = {"write": write, "decode": decode, "ours": lambda: (write(), decode()),
+               "append": append, "sdpa": sdpa, "theirs": lambda: (append(), sdpa())}
+        for fn in fns.values():
+            warm_up(fn)
+        for mode in ("write", "clean"):
+            FLUSH_MODE = mode
+            t = {name: timed(fn) for name, fn in fns.items()}
+
+            def cell(name):
+                return f"{t[name] * 1e6:6.1f} ({100 * nbytes / t[name] / ceiling:4.1f}%)"
+            print(f"{batch:>5} x {ctx:<6} {mode:>5} | {t['write'] * 1e6:8.1f} {cell('decode')} {cell('ours')} | "
+                  f"{t['append'] * 1e6:8.1f} {cell('sdpa')} {cell('theirs')} | {t['theirs'] / t['ours']:21.2f}")
+        FLUSH_MODE = kept
         del q, cache, k, v, kc, vc
         torch.cuda.empty_cache()
 
@@ -1189,7 +1257,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,decode,gqa,copy,swap,write_kv,flex,"
+                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,after_write,decode,gqa,copy,"
+                         "swap,write_kv,flex,"
                          "prefill,fp8,fp8_sweep,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
@@ -1214,7 +1283,8 @@ def main() -> None:
     ceiling = copy_ceiling()
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("plan", bench_plan_once), ("prefill_plan", bench_prefill_plan), ("ragged", lambda: bench_ragged(ceiling)),
-             ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+             ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)),
+             ("after_write", lambda: bench_after_write(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
