@@ -122,3 +122,23 @@ def test_the_plan_takes_the_dynamic_order_only_for_the_persistent_kernel(monkeyp
     monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "dynamic")
     assert np.array_equal(work(cache16, False), heaviest)
     assert np.array_equal(work(cache8, True), heaviest)
+
+
+def test_debug_plan_prefill_plans_the_chosen_instance_and_refuses_other_warp_counts():
+    """debug.plan_prefill (the benchmarks' plan made once, on a chosen instance), on CPU tensors:
+    warps and schedule as asked (the static schedule's heaviest-first list even for the persistent
+    kernel), 8 warps by default; warp counts the kernels do not have are refused."""
+    torch = pytest.importorskip("torch")
+    from kvpager.kernels import debug
+
+    starts, ctx, _ = _batch(np.random.default_rng(11), 12)
+    query = torch.zeros(starts[-1], 8, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
+    p = debug.plan_prefill(query, cache, (starts, ctx), warps=4, wgmma=False)
+    assert p.warps == 4 and not p.wgmma
+    assert np.array_equal(p.work.numpy(), plan.prefill_work(starts, ctx, 4, 4, order="heaviest"))
+    p = debug.plan_prefill(query, cache, (starts, ctx), wgmma=True, schedule="static")
+    assert p.warps == plan.PREFILL_WARPS and p.wgmma
+    assert np.array_equal(p.work.numpy(), plan.prefill_work(starts, ctx, 4, order="heaviest"))
+    with pytest.raises(ValueError, match="warps must be 4 or 8"):
+        debug.plan_prefill(query, cache, (starts, ctx), warps=3)
