@@ -303,39 +303,6 @@ struct RowCopier {
   }
 };
 
-// This thread's rows of an item's Q tile into the shared tile at `dst`, by cp.async: rows
-// my_row + i * ROW_STEP (i < kWsRows / ROW_STEP), chunk my_ch (as it copies every K/V tile).
-// Row r is token r / G, query head kvh * G + r % G: divided once per item, then each row steps
-// token and head by constants (a division per row cost ~40 instructions). Padding rows are
-// zero-filled, never read.
-template <typename T, int D, typename Blk>
-__device__ __forceinline__ void ws_load_q(const Blk& blk, uint32_t dst) {
-  constexpr int RS = Blk::ROW_STEP, RPT = kWsRows / RS;
-  static_assert(RS * RPT == kWsRows, "the Q tile's rows split evenly over the producer's threads");
-  const PrefillArgs& a = blk.a;
-  const int G = blk.G, step_head = RS % G;
-  const int gr = blk.row0 + blk.my_row;
-  int head = gr % G;
-  // Element steps of the source from one of this thread's rows to the next, and back a token's
-  // worth of heads when the head index wraps past G.
-  const int64_t step = static_cast<int64_t>(RS / G) * a.q_stride_tok + static_cast<int64_t>(step_head) * a.q_stride_head;
-  const int64_t wrap = a.q_stride_tok - static_cast<int64_t>(G) * a.q_stride_head;
-  const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(blk.q_start + gr / G) * a.q_stride_tok +
-                 static_cast<int64_t>(blk.kvh * G + head) * a.q_stride_head + blk.my_ch * 8;
-  const uint32_t d0 = dst + 2 * tile_off<kWsRows>(blk.my_row, blk.my_ch);
-#pragma unroll
-  for (int i = 0; i < RPT; ++i) {
-    const bool valid = gr + i * RS < blk.rows;   // past the last row: src is never read
-    cp_async16(d0 + i * RS * 128, src, valid);
-    src += step;
-    head += step_head;
-    if (head >= G) {
-      head -= G;
-      src += wrap;
-    }
-  }
-}
-
 template <typename T, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, D>;
@@ -357,7 +324,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       rec->pair = pair;
       rec->item = item;
     }
-    ws_load_q<T, D>(blk, sm.q(qcur.stage));
+    load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), blk.my_row, blk.my_ch);
     mbar_arrive_on_copies(sm.q_full(qcur.stage));
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
