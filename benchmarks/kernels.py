@@ -144,6 +144,13 @@ def make_case(batch: int, ctx: int, hq: int = HQ, gen: torch.Generator | None = 
     return q, cache, tables, lens
 
 
+def work_step(host_lens: list[int], geometry: cuda.DecodeGeometry) -> cuda.DecodePlan:
+    """A decode step's work list planned from host lengths for ``geometry`` and uploaded, with its
+    workspace, as the worker does (bf16 HQ query heads of head_dim D)."""
+    return debug.decode_plan_on("cuda", cuda.plan_decode_work(host_lens, geometry), geometry, len(host_lens),
+                                num_q_heads=HQ, head_dim=D)
+
+
 def gather(cache_view: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     batch, nblk = tables.shape
     x = cache_view[tables.long()]                                   # [batch, nblk, HKV, B, D]
@@ -341,8 +348,7 @@ def bench_flush(ceiling: float) -> None:
         out = torch.empty_like(q)
         grid_plan = cuda.plan_decode_grid(q, k, v, tables, lens)
         geometry = cuda.decode_work_geometry(q, k)
-        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
-                                    num_q_heads=HQ, head_dim=D)
+        step = work_step(lens.tolist(), geometry)
         kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
         q4 = q.view(batch, HQ, 1, D)
         fns = {
@@ -391,8 +397,7 @@ def bench_after_write(ceiling: float) -> None:
         last = ctx - 1   # the step's token: its K/V go to each sequence's last position
         slots = (tables[:, last // B].long() * B + last % B).contiguous()
         geometry = cuda.decode_work_geometry(q, k)
-        step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
-                                    num_q_heads=HQ, head_dim=D)
+        step = work_step(lens.tolist(), geometry)
         kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
         q4 = q.view(batch, HQ, 1, D)
 
@@ -585,8 +590,7 @@ def bench_list_loads(ceiling: float) -> None:
         cells = []
         for loads in (2, 4):
             geometry = debug.decode_work_geometry(q, k, loads=loads)
-            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(host_lens, geometry), geometry, batch,
-                                        num_q_heads=HQ, head_dim=D)
+            step = work_step(host_lens, geometry)
             fn = lambda: cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out)  # noqa: E731
             warm_up(fn, 0.2)
             t = timed(fn)
@@ -670,8 +674,7 @@ def bench_fp8(ceiling: float) -> None:
         cells = []
         for name, mma in (("fma", False), ("mma", True)):
             geometry = debug.decode_work_geometry(q, k8, mma=mma)
-            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(host_lens, geometry), geometry, batch,
-                                        num_q_heads=HQ, head_dim=D)
+            step = work_step(host_lens, geometry)
             fn = lambda: cuda.paged_decode_run(step, q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
                                                k_scale=0.05, v_scale=0.05)
             warm_up(fn, 0.2)
@@ -722,8 +725,7 @@ def bench_fp8_sweep(ceiling: float) -> None:
                 warm_up(fn, 0.1)
                 cells.append(f"l{loads}s{plan.num_splits}p{pd}={100 * nbytes / timed(fn, reps=9) / ceiling:.1f}")
             geometry = debug.decode_work_geometry(q, k8, loads=loads, mma=True)
-            step = debug.decode_plan_on("cuda", cuda.plan_decode_work(lens.tolist(), geometry), geometry, batch,
-                                        num_q_heads=HQ, head_dim=D)
+            step = work_step(lens.tolist(), geometry)
             fn = lambda: cuda.paged_decode_run(step, q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
                                                k_scale=0.05, v_scale=0.05)
             warm_up(fn, 0.1)
@@ -1046,20 +1048,13 @@ def _ragged_prefill_shapes():
 def _fastest_sdpa(q4s, ks, vs, masks, scale):
     """The fastest torch SDPA backend on contiguous K/V: per (backend, GQA native or K/V
     expanded to the query heads), the time of running every group once; returns (name, seconds)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     best = None
     results = {}
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
         for expand in (False, True):
-            kk = [k.repeat_interleave(HQ // HKV, dim=1) for k in ks] if expand else ks
-            vv = [v.repeat_interleave(HQ // HKV, dim=1) for v in vs] if expand else vs
-
-            def run(kk=kk, vv=vv, backend=backend, expand=expand):
-                with sdpa_kernel([backend]):
-                    for q4, k, v, (mask, causal) in zip(q4s, kk, vv, masks):
-                        F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                                       enable_gqa=not expand)
+            run = sdpa_runner(q4s, ks, vs, masks, scale, backend, expand)
             name = f"{backend.name.split('_')[0].lower()}{'+expand' if expand else ''}"
             try:
                 warnings.simplefilter("ignore")     # refusals are reported below, once
@@ -1072,8 +1067,25 @@ def _fastest_sdpa(q4s, ks, vs, masks, scale):
             results[name] = f"{t * 1e3:.3f}"
             if best is None or t < best[1]:
                 best = (name, t)
-            del kk, vv
+            del run
     return best, results
+
+
+def sdpa_runner(q4s, ks, vs, masks, scale, backend, expand: bool):
+    """A call of torch SDPA on `backend` over every group of a contiguous layout
+    (contiguous_prefill's); expand: K/V repeated to the query heads instead of GQA."""
+    from torch.nn.attention import sdpa_kernel
+
+    if expand:
+        ks = [k.repeat_interleave(HQ // HKV, dim=1) for k in ks]
+        vs = [v.repeat_interleave(HQ // HKV, dim=1) for v in vs]
+
+    def run():
+        with sdpa_kernel([backend]):
+            for q4, k, v, (mask, causal) in zip(q4s, ks, vs, masks):
+                F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=not expand)
+    return run
 
 
 @dataclass

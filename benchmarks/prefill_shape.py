@@ -46,7 +46,11 @@ def main() -> None:
     c = bench.prefill_case(shapes[args.shape], torch.Generator(device="cuda").manual_seed(1))
     scale = bench.D ** -0.5
     if args.sdpa:
-        run = sdpa_runner(c, shapes[args.shape], args.sdpa, args.expand, scale)
+        from torch.nn.attention import SDPBackend
+
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION}[args.sdpa]
+        run = bench.sdpa_runner(*bench.contiguous_prefill(c, shapes[args.shape]), scale, backend, args.expand)
     else:
         plan = debug.plan_prefill(c.query, c.k, c.host, warps=8, wgmma=True, schedule=args.schedule)
         run = lambda: cuda.paged_prefill_run(plan, c.query, c.k, c.v, c.tables, c.lens, c.starts, scale)  # noqa: E731
@@ -54,26 +58,6 @@ def main() -> None:
         run()
     torch.cuda.synchronize()
     print(f"ran {args.shape!r} {args.runs} times" + (f" on SDPA ({args.sdpa})" if args.sdpa else ""))
-
-
-def sdpa_runner(c, seqs, backend: str, expand: bool, scale: float):
-    """SDPA on `backend` over the case's contiguous layout (every group once per call)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    q4s, ks, vs, masks = bench.contiguous_prefill(c, seqs)
-    if expand:
-        ks = [k.repeat_interleave(bench.HQ // bench.HKV, dim=1) for k in ks]
-        vs = [v.repeat_interleave(bench.HQ // bench.HKV, dim=1) for v in vs]
-
-    def run():
-        with sdpa_kernel([chosen]):
-            for q4, k, v, (mask, causal) in zip(q4s, ks, vs, masks):
-                F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                               enable_gqa=not expand)
-    return run
 
 
 if __name__ == "__main__":
