@@ -431,6 +431,33 @@ def bench_after_write(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
+SMALL_READ_MIB = [16, 32, 64, 128, 256, 512]
+
+
+def bench_small_reads(ceiling: float) -> None:
+    """What a plain torch read (a sum) and copy reach at the byte counts of the short decode
+    shapes, in % of the 2 GiB copy ceiling, under both L2 flushes: the bar a decode kernel of the
+    same bytes can reach (64 MiB is 1 x 32K or 8 x 4K of an fp8 cache, 128 MiB of a bf16 one)."""
+    global FLUSH_MODE
+    kept = FLUSH_MODE
+    print("\nplain reads and copies of N MiB (us and % of the copy ceiling; sum: N read, copy: N read + N written):")
+    print(f"{'MiB':>5} | {'sum write':>16} {'sum clean':>16} | {'copy write':>16} {'copy clean':>16}")
+    for mib in SMALL_READ_MIB:
+        x = torch.randn(mib << 19, dtype=torch.bfloat16, device="cuda")   # 2 bytes each
+        y = torch.empty_like(x)
+        cells = []
+        for name, fn, nbytes in (("sum", lambda: x.sum(dtype=torch.float32), mib << 20),
+                                 ("copy", lambda: y.copy_(x), 2 * (mib << 20))):
+            warm_up(fn)
+            for mode in ("write", "clean"):
+                FLUSH_MODE = mode
+                t = timed(fn)
+                cells.append(f"{t * 1e6:8.1f} ({100 * nbytes / t / ceiling:4.1f}%)")
+        FLUSH_MODE = kept
+        print(f"{mib:>5} | {cells[0]:>16} {cells[1]:>16} | {cells[2]:>16} {cells[3]:>16}")
+        del x, y
+
+
 PLAN_ONCE_CONFIGS = [(8, 512), (32, 2048), (128, 2048)]
 
 
@@ -1269,7 +1296,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", default="",
-                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,after_write,decode,gqa,copy,"
+                    help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,after_write,small_reads,decode,gqa,copy,"
                          "swap,write_kv,flex,"
                          "prefill,fp8,fp8_sweep,"
                          "prefill_kernel "
@@ -1296,7 +1323,8 @@ def main() -> None:
     print(f"copy ceiling (2 GiB clone, read+write): {ceiling / 1e9:,.0f} GB/s")
     steps = [("plan", bench_plan_once), ("prefill_plan", bench_prefill_plan), ("ragged", lambda: bench_ragged(ceiling)),
              ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)),
-             ("after_write", lambda: bench_after_write(ceiling)), ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
+             ("after_write", lambda: bench_after_write(ceiling)), ("small_reads", lambda: bench_small_reads(ceiling)),
+             ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
              ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),

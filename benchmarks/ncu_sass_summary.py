@@ -4,11 +4,12 @@ Reads the CSV that ``ncu -i REPORT --page source --csv --print-source sass`` pri
 with ``--set full --import-source yes``; ``benchmarks/device_check.sh`` with ``PROFILE=1`` takes
 and exports one for the prefill kernel) and prints, for each role of the kernel's warps, the share
 of the warp-state samples and the stall reasons behind them, then the instructions holding the most
-samples. Roles are told apart by the ``setmaxnreg`` hand-over: the code after the register
+samples; with ``--opcodes``, also how many instructions of each opcode the role executed (the
+export's "Instructions Executed" column: where two kernels' instruction counts differ). Roles are told apart by the ``setmaxnreg`` hand-over: the code after the register
 increase (``USETMAXREG.TRY_ALLOC``) is the consumers', after the decrease (``DEALLOC``) the
 producer's; a kernel without it is one role. Pure Python; runs anywhere.
 
-    python benchmarks/ncu_sass_summary.py sass.csv [--top 30]
+    python benchmarks/ncu_sass_summary.py sass.csv [--top 30] [--opcodes 25]
 """
 
 from __future__ import annotations
@@ -39,10 +40,22 @@ def roles(sass: list[str]) -> dict[str, range]:
     return {"set-up": range(0, down), "producer": range(down, up), "consumers": range(up, len(sass))}
 
 
+EXECUTED = "Instructions Executed"
+
+
+def opcode(instruction: str) -> str:
+    """The opcode of a SASS line without its predicate and modifiers: "@!P0 LDG.E.128 R4, [R2]" -> "LDG"."""
+    words = instruction.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     ap.add_argument("--top", type=int, default=25, help="instructions listed per role")
+    ap.add_argument("--opcodes", type=int, default=0, help="also the N opcodes executed most per role")
     args = ap.parse_args()
     header, rows = read_rows(args.csv)
     col = {name: i for i, name in enumerate(header)}
@@ -50,7 +63,7 @@ def main() -> None:
     sass = [r[col["Source"]].strip() for r in rows]
 
     def samples(r: list[str], name: str = SAMPLES) -> int:
-        v = r[col[name]]
+        v = r[col[name]].replace(",", "")   # counts may carry thousands separators
         return int(v) if v.isdigit() else 0
 
     total = sum(samples(r) for r in rows) or 1
@@ -65,6 +78,12 @@ def main() -> None:
         for k in hot:
             reasons = Counter({h[len("stall_"):]: samples(rows[k], h) for h in stalls}).most_common(2)
             print(f"  {k:5} {samples(rows[k]):6} {sass[k][:72]:72} " + " ".join(f"{a}:{b}" for a, b in reasons))
+        if args.opcodes and EXECUTED in col:
+            executed = Counter()
+            for k in span:
+                executed[opcode(sass[k])] += samples(rows[k], EXECUTED)
+            print(f"  executed: {sum(executed.values()):,} warp instructions; " +
+                  ", ".join(f"{op} {n:,}" for op, n in executed.most_common(args.opcodes)))
 
 
 if __name__ == "__main__":

