@@ -1231,6 +1231,37 @@ def bench_prefill_kernel() -> None:
         torch.cuda.empty_cache()
 
 
+def bench_prefill_fp8() -> None:
+    """Our prefill kernel over an fp8 (e4m3) cache against the same kernel over the bf16 cache it
+    came from (the shapes of --only prefill_kernel; each from a plan made once; on Hopper the fp8
+    cache runs the two-warpgroup wgmma kernel, the bf16 one the warp-specialized kernel)."""
+    from kvpager.kernels.reference import FP8
+
+    scale = D ** -0.5
+    print(f"\nprefill over an fp8 cache (bf16 queries, {HQ}q/{HKV}kv, d{D}, block {B}; L2 flushed; median of 15; "
+          "k_scale = v_scale = 4):")
+    print(f"{'shape':34} {'bf16 cache ms':>13} {'fp8 cache ms':>12} {'fp8 / bf16':>10} {'fp8 err':>8}")
+    for name, seqs in PREFILL_SHAPES:
+        case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
+        cache8 = (case.cache * 0.25).to(FP8)
+        k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
+        plan16 = debug.plan_prefill(case.query, case.k, case.host, warps=8, wgmma=True)
+        plan8 = debug.plan_prefill(case.query, k8, case.host, warps=8, wgmma=True)
+        bf16 = lambda: cuda.paged_prefill_run(plan16, case.query, case.k, case.v, case.tables,  # noqa: E731
+                                              case.lens, case.starts, scale)
+        fp8 = lambda: cuda.paged_prefill_run(plan8, case.query, k8, v8, case.tables, case.lens,  # noqa: E731
+                                             case.starts, scale, 4.0, 4.0)
+        times = []
+        for fn in (bf16, fp8):
+            warm_up(fn, 0.2)
+            times.append(timed(fn))
+        ref, got = bf16().float(), fp8().float()
+        err = float((got - ref).norm() / ref.norm())   # fp8's own rounding of K/V, against the bf16 cache
+        print(f"{name:34} {times[0] * 1e3:13.3f} {times[1] * 1e3:12.3f} {times[1] / times[0]:10.2f} {err:8.1e}")
+        del case, cache8, k8, v8
+        torch.cuda.empty_cache()
+
+
 def smoke() -> None:
     """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
     fp8 decode on tensor cores and FMAs, grid and work list, write_kv, copy_blocks, swaps in every
@@ -1298,7 +1329,7 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,after_write,small_reads,decode,gqa,copy,"
                          "swap,write_kv,flex,"
-                         "prefill,fp8,fp8_sweep,"
+                         "prefill,fp8,fp8_sweep,prefill_fp8,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
@@ -1328,7 +1359,7 @@ def main() -> None:
              ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
-             ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel)]
+             ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel), ("prefill_fp8", bench_prefill_fp8)]
     for name, fn in steps:
         if name in parts:
             try:

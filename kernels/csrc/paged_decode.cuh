@@ -64,18 +64,6 @@ namespace kvpager {
 #define KVPAGER_DECODE_QUERY_FENCE 1
 #endif
 
-// To A/B the two prologue changes of 2026-11-26 (fifth session) that the grid path's small loss on
-// long ragged steps may come from (docs/performance.md, "The work list's per-item reads"):
-// KVPAGER_DECODE_QUERY_FIRST=0 stages the table slice before issuing the query's loads (the order
-// before); KVPAGER_DECODE_LAUNDER_INDICES=0 leaves threadIdx and blockIdx visible to the compiler
-// in decode_item (unlaundered).
-#ifndef KVPAGER_DECODE_QUERY_FIRST
-#define KVPAGER_DECODE_QUERY_FIRST 1
-#endif
-#ifndef KVPAGER_DECODE_LAUNDER_INDICES
-#define KVPAGER_DECODE_LAUNDER_INDICES 1
-#endif
-
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 constexpr int kMergeThreads = 128;
@@ -457,7 +445,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   // Laundered through empty asm (as in decode_item_mma): nothing derived from them is hoisted out
   // of the work-list loop to stay live across items.
   int tid = threadIdx.x, bx = blockIdx.x;
-  if (KVPAGER_DECODE_LAUNDER_INDICES) asm volatile("" : "+r"(tid), "+r"(bx));
+  asm volatile("" : "+r"(tid), "+r"(bx));
   const int lane = tid & 31, warp = tid >> 5;
   const int grp = lane / LPT, r = lane % LPT;
   const int kvh = bx / a.head_chunks, chunk = bx % a.head_chunks;
@@ -499,7 +487,6 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   }
 #endif
 
-  if (!KVPAGER_DECODE_QUERY_FIRST) tbl.template stage<NT>(a, s_table, tid);
   // Query slice for every head of the tile: its loads issued first, in flight with the table's.
   uint4 qraw[HT][VPL][VEC / QVEC];
 #pragma unroll
@@ -518,7 +505,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
 
   // This split's slice of the block table, once, into shared memory (invalid ids -1); the first
   // slabs to L2 right away, while the prologue runs.
-  if (KVPAGER_DECODE_QUERY_FIRST) tbl.template stage<NT>(a, s_table, tid);
+  tbl.template stage<NT>(a, s_table, tid);
 
   // The query, pre-scaled into the log2 domain. In instances capped for several blocks per SM,
   // opaque to the compiler from here (empty asm): in the work-list copy of the loop it otherwise
