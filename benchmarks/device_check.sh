@@ -19,6 +19,9 @@
 #       # A/B against a committed checkout: times base, working tree, base, working tree (each tree
 #       # builds its own extension; the build cache is keyed by the sources). Here, first:
 #       # git archive <commit> | (mkdir -p .gpu/base && tar -x -C .gpu/base); carry [".gpu"] there.
+#   NCU_AB=1 NCU=0 VARIANTS="tma=-DX=1;base=" bash benchmarks/device_check.sh
+#       # also each variant's single launches under ncu (median of 3, clocks locked and free): the
+#       # steadier A/B for changes of a few percent
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters
 #   PROFILE=1 bash benchmarks/device_check.sh  # also a full source-level ncu profile of 32 x 512 and
 #       # 4K prompts: details and SASS exports (gzipped) in $OUT, summarized by ncu_sass_summary.py;
@@ -134,6 +137,27 @@ if [ "${PROFILE:-0}" = 1 ]; then
   ncu -i /tmp/sdpa_32x512.ncu-rep --page details > "$out/details_sdpa_32x512.txt" 2>&1
   summary+=("profile cuDNN 32 x 512: $(grep -E 'Duration|Issue Slots Busy|SM Busy|L2 Hit Rate' \
       "$out/details_sdpa_32x512.txt" | awk '{print $1"="$NF}' | tr '\n' ' ')")
+fi
+
+# NCU_AB=1 with VARIANTS: the variants' single launches timed by ncu, clocks locked (base) and
+# free (none), the median of 3 launches each: steadier than the prefill table, whose spread on the
+# short shapes (8% and more between runs, 2026-11-26) hides changes of a few percent. Each variant
+# runs with its build directory and its flags (a directory without its flags rebuilds, under ncu).
+if [ "${NCU_AB:-0}" = 1 ] && [ -n "$variants" ]; then
+  for shape in "32 x 512 prompts" "8 x 2K prompts" "1 x 4K prompt"; do
+    for clocks in base none; do
+      line="ncu $shape, clocks $clocks:"
+      for spec in "${specs[@]}"; do
+        name=$(echo "${spec%%=*}" | xargs)
+        us=$(KVPAGER_EXT_DIR=/tmp/kvpager_variant_$name KVPAGER_EXT_CUDA_FLAGS=${spec#*=} timeout 90 \
+             ncu --clock-control $clocks --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 3 \
+             --metrics gpu__time_duration.sum python3 benchmarks/prefill_shape.py "$shape" --runs 6 2> /dev/null \
+             | awk '/gpu__time_duration.sum/ {print $NF}' | sort -n | sed -n 2p)
+        line="$line $name ${us:-?}"
+      done
+      summary+=("$line us")
+    done
+  done
 fi
 
 if [ "${1:-}" = "decode" ]; then
