@@ -52,3 +52,20 @@ def test_a_kernel_without_the_hand_over_is_one_role(tmp_path):
     write_export(export, [("FFMA R1, R2, R3, R4", 0, 0, 4, 8), ("EXIT", 1, 0, 0, 8)])
     out = run(export)
     assert out.strip().startswith("kernel: instructions 0-1, 5 samples (100.0%)")
+
+
+def test_opcodes_counts_each_roles_executed_instructions_by_opcode(tmp_path):
+    export = tmp_path / "sass.csv"
+    write_export(export, [
+        ("USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0", 0, 0, 0, 10),
+        ("@P0 FFMA R1, R2, R3, R4", 0, 0, 4, 1000),
+        ("FFMA.FTZ R5, R2, R3, R4", 0, 0, 1, 500),
+        ("MUFU.EX2 R6, R6", 0, 0, 1, 300),
+        ("USETMAXREG.DEALLOC.CTAPOOL 0x38", 0, 0, 0, 5),
+        ("@!P1 LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64], P1", 0, 9, 0, 2000),
+    ])
+    out = run(export, "--opcodes", "2")
+    # predicates and modifiers dropped; the role's total, then its N commonest opcodes
+    assert "executed: 1,810 warp instructions; FFMA 1,500, MUFU 300" in out
+    assert "executed: 2,005 warp instructions; LDGSTS 2,000, USETMAXREG 5" in out
+    assert "executed:" not in run(export)   # only with --opcodes
