@@ -82,18 +82,19 @@ _flush_read = None
 FLUSH_MODE = "write"   # --flush: how the L2 is emptied before each timed run (see flush_l2)
 
 
-def flush_l2() -> None:
+def flush_l2(mode: str | None = None) -> None:
     """Empties the L2 of the timed kernel's data. "write" (the default, and every table in
     docs/performance.md before 2026-11-25): a 256 MiB write, which leaves up to the whole L2 (50 MiB
     on an H100) holding dirty lines that the timed kernel's own reads must write back to DRAM.
     "clean": the same write, then a 256 MiB read of another buffer, so the L2 holds clean lines of
     unrelated data (as after a GEMM that read weights) and the kernel pays for its own bytes only.
-    The dirty write-back weighs most on short kernels (about 50 MiB against the 134 MB of 8 x 4K)."""
+    The dirty write-back weighs most on short kernels (about 50 MiB against the 134 MB of 8 x 4K).
+    mode: "write" or "clean"; None: FLUSH_MODE (--flush)."""
     global _flush, _flush_read
     if _flush is None:
         _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     _flush.zero_()
-    if FLUSH_MODE == "clean":
+    if (mode or FLUSH_MODE) == "clean":
         if _flush_read is None:
             _flush_read = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
         _flush_read.sum()
@@ -110,14 +111,14 @@ def warm_up(fn, seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, reps: int = 15, warmup: int = 2) -> float:
-    """Median seconds of fn over reps runs, L2 flushed before each."""
+def timed(fn, reps: int = 15, warmup: int = 2, flush: str | None = None) -> float:
+    """Median seconds of fn over reps runs, L2 flushed before each (flush: flush_l2's mode)."""
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
-        flush_l2()
+        flush_l2(flush)
         s.record()
         fn()
         e.record()
@@ -142,6 +143,33 @@ def make_case(batch: int, ctx: int, hq: int = HQ, gen: torch.Generator | None = 
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, D, dtype=DTYPE, device="cuda", generator=gen)
     return q, cache, tables, lens
+
+
+@dataclass
+class DecodeLayer:
+    """One uniform decode shape for side-by-side timings: our paged layout (layer 0's views), the
+    step's work list planned from its lengths, and the same K/V gathered into SDPA's contiguous
+    layout; nbytes: the K/V bytes attention reads."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    out: torch.Tensor
+    step: cuda.DecodePlan
+    kc: torch.Tensor
+    vc: torch.Tensor
+    q4: torch.Tensor
+    nbytes: int
+
+
+def decode_layer(batch: int, ctx: int, gen: torch.Generator) -> DecodeLayer:
+    q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+    k, v = cache[:, 0, 0], cache[:, 0, 1]
+    return DecodeLayer(q, k, v, tables, lens, torch.empty_like(q),
+                       work_step(lens.tolist(), cuda.decode_work_geometry(q, k)),
+                       gather(k, tables).contiguous(), gather(v, tables).contiguous(), q.view(batch, HQ, 1, D),
+                       2 * batch * ctx * HKV * D * q.element_size())
 
 
 def work_step(host_lens: list[int], geometry: cuda.DecodeGeometry) -> cuda.DecodePlan:
@@ -332,39 +360,27 @@ def bench_flush(ceiling: float) -> None:
     our kernel (grid planned once; work list planned from the lengths) and torch SDPA over a
     contiguous cache, in % of the copy ceiling. Shows how much of the short kernels' time is the
     write-back of the dirty lines a write flush leaves in the L2."""
-    global FLUSH_MODE
     scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(2)
-    kept = FLUSH_MODE
     print("\ndecode under a dirty (write) and a clean (write + read) L2 flush; % of the copy ceiling "
           "(bf16 32q/8kv d128 block 16)")
     hdr = f"{'batch x ctx':>12} | {'grid w':>7} {'grid c':>7} | {'list w':>7} {'list c':>7} | {'sdpa w':>7} {'sdpa c':>7}"
     print(hdr)
     print("-" * len(hdr))
     for batch, ctx in FLUSH_CONFIGS:
-        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
-        k, v = cache[:, 0, 0], cache[:, 0, 1]
-        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
-        out = torch.empty_like(q)
-        grid_plan = cuda.plan_decode_grid(q, k, v, tables, lens)
-        geometry = cuda.decode_work_geometry(q, k)
-        step = work_step(lens.tolist(), geometry)
-        kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
-        q4 = q.view(batch, HQ, 1, D)
+        c = decode_layer(batch, ctx, gen)
+        grid_plan = cuda.plan_decode_grid(c.q, c.k, c.v, c.tables, c.lens)
         fns = {
-            "grid": lambda: cuda.paged_decode_grid_run(grid_plan, q, k, v, tables, lens, scale, out=out),
-            "list": lambda: cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out),
-            "sdpa": lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True),
+            "grid": lambda: cuda.paged_decode_grid_run(grid_plan, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out),
+            "list": lambda: cuda.paged_decode_run(c.step, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out),
+            "sdpa": lambda: F.scaled_dot_product_attention(c.q4, c.kc, c.vc, scale=scale, enable_gqa=True),
         }
         cells = []
         for fn in fns.values():
             warm_up(fn)
-            for mode in ("write", "clean"):
-                FLUSH_MODE = mode
-                cells.append(f"{100 * nbytes / timed(fn) / ceiling:6.1f}%")
-            FLUSH_MODE = kept
+            cells += [f"{100 * c.nbytes / timed(fn, flush=mode) / ceiling:6.1f}%" for mode in ("write", "clean")]
         print(f"{batch:>5} x {ctx:<6} | {cells[0]} {cells[1]} | {cells[2]} {cells[3]} | {cells[4]} {cells[5]}")
-        del q, cache, k, v, kc, vc
+        del c, grid_plan
         torch.cuda.empty_cache()
 
 
@@ -378,56 +394,45 @@ def bench_after_write(ceiling: float) -> None:
     runs while write_kv still runs). SDPA: the new K/V copied into the contiguous cache, then SDPA.
     Each pair timed whole, and each part alone, under both L2 flushes; % of the copy ceiling in the
     attention's K/V bytes, the pair's time against them."""
-    global FLUSH_MODE
     scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(3)
-    kept = FLUSH_MODE
     print("\ndecode after the step's K/V write (bf16 32q/8kv d128 block 16), us and % of the copy ceiling:")
     hdr = (f"{'batch x ctx':>12} {'flush':>5} | {'write_kv':>8} {'decode':>14} {'both':>14} | {'append':>8} "
            f"{'SDPA':>14} {'both':>14} | {'SDPA both / ours both':>21}")
     print(hdr)
     print("-" * len(hdr))
     for batch, ctx in AFTER_WRITE_CONFIGS:
-        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
-        k, v = cache[:, 0, 0], cache[:, 0, 1]
-        nbytes = 2 * batch * ctx * HKV * D * q.element_size()
-        out = torch.empty_like(q)
+        c = decode_layer(batch, ctx, gen)
         key = torch.randn(batch, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
         value = torch.randn(batch, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
         last = ctx - 1   # the step's token: its K/V go to each sequence's last position
-        slots = (tables[:, last // B].long() * B + last % B).contiguous()
-        geometry = cuda.decode_work_geometry(q, k)
-        step = work_step(lens.tolist(), geometry)
-        kc, vc = gather(k, tables).contiguous(), gather(v, tables).contiguous()
-        q4 = q.view(batch, HQ, 1, D)
+        slots = (c.tables[:, last // B].long() * B + last % B).contiguous()
 
         def write():
-            cuda.write_kv(key, value, k, v, slots)
+            cuda.write_kv(key, value, c.k, c.v, slots)
 
         def decode():
-            cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out)
+            cuda.paged_decode_run(c.step, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out)
 
         def append():
-            kc[:, :, last].copy_(key)
-            vc[:, :, last].copy_(value)
+            c.kc[:, :, last].copy_(key)
+            c.vc[:, :, last].copy_(value)
 
         def sdpa():
-            F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)
+            F.scaled_dot_product_attention(c.q4, c.kc, c.vc, scale=scale, enable_gqa=True)
 
         fns = {"write": write, "decode": decode, "ours": lambda: (write(), decode()),
                "append": append, "sdpa": sdpa, "theirs": lambda: (append(), sdpa())}
         for fn in fns.values():
             warm_up(fn)
         for mode in ("write", "clean"):
-            FLUSH_MODE = mode
-            t = {name: timed(fn) for name, fn in fns.items()}
+            t = {name: timed(fn, flush=mode) for name, fn in fns.items()}
 
             def cell(name):
-                return f"{t[name] * 1e6:6.1f} ({100 * nbytes / t[name] / ceiling:4.1f}%)"
+                return f"{t[name] * 1e6:6.1f} ({100 * c.nbytes / t[name] / ceiling:4.1f}%)"
             print(f"{batch:>5} x {ctx:<6} {mode:>5} | {t['write'] * 1e6:8.1f} {cell('decode')} {cell('ours')} | "
                   f"{t['append'] * 1e6:8.1f} {cell('sdpa')} {cell('theirs')} | {t['theirs'] / t['ours']:21.2f}")
-        FLUSH_MODE = kept
-        del q, cache, k, v, kc, vc
+        del c
         torch.cuda.empty_cache()
 
 
@@ -451,51 +456,40 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
 
-def _triton_reader():
-    """A read that does nothing but load: each program XORs its 64 KiB of a flat int32 tensor,
-    all its loads in flight at once, into one word it stores. None without Triton."""
-    if triton is None:
-        return None
-
-    def run(x32: torch.Tensor, out: torch.Tensor) -> None:
-        block, steps = 2048, 8
-        _read_kernel[(triton.cdiv(x32.numel(), block * steps),)](x32, out, x32.numel(), BLOCK=block, STEPS=steps)
-    return run
-
-
 def bench_small_reads(ceiling: float) -> None:
     """What plain reads and copies reach at the byte counts of the short decode shapes, in % of
     the 2 GiB copy ceiling, under both L2 flushes: the bar a decode kernel of the same bytes can
     reach (64 MiB is 1 x 32K or 8 x 4K of an fp8 cache, 128 MiB of a bf16 one). sum: torch's
-    reduction (N read); loads: a Triton kernel that only loads (N read); copy: N read + N written."""
-    global FLUSH_MODE
-    kept = FLUSH_MODE
-    reader = _triton_reader()
+    reduction (N read); loads: a Triton kernel that only loads, each program XORing its 64 KiB into
+    one word it stores (N read); copy: N read + N written."""
     print("\nplain reads and copies of N MiB (us and % of the copy ceiling; sum and loads: N read, copy: N read + "
           "N written; w: write flush, c: clean):")
     print(f"{'MiB':>5} | {'sum w':>16} {'sum c':>16} | {'loads w':>16} {'loads c':>16} | {'copy w':>16} {'copy c':>16}")
+    block, steps = 2048, 8   # int32 words per load and loads per Triton program: 64 KiB a program
     for mib in SMALL_READ_MIB:
         x = torch.randn(mib << 19, dtype=torch.bfloat16, device="cuda")   # 2 bytes each
         y = torch.empty_like(x)
-        words = torch.empty(mib << 4, dtype=torch.int32, device="cuda")   # one per 64 KiB program
-        runs = [(lambda: x.sum(dtype=torch.float32), mib << 20),
-                ((lambda: reader(x.view(torch.int32), words)) if reader else None, mib << 20),
-                (lambda: y.copy_(x), 2 * (mib << 20))]
+        x32, words = x.view(torch.int32), torch.empty(mib << 4, dtype=torch.int32, device="cuda")
+
+        def loads():
+            _read_kernel[(mib << 4,)](x32, words, x32.numel(), BLOCK=block, STEPS=steps)
+
         cells = []
-        for fn, nbytes in runs:
-            for mode in ("write", "clean"):
-                FLUSH_MODE = mode
-                try:
-                    if fn is None:
-                        raise RuntimeError("no Triton")
-                    warm_up(fn, 0.1)
-                    t = timed(fn)
+        for fn, nbytes in ((lambda: x.sum(dtype=torch.float32), mib << 20),
+                           (loads if triton is not None else None, mib << 20),
+                           (lambda: y.copy_(x), 2 * (mib << 20))):
+            if fn is None:
+                cells += ["n/a", "n/a"]
+                continue
+            try:   # the loads-only column is a guest: failing, it hides no other
+                warm_up(fn, 0.1)
+                for mode in ("write", "clean"):
+                    t = timed(fn, flush=mode)
                     cells.append(f"{t * 1e6:8.1f} ({100 * nbytes / t / ceiling:4.1f}%)")
-                except Exception as e:   # the loads-only column is a guest: its failure hides no other
-                    cells.append(f"{type(e).__name__}"[:16])
-        FLUSH_MODE = kept
+            except Exception as e:
+                cells += [type(e).__name__[:16]] * (2 - len(cells) % 2)
         print(f"{mib:>5} | " + " | ".join(f"{cells[i]:>16} {cells[i + 1]:>16}" for i in (0, 2, 4)))
-        del x, y, words
+        del x, y, x32, words
 
 
 PLAN_ONCE_CONFIGS = [(8, 512), (32, 2048), (128, 2048)]
