@@ -126,6 +126,40 @@ def timed(fn, reps: int = 15, warmup: int = 2, flush: str | None = None) -> floa
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
+def kernel_time(fn, reps: int = 15, flush: str | None = None) -> float:
+    """Median seconds of GPU kernel time per call of fn, from the kernels' own durations (CUPTI,
+    through torch.profiler), the L2 flushed before each call as in timed(). CUDA events around a
+    call also count the gaps between its kernels and any wait for the host to launch them; this
+    counts only the kernels (fn's copies and memsets are left out, and so are the flush's kernels).
+    Kernels that overlap (a programmatic dependent launch, such as the decode's merge) are each
+    counted whole, so this suits calls whose kernels run one after another.
+    Used to compare two implementations measured alternately (prefill_kernel): on 2026-11-26 the
+    event-timed table read our prefill kernel 14-25% above its kernel duration after the table's
+    slower instances had run (the GPU at its power cap), while this agreed with Nsight Compute."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(prof):
+        return [e for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))]
+
+    with profile(activities=[ProfilerActivity.CUDA]) as flush_only:
+        flush_l2(flush)
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in kernels(flush_only)}
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush_l2(flush)
+            fn()
+        torch.cuda.synchronize()
+    mine = sorted((e for e in kernels(prof) if e.name not in flush_names), key=lambda e: e.time_range.start)
+    if not mine or len(mine) % reps:
+        raise RuntimeError(f"{len(mine)} kernels over {reps} calls: not the same kernels every call")
+    per_call = len(mine) // reps
+    return statistics.median(sum(e.device_time for e in mine[i:i + per_call])
+                             for i in range(0, len(mine), per_call)) / 1e6
+
+
 def copy_ceiling() -> float:
     x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")   # 2 GiB
     x.random_()
@@ -1108,7 +1142,8 @@ def _ragged_prefill_shapes():
 
 def _fastest_sdpa(q4s, ks, vs, masks, scale):
     """The fastest torch SDPA backend on contiguous K/V: per (backend, GQA native or K/V
-    expanded to the query heads), the time of running every group once; returns (name, seconds)."""
+    expanded to the query heads), the time of running every group once; returns (name, seconds,
+    runner) of the fastest, or None, and every backend's time."""
     from torch.nn.attention import SDPBackend
 
     best = None
@@ -1127,7 +1162,7 @@ def _fastest_sdpa(q4s, ks, vs, masks, scale):
                 continue
             results[name] = f"{t * 1e3:.3f}"
             if best is None or t < best[1]:
-                best = (name, t)
+                best = (name, t, run)
             del run
     return best, results
 
@@ -1261,7 +1296,15 @@ def bench_prefill_kernel() -> None:
               f"{(best[0] + ' ' + format(best[1] * 1e3, '.3f')) if best else 'n/a':>16} {t_gs * 1e3:11.3f} "
               f"{t_best / t_ours:9.2f} {t_gs / t_ours:8.2f} {err:8.1e}")
         print(f"{'':34} SDPA backends (ms, every group once): {results}")
-        del cache, k, v, ks, vs, q4s
+        if best:   # the kernels alone, ours (the serving path: plan once, dynamic) and SDPA's by turns
+            serving = ours(8, True, "dynamic")
+            pairs = [(kernel_time(serving), kernel_time(best[2])) for _ in range(3)]
+            k_ours, k_sdpa = [p[0] for p in pairs], [p[1] for p in pairs]
+            ratios = [b / a for a, b in pairs]
+            print(f"{'':34} kernel time, alternately (ms): ours {min(k_ours) * 1e3:.3f}-{max(k_ours) * 1e3:.3f}, "
+                  f"{best[0]} {min(k_sdpa) * 1e3:.3f}-{max(k_sdpa) * 1e3:.3f}; SDPA / ours "
+                  f"{min(ratios):.2f}-{max(ratios):.2f}")
+        del cache, k, v, ks, vs, q4s, best
         torch.cuda.empty_cache()
 
 
