@@ -1241,7 +1241,10 @@ def contiguous_prefill(case: PrefillCase, seqs):
 
 def bench_prefill_kernel() -> None:
     """Our paged prefill kernel against the fastest torch SDPA backend over the same shapes laid
-    out contiguously, and against gather + SDPA (kernels/prefill.py without the kernel)."""
+    out contiguously, and against gather + SDPA (kernels/prefill.py without the kernel). The
+    columns are CUDA-event times; the line under each shape gives ours (plan once, dynamic) and
+    the fastest SDPA backend by kernel time (kernel_time), taken by turns: the comparison that
+    holds when the GPU's clock moves under its power cap (docs/performance.md, eighth session)."""
     from kvpager.kernels import prefill
 
     scale = D ** -0.5
