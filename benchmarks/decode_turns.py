@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import kernels as bench  # benchmarks/kernels.py (this script's folder): shapes, flush and timers
 import torch
-import torch.nn.functional as F
-
-from kvpager.kernels import cuda
 
 SHAPES = [(8, 4096), (1, 32768), (32, 2048)]
 TURNS = 4
@@ -21,16 +18,10 @@ TURNS = 4
 
 def main() -> None:
     ceiling = bench.copy_ceiling()
-    scale = bench.D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(2)
     for batch, ctx in SHAPES:
         c = bench.decode_layer(batch, ctx, gen)
-
-        def ours():
-            return cuda.paged_decode_run(c.step, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out)
-
-        def sdpa():
-            return F.scaled_dot_product_attention(c.q4, c.kc, c.vc, scale=scale, enable_gqa=True)
+        ours, sdpa = c.decode, c.sdpa
 
         def pct(t):
             return 100 * c.nbytes / t / ceiling

@@ -134,7 +134,7 @@ def kernel_time(fn, reps: int = 15, flush: str | None = None) -> float:
     Kernels that overlap (a programmatic dependent launch, such as the decode's merge) are each
     counted whole, so this suits calls whose kernels run one after another.
     Used to compare two implementations measured alternately (prefill_kernel): on 2026-11-26 the
-    event-timed table read our prefill kernel 14-25% above its kernel duration after the table's
+    event-timed table read our prefill kernel 9-25% above its kernel duration, after the table's
     slower instances had run (the GPU at its power cap), while this agreed with Nsight Compute."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -195,6 +195,14 @@ class DecodeLayer:
     vc: torch.Tensor
     q4: torch.Tensor
     nbytes: int
+
+    def decode(self) -> torch.Tensor:
+        """Our work-list decode of the step (the serving path), into self.out."""
+        return cuda.paged_decode_run(self.step, self.q, self.k, self.v, self.tables, self.lens, D ** -0.5, out=self.out)
+
+    def sdpa(self) -> torch.Tensor:
+        """torch SDPA over the contiguous copy of the same K/V."""
+        return F.scaled_dot_product_attention(self.q4, self.kc, self.vc, scale=D ** -0.5, enable_gqa=True)
 
 
 def decode_layer(batch: int, ctx: int, gen: torch.Generator) -> DecodeLayer:
@@ -406,8 +414,8 @@ def bench_flush(ceiling: float) -> None:
         grid_plan = cuda.plan_decode_grid(c.q, c.k, c.v, c.tables, c.lens)
         fns = {
             "grid": lambda: cuda.paged_decode_grid_run(grid_plan, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out),
-            "list": lambda: cuda.paged_decode_run(c.step, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out),
-            "sdpa": lambda: F.scaled_dot_product_attention(c.q4, c.kc, c.vc, scale=scale, enable_gqa=True),
+            "list": c.decode,
+            "sdpa": c.sdpa,
         }
         cells = []
         for fn in fns.values():
@@ -428,7 +436,6 @@ def bench_after_write(ceiling: float) -> None:
     runs while write_kv still runs). SDPA: the new K/V copied into the contiguous cache, then SDPA.
     Each pair timed whole, and each part alone, under both L2 flushes; % of the copy ceiling in the
     attention's K/V bytes, the pair's time against them."""
-    scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(3)
     print("\ndecode after the step's K/V write (bf16 32q/8kv d128 block 16), us and % of the copy ceiling:")
     hdr = (f"{'batch x ctx':>12} {'flush':>5} | {'write_kv':>8} {'decode':>14} {'both':>14} | {'append':>8} "
@@ -445,18 +452,12 @@ def bench_after_write(ceiling: float) -> None:
         def write():
             cuda.write_kv(key, value, c.k, c.v, slots)
 
-        def decode():
-            cuda.paged_decode_run(c.step, c.q, c.k, c.v, c.tables, c.lens, scale, out=c.out)
-
         def append():
             c.kc[:, :, last].copy_(key)
             c.vc[:, :, last].copy_(value)
 
-        def sdpa():
-            F.scaled_dot_product_attention(c.q4, c.kc, c.vc, scale=scale, enable_gqa=True)
-
-        fns = {"write": write, "decode": decode, "ours": lambda: (write(), decode()),
-               "append": append, "sdpa": sdpa, "theirs": lambda: (append(), sdpa())}
+        fns = {"write": write, "decode": c.decode, "ours": lambda: (write(), c.decode()),
+               "append": append, "sdpa": c.sdpa, "theirs": lambda: (append(), c.sdpa())}
         for fn in fns.values():
             warm_up(fn)
         for mode in ("write", "clean"):
