@@ -1314,14 +1314,20 @@ def bench_prefill_kernel() -> None:
 
 def bench_prefill_fp8() -> None:
     """Our prefill kernel over an fp8 (e4m3) cache against the same kernel over the bf16 cache it
-    came from (the shapes of --only prefill_kernel; each from a plan made once; on Hopper the fp8
-    cache runs the two-warpgroup wgmma kernel, the bf16 one the warp-specialized kernel)."""
+    came from, against the fastest torch SDPA backend on the bf16 K/V laid out contiguously, and
+    against gather + SDPA from the fp8 cache (kernels/prefill.py without the kernel: K/V gathered
+    and dequantized). The shapes of --only prefill_kernel; our plans made once; on Hopper both
+    caches run the warp-specialized kernel (built with -DKVPAGER_PREFILL_WS_FP8=0, the fp8 cache
+    runs the two-warpgroup one). Event times (median of 15), then the kernel times of ours (fp8,
+    bf16) and SDPA's taken by turns, three times each (kernel_time)."""
+    from kvpager.kernels import prefill
     from kvpager.kernels.reference import FP8
 
     scale = D ** -0.5
     print(f"\nprefill over an fp8 cache (bf16 queries, {HQ}q/{HKV}kv, d{D}, block {B}; L2 flushed; median of 15; "
           "k_scale = v_scale = 4):")
-    print(f"{'shape':34} {'bf16 cache ms':>13} {'fp8 cache ms':>12} {'fp8 / bf16':>10} {'fp8 err':>8}")
+    print(f"{'shape':34} {'bf16 cache ms':>13} {'fp8 cache ms':>12} {'fp8 / bf16':>10} {'g+S fp8 ms':>10} "
+          f"{'g+S / fp8':>9} {'fp8 err':>8}")
     for name, seqs in PREFILL_SHAPES:
         case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
         cache8 = (case.cache * 0.25).to(FP8)
@@ -1332,14 +1338,33 @@ def bench_prefill_fp8() -> None:
                                               case.lens, case.starts, scale)
         fp8 = lambda: cuda.paged_prefill_run(plan8, case.query, k8, v8, case.tables, case.lens,  # noqa: E731
                                              case.starts, scale, 4.0, 4.0)
+        prefill.use_kernel = False
+        gs = lambda: prefill.paged_prefill_attention(case.query, k8, v8, case.tables, case.lens,  # noqa: E731
+                                                     case.starts, scale, 4.0, 4.0, host_lengths=case.host)
         times = []
-        for fn in (bf16, fp8):
-            warm_up(fn, 0.2)
-            times.append(timed(fn))
+        try:
+            for fn in (bf16, fp8, gs):
+                warm_up(fn, 0.2)
+                times.append(timed(fn))
+            ref_gs = gs().float()
+        finally:
+            prefill.use_kernel = None
         ref, got = bf16().float(), fp8().float()
         err = float((got - ref).norm() / ref.norm())   # fp8's own rounding of K/V, against the bf16 cache
-        print(f"{name:34} {times[0] * 1e3:13.3f} {times[1] * 1e3:12.3f} {times[1] / times[0]:10.2f} {err:8.1e}")
-        del case, cache8, k8, v8
+        err_gs = float((got - ref_gs).norm() / ref_gs.norm())   # the same fp8 cache read by gather + SDPA
+        print(f"{name:34} {times[0] * 1e3:13.3f} {times[1] * 1e3:12.3f} {times[1] / times[0]:10.2f} "
+              f"{times[2] * 1e3:10.3f} {times[2] / times[1]:9.2f} {err:8.1e}  (against gather + SDPA: {err_gs:.1e})")
+        q4s, ks, vs, masks = contiguous_prefill(case, seqs)
+        best, _ = _fastest_sdpa(q4s, ks, vs, masks, scale)
+        if best:
+            turns = [(kernel_time(fp8), kernel_time(bf16), kernel_time(best[2])) for _ in range(3)]
+            k8s, k16s, ksd = zip(*turns)
+            print(f"{'':34} kernel time, alternately (ms): fp8 {min(k8s) * 1e3:.3f}-{max(k8s) * 1e3:.3f}, "
+                  f"bf16 {min(k16s) * 1e3:.3f}-{max(k16s) * 1e3:.3f}, {best[0]} (bf16) "
+                  f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; fp8 / bf16 "
+                  f"{min(a / b for a, b, _ in turns):.2f}-{max(a / b for a, b, _ in turns):.2f}; SDPA / fp8 "
+                  f"{min(c / a for a, _, c in turns):.2f}-{max(c / a for a, _, c in turns):.2f}")
+        del case, cache8, k8, v8, q4s, ks, vs, best
         torch.cuda.empty_cache()
 
 

@@ -24,8 +24,8 @@ Our own kernel (``cuda.paged_prefill_attention``, kernels/csrc/paged_prefill.cuh
 K/V read straight from the pages, one launch for every sequence of the step) replaces the
 gather + SDPA groups where it serves the inputs (float16/bfloat16 queries over a cache of the
 same dtype or fp8 e4m3, head_dim 64/128, block_size 8-64) and where ``_kernel_pays`` says it
-was measured faster (docs/performance.md, "Prefill kernel"): on Hopper over a 16-bit cache (the
-warp-specialized kernel) everywhere; elsewhere for cached prefixes and many distinct shapes. ``KVPAGER_PREFILL_KERNEL=0`` (or
+was measured faster (docs/performance.md, "Prefill kernel"): on Hopper (the warp-specialized
+kernel) everywhere; elsewhere for many distinct shapes. ``KVPAGER_PREFILL_KERNEL=0`` (or
 ``use_kernel = False``) keeps gather + SDPA everywhere, ``=1`` forces the kernel wherever it serves.
 """
 
@@ -65,30 +65,23 @@ def _kernel(query: torch.Tensor, k_cache: torch.Tensor):
     return cuda
 
 
-def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int], wgmma: bool = True,
-                 warp_specialized: bool = False) -> bool:
+def _kernel_pays(q_lens: Sequence[int], ctx: Sequence[int], wgmma: bool = True) -> bool:
     """Whether our kernel beat gather + SDPA on shapes like these (measured, docs/performance.md);
-    ``wgmma``: whether the Hopper (wgmma) version runs, else the mma.sync one; ``warp_specialized``:
-    whether that is the warp-specialized kernel (Hopper, a 16-bit cache of the queries' dtype)."""
+    ``wgmma``: whether the Hopper version runs (the warp-specialized kernel, over 16-bit and fp8
+    caches), else the mma.sync one."""
     mode = {None: None, True: "1", False: "0"}[use_kernel] or os.environ.get(KERNEL_ENV, "")
     if mode == "1":
         return True
-    if wgmma and warp_specialized:
+    if wgmma:
         # The warp-specialized kernel (benchmarks/kernels.py --only prefill_kernel, H200,
         # 2026-11-26) beat gather + SDPA on every shape measured, whole prompts included:
         # 1.08x (8 x 2K prompts) to 1.12x (one 4K prompt) and 1.29x (32 x 512), 1.6-2.3x on chunks
-        # over cached prefixes, 10x on 24 ragged prompts.
+        # over cached prefixes, 10x on 24 ragged prompts; over fp8 caches too (--only prefill_fp8,
+        # H100, 2026-11-26, ninth session).
         return True
-    if not wgmma:
-        # The mma.sync version (measured on the H100 only): even with gather + SDPA on 8
-        # distinct chunk shapes, ahead from 24 distinct prompts on, behind on uniform shapes.
-        return len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
-    # The two-warpgroup wgmma kernel (fp8 caches), H100, bf16 32q/8kv d128 (benchmarks/kernels.py
-    # --only prefill_kernel, docs/performance.md): it beats gather + SDPA on every chunked-prefill shape measured (new tokens over a
-    # cached prefix: SDPA runs its lower-right-masked kernels there) and on batches of many
-    # distinct shapes (one SDPA call per shape); on a few shapes of whole prompts gather + cuDNN
-    # SDPA is faster.
-    return any(q < c for q, c in zip(q_lens, ctx)) or len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
+    # The mma.sync version (measured on the H100 only): even with gather + SDPA on 8 distinct
+    # chunk shapes, ahead from 24 distinct prompts on, behind on uniform shapes.
+    return len(set(zip(q_lens, ctx))) >= MIN_DISTINCT_SHAPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +178,7 @@ def plan(query_like: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     multi = [i for i, q in enumerate(q_lens) if q > 1]
     kernel = _kernel(query_like, k_cache) if multi and scale > 0 else None
     wgmma = kernel is not None and kernel.prefill_wgmma(dev)
-    if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi], wgmma,
-                                           wgmma and k_cache.dtype == query_like.dtype):
+    if kernel is not None and _kernel_pays([q_lens[i] for i in multi], [ctx[i] for i in multi], wgmma):
         # One launch for every sequence of more than one new token, straight from the pages.
         kernel_plan = kernel.plan_prefill(query_like, k_cache, (starts, ctx),
                                           None if len(multi) == num_seqs else multi)

@@ -15,7 +15,7 @@ is the K/V positions it reads (the cached prefix and the tile's own causal span)
   docs/performance.md, "Prefill kernel, warp-specialized").
 
 ``KVPAGER_PREFILL_SCHEDULE=static|dynamic`` overrides the default. The one-block-per-item kernels
-(fp8 caches, GPUs before Hopper) always take the heaviest-first list in launch order.
+(GPUs before Hopper) always take the heaviest-first list in launch order.
 
 Plan once per step, run per layer (``cuda.plan_prefill``): the list depends only on the step's
 lengths. Pure numpy; no GPU needed.
@@ -38,7 +38,7 @@ def prefill_schedule(persistent: bool = True) -> str:
     forwards and backwards; "dynamic": each block takes the next item from a device counter when
     it is ready for one, over a list that keeps a sequence's items together, so the items running
     at once share their K/V in the L2; ValueError for others), else "dynamic" for the persistent
-    (Hopper, 16-bit cache) kernel and "static" for the others."""
+    (Hopper) kernel and "static" for the others."""
     value = os.environ.get(PREFILL_SCHEDULE_ENV, "")
     if not value:
         return "dynamic" if persistent else "static"

@@ -14,6 +14,12 @@
 #ifndef KVPAGER_PREFILL_WS
 #define KVPAGER_PREFILL_WS 1
 #endif
+// 0: the wgmma instances over fp8 caches run the two-warpgroup kernel (every thread loads and
+// dequantizes its rows, the code before 2026-11-26, ninth session) instead of the
+// warp-specialized one (its producer dequantizes), for A/B timing.
+#ifndef KVPAGER_PREFILL_WS_FP8
+#define KVPAGER_PREFILL_WS_FP8 1
+#endif
 
 namespace kvpager {
 namespace {
@@ -78,11 +84,12 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
   if (a.wgmma != 0 && (err = cudaGetDevice(&device)) != cudaSuccess) return err;
   const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, a.wgmma != 0, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    if constexpr (Cfg::WG && std::is_same_v<typename Cfg::T, typename Cfg::C> && KVPAGER_PREFILL_WS != 0) {
+    constexpr bool fp8 = !std::is_same_v<typename Cfg::T, typename Cfg::C>;
+    if constexpr (Cfg::WG && KVPAGER_PREFILL_WS != 0 && (!fp8 || KVPAGER_PREFILL_WS_FP8 != 0)) {
       if (paged_prefill_has_wgmma(device)) {
         // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
-        auto ws = paged_prefill_ws_kernel<typename Cfg::T, Cfg::D>;
-        constexpr int ws_smem = prefill_ws_smem_bytes<Cfg::D>();
+        auto ws = paged_prefill_ws_kernel<typename Cfg::T, typename Cfg::C, Cfg::D>;
+        constexpr int ws_smem = prefill_ws_smem_bytes<typename Cfg::C, Cfg::D>();
         err = cudaFuncSetAttribute(ws, cudaFuncAttributeMaxDynamicSharedMemorySize, ws_smem);
         if (err != cudaSuccess) return;
         const int64_t pairs = static_cast<int64_t>(a.num_items) * a.num_kv_heads;

@@ -32,6 +32,12 @@
 //   cores behind its P_{j-1} V_{j-1}, and one's softmax runs under the other's GEMMs.
 // The producer moves on to the next item's Q and tiles as soon as it has issued this item's, so
 // the consumers find them landed when they finish the item (its last P V and its output rows).
+// fp8 e4m3 caches (since 2026-11-26, ninth session; before, the two-warpgroup kernel ran them at
+// 1.7-1.9x the 16-bit cache's time): the producer copies each tile's fp8 rows as they are into a
+// raw tile (2 K/V pairs, a tile ahead), and each thread dequantizes its own rows into the 16-bit
+// stage (exact: e4m3 fits fp16 and bf16), then arrives on its full barrier; the consumers are the
+// same code (the per-tensor k_scale is in the softmax scale, v_scale in the output). The raw tiles
+// take a stage's room at head_dim 128 (WsLayout: 2 stages).
 //
 // Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
 // one more (thread 0's, releasing the record); empty K/V barriers one arrival per consumer warp
@@ -83,17 +89,38 @@ constexpr int kWsBarrierBytes = (8 * (4 * kWsStages + 2 * kWsQBufs) + 15) / 16 *
 constexpr int kWsRecordBytes = 32;   // one WsRecord per Q buffer
 constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-schedule ticket
 
-// Q tiles, kWsStages K and V tiles (16-bit), 1 KB of alignment slack, the mbarriers, the item
-// records and the ticket word.
-template <int D>
-constexpr int prefill_ws_smem_bytes() {
-  return (kWsQBufs * kWsRows + 2 * kWsStages * kWsBN) * D * 2 + 1024 + kWsBarrierBytes +
-         kWsQBufs * kWsRecordBytes + kWsTicketBytes;
-}
+constexpr int kWsSmemLimit = 227 * 1024;   // the shared memory a Hopper block can have
+constexpr int kWsRawSlots = 2;   // fp8 caches: raw K/V tile pairs (one landing while one is dequantized)
 
-static_assert(prefill_ws_smem_bytes<128>() <= 227 * 1024,
-              "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
-              "(a stage of K and V is 64 KB at head_dim 128)");
+// The shared memory of one block over a cache of element type C: Q tiles, S K and V stages
+// (16-bit: wgmma reads them), for fp8 caches kWsRawSlots pairs of raw fp8 K/V tiles (the
+// producer's copies land there and are dequantized into a stage), 1 KB of alignment slack, the
+// mbarriers, the item records and the ticket word. S: kWsStages, or fewer where the raw tiles
+// would not fit beside them (fp8, head_dim 128: 2 stages of 64 KB and 64 KB of raw tiles).
+template <typename C, int D>
+struct WsLayout {
+  static constexpr bool kFp8 = sizeof(C) == 1;
+  static constexpr int kRawBytes = kFp8 ? kWsRawSlots * 2 * kWsBN * D : 0;
+  static constexpr int bytes(int stages) {
+    return (kWsQBufs * kWsRows + 2 * stages * kWsBN) * D * 2 + kRawBytes + 1024 + kWsBarrierBytes +
+           kWsQBufs * kWsRecordBytes + kWsTicketBytes;
+  }
+  static constexpr int fit() {
+    int s = kWsStages;
+    while (s > 2 && bytes(s) > kWsSmemLimit) --s;
+    return s;
+  }
+  static constexpr int S = fit();
+  static constexpr int kSmemBytes = bytes(S);
+  static_assert(kSmemBytes <= kWsSmemLimit,
+                "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
+                "(a stage of K and V is 64 KB at head_dim 128)");
+};
+
+template <typename C, int D>
+constexpr int prefill_ws_smem_bytes() {
+  return WsLayout<C, D>::kSmemBytes;
+}
 
 namespace prefill_detail {
 #if KVPAGER_PREFILL_WGMMA
@@ -139,6 +166,12 @@ constexpr int kWsConsumerRegs = 224;
 constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
 constexpr int kWsProducerBar = 3;   // named barrier 3: the producer warpgroup's 128 threads
 
+// Returns once at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_groups() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ void producer_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"r"(kWsProducerBar), "r"(128) : "memory");
 }
@@ -153,17 +186,18 @@ struct WsRecord {
 };
 static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 
-// Shared-memory addresses of one block's tiles and barriers.
-template <int D>
+// Shared-memory addresses of one block's tiles and barriers (WsLayout<C, D>).
+template <typename C, int D>
 struct WsSmem {
-  static constexpr int BN = kWsBN, S = kWsStages;
-  uint32_t q0, tiles, bars;
+  static constexpr int BN = kWsBN, S = WsLayout<C, D>::S;
+  uint32_t q0, tiles, raw_tiles, bars;
   unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
     const uint32_t raw = smem_addr(smem_raw);
     q0 = (raw + 1023) & ~1023u;
     tiles = q0 + kWsQBufs * kWsRows * D * 2;
-    bars = tiles + 2 * S * BN * D * 2;
+    raw_tiles = tiles + 2 * S * BN * D * 2;
+    bars = raw_tiles + WsLayout<C, D>::kRawBytes;
     tail = smem_raw + (bars - raw) + kWsBarrierBytes;
   }
   __device__ __forceinline__ WsRecord* record(int qb) const { return reinterpret_cast<WsRecord*>(tail) + qb; }
@@ -171,6 +205,9 @@ struct WsSmem {
   __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
   __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
   __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
+  // fp8 caches: raw slot rs's K and V tiles (BN rows of D bytes each).
+  __device__ __forceinline__ uint32_t raw_k(int rs) const { return raw_tiles + rs * 2 * BN * D; }
+  __device__ __forceinline__ uint32_t raw_v(int rs) const { return raw_k(rs) + BN * D; }
   __device__ __forceinline__ uint32_t full_k(int st) const { return bars + 8 * st; }
   __device__ __forceinline__ uint32_t full_v(int st) const { return bars + 8 * (S + st); }
   __device__ __forceinline__ uint32_t empty_k(int st) const { return bars + 8 * (2 * S + st); }
@@ -181,7 +218,7 @@ struct WsSmem {
 static_assert(8 * (4 * kWsStages + 2 * kWsQBufs) <= kWsBarrierBytes, "barriers fit their bytes");
 
 // The next stage of a ring of N (K/V stages or Q buffers), and the phase parity of its barriers.
-template <int N = kWsStages>
+template <int N>
 struct StageCursor {
   int stage = 0;
   uint32_t phase = 0;
@@ -193,9 +230,13 @@ struct StageCursor {
   }
 };
 
-template <typename T, int D>
-using WsBlock = PrefillBlock<T, T, D, kWsRows, kWsBN, 128>;
-static_assert(WsBlock<__half, 128>::ROW_STEP % 8 == 0 && WsBlock<__half, 64>::ROW_STEP % 8 == 0,
+// An item as the warp-specialized kernel runs it: 128 query rows, K/V tiles of kWsBN positions
+// copied by the 128 producer threads (C: the cache's element type).
+template <typename T, typename C, int D>
+using WsBlock = PrefillBlock<T, C, D, kWsRows, kWsBN, 128>;
+static_assert(WsBlock<__half, __half, 128>::ROW_STEP % 8 == 0 && WsBlock<__half, __half, 64>::ROW_STEP % 8 == 0 &&
+                  WsBlock<__half, __nv_fp8_e4m3, 128>::ROW_STEP % 8 == 0 &&
+                  WsBlock<__half, __nv_fp8_e4m3, 64>::ROW_STEP % 8 == 0,
               "RowCopier: every row of a thread has the same swizzle");
 
 // The (work item, KV head) pair the producer loads next, in its round m; num_pairs when there
@@ -243,22 +284,31 @@ __device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
 }
 
 // What a producer thread needs to copy its rows of any K/V tile of an item, computed once per
-// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each; as
-// ROW_STEP is a multiple of 8, the swizzled chunk position is the same in every row, so the
-// shared-memory destination of row i is dst + i * ROW_STEP * 128 bytes.
-template <typename T, int D>
+// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each. 16-bit
+// caches (C = T) are copied into a stage: as ROW_STEP is a multiple of 8, the swizzled chunk
+// position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
+// bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
+// dst + i * ROW_STEP * D), then dequantized by the same thread (dequantize: its 16 fp8 values of
+// a row are the 16-bit chunks 2 my_ch and 2 my_ch + 1 of the stage's row).
+template <typename C, int D>
 struct RowCopier {
-  const T* k;       // the item's KV head in the K cache, at this thread's chunk
-  const T* v;
+  static constexpr bool kRaw = sizeof(C) == 1;
+  static constexpr int kPitch = kRaw ? D : 128;   // destination bytes from one row to the next
+  const C* k;       // the item's KV head in the K cache, at this thread's chunk
+  const C* v;
   uint32_t dst;     // this thread's chunk of row my_row, relative to a tile's start (bytes)
+  uint32_t deq_lo, deq_hi;   // fp8: its two 16-bit chunks of row my_row in a stage (bytes)
   int stride;       // elements between consecutive blocks (checked < 2^31 by the launcher)
   int my_row, kv_end;
 
   template <typename Blk>
   __device__ __forceinline__ explicit RowCopier(const Blk& blk)
-      : k(blk.kbase + blk.my_ch * 8), v(blk.vbase + blk.my_ch * 8),
-        dst(2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)), stride(static_cast<int>(blk.a.kv_stride_block)),
-        my_row(blk.my_row), kv_end(blk.kv_end) {}
+      : k(blk.kbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
+        v(blk.vbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
+        dst(kRaw ? blk.my_row * D + blk.my_ch * 16 : 2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)),
+        deq_lo(2 * tile_off<Blk::BN>(blk.my_row, 2 * blk.my_ch)),
+        deq_hi(2 * tile_off<Blk::BN>(blk.my_row, 2 * blk.my_ch + 1)),
+        stride(static_cast<int>(blk.a.kv_stride_block)), my_row(blk.my_row), kv_end(blk.kv_end) {}
 
   // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
   // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles, one per
@@ -266,7 +316,7 @@ struct RowCopier {
   // are zero-filled, never read. LG: log2 of the block size, so that which page and slot each
   // row falls in is known at compile time; WHOLE: every row of the tile is before kv_end.
   template <int BN, int RPT, int ROW_STEP, int LG, bool WHOLE>
-  __device__ __forceinline__ void copy_rows(uint32_t tile, const T* base, int kv0, int pages) const {
+  __device__ __forceinline__ void copy_rows(uint32_t tile, const C* base, int kv0, int pages) const {
     constexpr int BS = 1 << LG;
     const int row_pos = kv0 + my_row;   // the position of this thread's row i is row_pos + i * ROW_STEP
     if constexpr (ROW_STEP <= BS) {
@@ -277,12 +327,12 @@ struct RowCopier {
 #pragma unroll
       for (int p = 0; p < NPG; ++p) {
         const int b = __shfl_sync(0xffffffffu, pages, p);
-        const T* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + my_row * D;
+        const C* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + my_row * D;
 #pragma unroll
         for (int sub = 0; sub < SUBS; ++sub) {
           const int i = p * SUBS + sub;
           const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
-          cp_async16(tile + dst + i * ROW_STEP * 128, src + sub * ROW_STEP * D, valid);
+          cp_async16(tile + dst + i * ROW_STEP * kPitch, src + sub * ROW_STEP * D, valid);
         }
       }
     } else {
@@ -290,27 +340,91 @@ struct RowCopier {
 #pragma unroll
       for (int i = 0; i < RPT; ++i) {
         const int b = __shfl_sync(0xffffffffu, pages, (my_row >> LG) + i * (ROW_STEP >> LG));
-        const T* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + (my_row & (BS - 1)) * D;
+        const C* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + (my_row & (BS - 1)) * D;
         const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
-        cp_async16(tile + dst + i * ROW_STEP * 128, src, valid);
+        cp_async16(tile + dst + i * ROW_STEP * kPitch, src, valid);
       }
     }
   }
 
   template <int BN, int RPT, int ROW_STEP, int LG>
-  __device__ __forceinline__ void copy(uint32_t tile, const T* base, int kv0, int pages) const {
+  __device__ __forceinline__ void copy(uint32_t tile, const C* base, int kv0, int pages) const {
     if (kv0 + BN <= kv_end)
       copy_rows<BN, RPT, ROW_STEP, LG, true>(tile, base, kv0, pages);
     else
       copy_rows<BN, RPT, ROW_STEP, LG, false>(tile, base, kv0, pages);
   }
+
+  // fp8: this thread's chunks of the raw tile at `raw_tile` (its own copies, landed), dequantized
+  // exactly into the 16-bit stage at `tile`. Rows that were zero-filled stay zeros.
+  template <typename T, int RPT, int ROW_STEP>
+  __device__ __forceinline__ void dequantize(uint32_t raw_tile, uint32_t tile) const {
+    using M = Mma<T>;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      uint4 u;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                   : "r"(raw_tile + dst + i * ROW_STEP * D)
+                   : "memory");
+      uint4 lo, hi;
+      lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
+      lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
+      hi.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); hi.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
+      hi.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); hi.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
+      const uint32_t row = tile + i * ROW_STEP * 128;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + deq_lo), "r"(lo.x), "r"(lo.y), "r"(lo.z),
+                   "r"(lo.w)
+                   : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + deq_hi), "r"(hi.x), "r"(hi.y), "r"(hi.z),
+                   "r"(hi.w)
+                   : "memory");
+    }
+  }
 };
 
-template <typename T, int D, int LG>
+// fp8 caches: an item's tiles through the raw slots. Tile j's copies land in raw slot j % 2 and
+// are issued a tile ahead, so that they are in flight while this thread dequantizes tile j - 1
+// into its stage; each full barrier then gets a plain arrival per thread (its stores are its own,
+// made visible to the tensor cores' async proxy by a proxy fence first). `pages`: tile 0's block
+// ids (tile_pages).
+template <typename T, typename C, int D, int LG, typename Blk>
+__device__ __forceinline__ void ws_produce_raw_tiles(const WsSmem<C, D>& sm, const Blk& blk, const RowCopier<C, D>& rows,
+                                                     StageCursor<WsSmem<C, D>::S>& cur, int pages) {
+  constexpr int BN = Blk::BN, RPT = Blk::RPT, ROW_STEP = Blk::ROW_STEP;
+  const int n = blk.n_tiles;
+  auto issue = [&](int j, int pg) {
+    rows.template copy<BN, RPT, ROW_STEP, LG>(sm.raw_k(j & 1), rows.k, j * BN, pg);
+    rows.template copy<BN, RPT, ROW_STEP, LG>(sm.raw_v(j & 1), rows.v, j * BN, pg);
+    cp_async_commit();
+  };
+  issue(0, pages);
+  pages = n > 1 ? tile_pages(blk, BN) : -1;
+  for (int j = 0; j < n; ++j) {
+    if (j + 1 < n) {
+      issue(j + 1, pages);
+      pages = j + 2 < n ? tile_pages(blk, (j + 2) * BN) : -1;   // lands during this tile
+      cp_async_wait_groups<1>();   // tile j's copies (and the item's Q) landed, tile j + 1's in flight
+    } else {
+      cp_async_wait_groups<0>();
+    }
+    mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
+    rows.template dequantize<T, RPT, ROW_STEP>(sm.raw_k(j & 1), sm.k_tile(cur.stage));
+    fence_proxy_async();
+    mbar_arrive(sm.full_k(cur.stage));
+    mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
+    rows.template dequantize<T, RPT, ROW_STEP>(sm.raw_v(j & 1), sm.v_tile(cur.stage));
+    fence_proxy_async();
+    mbar_arrive(sm.full_v(cur.stage));
+    cur.advance();
+  }
+}
+
+template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
-  using Blk = WsBlock<T, D>;
-  const WsSmem<D> sm(smem_raw);
-  StageCursor<> cur;
+  using Blk = WsBlock<T, C, D>;
+  const WsSmem<C, D> sm(smem_raw);
+  StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   for (int m = 0;; ++m) {
     const int pair = ws_next_pair(a, m, num_pairs, sm.ticket());
@@ -327,22 +441,30 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       rec->pair = pair;
       rec->item = item;
     }
-    load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), blk.my_row, blk.my_ch);
+    // Q's rows and chunks are those of a 16-bit row (an fp8 cache's rows have half the chunks).
+    if constexpr (RowCopier<C, D>::kRaw)
+      load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), threadIdx.x / (D / 8), threadIdx.x % (D / 8));
+    else
+      load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), blk.my_row, blk.my_ch);
     mbar_arrive_on_copies(sm.q_full(qcur.stage));
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
-    const RowCopier<T, D> rows(blk);
-    for (int j = 0; j < blk.n_tiles; ++j) {
-      const int kv0 = j * Blk::BN;
-      const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
-      mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
-      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
-      mbar_arrive_on_copies(sm.full_k(cur.stage));
-      mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
-      rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.v_tile(cur.stage), rows.v, kv0, pages);
-      mbar_arrive_on_copies(sm.full_v(cur.stage));
-      pages = next_pages;
-      cur.advance();
+    const RowCopier<C, D> rows(blk);
+    if constexpr (RowCopier<C, D>::kRaw) {
+      ws_produce_raw_tiles<T, C, D, LG>(sm, blk, rows, cur, pages);
+    } else {
+      for (int j = 0; j < blk.n_tiles; ++j) {
+        const int kv0 = j * Blk::BN;
+        const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+        mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
+        rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
+        mbar_arrive_on_copies(sm.full_k(cur.stage));
+        mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
+        rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.v_tile(cur.stage), rows.v, kv0, pages);
+        mbar_arrive_on_copies(sm.full_v(cur.stage));
+        pages = next_pages;
+        cur.advance();
+      }
     }
   }
   // The consumers' last record: no item.
@@ -357,13 +479,13 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
 }
 
 // Block sizes 8..64 (the launcher checks): page and slot of every copied row known at compile time.
-template <typename T, int D>
+template <typename T, typename C, int D>
 __device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   switch (a.log2_block_size) {
-    case 3: ws_produce_lg<T, D, 3>(a, smem_raw, num_pairs); break;
-    case 4: ws_produce_lg<T, D, 4>(a, smem_raw, num_pairs); break;
-    case 5: ws_produce_lg<T, D, 5>(a, smem_raw, num_pairs); break;
-    default: ws_produce_lg<T, D, 6>(a, smem_raw, num_pairs); break;
+    case 3: ws_produce_lg<T, C, D, 3>(a, smem_raw, num_pairs); break;
+    case 4: ws_produce_lg<T, C, D, 4>(a, smem_raw, num_pairs); break;
+    case 5: ws_produce_lg<T, C, D, 5>(a, smem_raw, num_pairs); break;
+    default: ws_produce_lg<T, C, D, 6>(a, smem_raw, num_pairs); break;
   }
 }
 
@@ -376,25 +498,25 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&
 }
 
 // Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
-template <typename T, int D>
+template <typename T, typename C, int D>
 __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw) {
-  using Blk = WsBlock<T, D>;
+  using Blk = WsBlock<T, C, D>;
   using Softmax = RowSoftmax<T, D, kWsBN>;
   constexpr int BM = kWsRows, BN = kWsBN;
-  const WsSmem<D> sm(smem_raw);
+  const WsSmem<C, D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
   const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const bool signals = lane == 0;             // one arrival per warp on the empty barriers
   const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
-  StageCursor<> cur;
+  StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
   // The item whose rows are still to be written (with kWsOverlap, while its last P V runs under
   // the next item's set-up): its accumulators (o), the V stage that P V reads (prev, when
   // pending_v) and where its rows go.
   float o[D / 8][4];
-  StageCursor<> prev;   // V_{j-1}'s stage
+  StageCursor<WsSmem<C, D>::S> prev;   // V_{j-1}'s stage
   bool pending = false, pending_v = false;
   OutRows out{};
   auto finish_pending = [&]() {   // wait for the last P V, free its V stage, write the rows
@@ -510,12 +632,12 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   if (wg == 0) named_sync(kWsTurnBar, 256);
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* smem_raw) {
-  const WsSmem<D> sm(smem_raw);
+  const WsSmem<C, D> sm(smem_raw);
   const int num_pairs = a.num_items * a.num_kv_heads;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < kWsStages; ++st) {
+    for (int st = 0; st < WsSmem<C, D>::S; ++st) {
       mbar_init(sm.full_k(st), 128);
       mbar_init(sm.full_v(st), 128);
       mbar_init(sm.empty_k(st), 8);
@@ -529,23 +651,24 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
   __syncthreads();
   if (threadIdx.x < 128) {
     regs_down<kWsProducerRegs>();
-    ws_produce<T, D>(a, smem_raw, num_pairs);
+    ws_produce<T, C, D>(a, smem_raw, num_pairs);
   } else {
     regs_up<kWsConsumerRegs>();
-    ws_consume<T, D>(a, smem_raw);
+    ws_consume<T, C, D>(a, smem_raw);
   }
 }
 #endif
 }  // namespace prefill_detail
 
 // grid: min(pairs, SMs) blocks, persistent over the (work item, KV head) pairs (item-major);
-// block: kWsThreads threads; dynamic smem: prefill_ws_smem_bytes<D>(). 16-bit caches only (T).
+// block: kWsThreads threads; dynamic smem: prefill_ws_smem_bytes<C, D>(). T: query/output type
+// (fp16/bf16); C: cache type (T, or fp8 e4m3, dequantized by the producer).
 // Built for sm_90a only: elsewhere the body is empty and the launcher never picks it.
-template <typename T, int D>
+template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kWsThreads, 1) paged_prefill_ws_kernel(const PrefillArgs a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if KVPAGER_PREFILL_WGMMA
-  prefill_detail::prefill_ws<T, D>(a, smem_raw);
+  prefill_detail::prefill_ws<T, C, D>(a, smem_raw);
 #endif
 }
 

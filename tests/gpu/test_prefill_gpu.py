@@ -117,9 +117,12 @@ def test_prefill_kernel_matches_float64(warps, wgmma, dtype, group, block_size, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("warps,wgmma", _instances())
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 128), (32, 64), (64, 128), (8, 64)])
 def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, group, block_size, head_dim):
+    """Over an fp8 cache (on Hopper the wgmma instance is the warp-specialized kernel, whose
+    producer dequantizes each tile; every block size it compiles a copy loop for), against float64
+    attention over the dequantized cache: the dequantization is exact, so the 16-bit tolerance holds."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill kernel fp8", warps, wgmma, query_dtype, group, block_size, head_dim)
@@ -233,6 +236,41 @@ def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtyp
         if persistent:
             assert dynamic.counter.tolist() == [0, 0]
     assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 64), (64, 128)])
+def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, head_dim):
+    """The same over an fp8 cache (on Hopper the warp-specialized kernel's dequantizing producer):
+    equal outputs bit for bit under both schedules, launch after launch, the counter left zero."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill fp8 dynamic schedule", group, block_size, head_dim)
+    cases = _cases(block_size, gen) + [(4 * block_size + 5, 4 * block_size + 5)] * 3
+    k_scale, v_scale = 0.05, 0.03
+    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
+                                          paged=paged)
+    kv = paged.kv_cache.to(DEV)
+    query = torch.cat(queries).to(DEV)
+    tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    scale = head_dim ** -0.5
+    k, v = kv[:, LAYER, 0], kv[:, LAYER, 1]
+    static = cuda._plan_prefill(query, k, host, None, 8, None, "static")
+    dynamic = cuda._plan_prefill(query, k, host, None, 8, None, "dynamic")
+    persistent = cuda.prefill_wgmma(query.device)
+    assert (dynamic.counter is not None) == persistent
+    want = cuda.paged_prefill_run(static, query, k, v, tables, lens, starts_d, scale, k_scale, v_scale)
+    for _ in range(3):
+        out = torch.full_like(query, float("nan"))
+        cuda.paged_prefill_run(dynamic, query, k, v, tables, lens, starts_d, scale, k_scale, v_scale, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        if persistent:
+            assert dynamic.counter.tolist() == [0, 0]
+    assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -21,13 +21,7 @@ def measured_rule(monkeypatch):
 
 def test_the_warp_specialized_kernel_takes_every_step():
     for q, c in (WHOLE_PROMPTS, CHUNKS, MANY_PROMPTS):
-        assert prefill._kernel_pays(q, c, wgmma=True, warp_specialized=True)
-
-
-def test_the_two_warpgroup_kernel_takes_chunks_and_many_shapes_but_not_a_few_whole_prompts():
-    assert not prefill._kernel_pays(*WHOLE_PROMPTS, wgmma=True)
-    assert prefill._kernel_pays(*CHUNKS, wgmma=True)
-    assert prefill._kernel_pays(*MANY_PROMPTS, wgmma=True)
+        assert prefill._kernel_pays(q, c, wgmma=True)
 
 
 def test_the_mma_sync_kernel_takes_only_many_distinct_shapes():

@@ -94,9 +94,9 @@ def test_schedule_from_the_environment(monkeypatch):
 
 def test_the_plan_takes_the_dynamic_order_only_for_the_persistent_kernel(monkeypatch):
     """cuda._plan_prefill (what every prefill step plans with), on CPU tensors: the list by
-    sequence for the persistent kernel (wgmma over a cache of the queries' dtype) unless the
-    variable says static, heaviest first for the one-block-per-item kernels (mma.sync; wgmma over
-    an fp8 cache) whatever it says. No counter without a GPU."""
+    sequence for the persistent kernel (wgmma, over a 16-bit or an fp8 cache) unless the
+    variable says static, heaviest first for the one-block-per-item kernels (mma.sync) whatever it
+    says. No counter without a GPU."""
     torch = pytest.importorskip("torch")
     from kvpager.kernels import cuda
 
@@ -115,13 +115,14 @@ def test_the_plan_takes_the_dynamic_order_only_for_the_persistent_kernel(monkeyp
         return p.work.numpy()
 
     assert np.array_equal(work(cache16, True), by_sequence)
-    assert np.array_equal(work(cache8, True), heaviest)
+    assert np.array_equal(work(cache8, True), by_sequence)
     assert np.array_equal(work(cache16, False), heaviest)
+    assert np.array_equal(work(cache8, False), heaviest)
     monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "static")
     assert np.array_equal(work(cache16, True), heaviest)
+    assert np.array_equal(work(cache8, True), heaviest)
     monkeypatch.setenv(plan.PREFILL_SCHEDULE_ENV, "dynamic")
     assert np.array_equal(work(cache16, False), heaviest)
-    assert np.array_equal(work(cache8, True), heaviest)
 
 
 def test_debug_plan_prefill_plans_the_chosen_instance_and_refuses_other_warp_counts():
