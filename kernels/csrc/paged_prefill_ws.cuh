@@ -288,8 +288,7 @@ __device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
 // caches (C = T) are copied into a stage: as ROW_STEP is a multiple of 8, the swizzled chunk
 // position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
 // bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
-// dst + i * ROW_STEP * D), then dequantized by the same thread (dequantize: its 16 fp8 values of
-// a row are the 16-bit chunks 2 my_ch and 2 my_ch + 1 of the stage's row).
+// dst + i * ROW_STEP * D), which the same thread then dequantizes (RawTiles).
 template <typename C, int D>
 struct RowCopier {
   static constexpr bool kRaw = sizeof(C) == 1;
@@ -297,7 +296,6 @@ struct RowCopier {
   const C* k;       // the item's KV head in the K cache, at this thread's chunk
   const C* v;
   uint32_t dst;     // this thread's chunk of row my_row, relative to a tile's start (bytes)
-  uint32_t deq_lo, deq_hi;   // fp8: its two 16-bit chunks of row my_row in a stage (bytes)
   int stride;       // elements between consecutive blocks (checked < 2^31 by the launcher)
   int my_row, kv_end;
 
@@ -306,8 +304,6 @@ struct RowCopier {
       : k(blk.kbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
         v(blk.vbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
         dst(kRaw ? blk.my_row * D + blk.my_ch * 16 : 2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)),
-        deq_lo(2 * tile_off<Blk::BN>(blk.my_row, 2 * blk.my_ch)),
-        deq_hi(2 * tile_off<Blk::BN>(blk.my_row, 2 * blk.my_ch + 1)),
         stride(static_cast<int>(blk.a.kv_stride_block)), my_row(blk.my_row), kv_end(blk.kv_end) {}
 
   // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
@@ -354,71 +350,100 @@ struct RowCopier {
     else
       copy_rows<BN, RPT, ROW_STEP, LG, false>(tile, base, kv0, pages);
   }
+};
 
-  // fp8: this thread's chunks of the raw tile at `raw_tile` (its own copies, landed), dequantized
-  // exactly into the 16-bit stage at `tile`. Rows that were zero-filled stay zeros.
-  template <typename T, int RPT, int ROW_STEP>
-  __device__ __forceinline__ void dequantize(uint32_t raw_tile, uint32_t tile) const {
+// fp8 caches, a producer thread's side of the raw tiles. Each tile's fp8 rows are copied as they
+// are into raw slot `slot` (the two slots alternate), and dequantized into the next stage one tile
+// later: after the next tile's copies are issued, and at an item's end after the next item's
+// set-up (its ticket, lengths, block ids and Q), so the copies' latency and the set-up's global
+// round trips overlap instead of adding up (dequantizing each tile as soon as its copies landed
+// took 1.01-1.10x this time; H200, 2026-11-26, ninth session). Measured and not kept: V
+// dequantized a tile after K (K_t's stage frees after S_{t-2}, V_t's only after P_{t-2} V_{t-2}),
+// no faster, and with one Q buffer it deadlocks: an item's last P V then waits for the next
+// item's second tile, whose producer waits for the consumers to take the next Q. Without any
+// conversion (timing only) the fp8 cache took 1.19-1.21x the 16-bit cache's time, against
+// 1.31-1.36x with it: the rest is the raw tiles' path and 2 stages instead of 3. A thread dequantizes only its own copies (it waits on
+// its own cp.async groups, no barrier), its chunk my_ch of rows my_row + i * ROW_STEP: the 16-bit
+// chunks 2 my_ch and 2 my_ch + 1 of the stage's rows. The stage's full barrier then gets a plain
+// arrival per thread, after a proxy fence (the stores are read by the tensor cores' async proxy).
+template <typename T, int D>
+struct RawTiles {
+  static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
+  uint32_t src;       // this thread's chunk of row my_row in a raw tile (bytes)
+  uint32_t lo, hi;    // its two 16-bit chunks of row my_row in a stage (bytes)
+  int slot = 0;       // the raw slot the next tile's copies go to
+  bool pending = false;   // a tile in the other slot waits to be dequantized
+
+  __device__ __forceinline__ RawTiles() {
+    const int my_row = threadIdx.x / CCPR, my_ch = threadIdx.x % CCPR;
+    src = my_row * D + my_ch * 16;
+    lo = 2 * tile_off<kWsBN>(my_row, 2 * my_ch);
+    hi = 2 * tile_off<kWsBN>(my_row, 2 * my_ch + 1);
+  }
+
+  // The item's tile at kv0 (block ids `pages`, tile_pages): its copies issued into the free slot,
+  // then the pending tile dequantized.
+  template <int LG, typename C, typename Blk, typename Cursor>
+  __device__ __forceinline__ void next(const WsSmem<C, D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
+                                       Cursor& cur) {
+    static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "RawTiles and RowCopier split a tile alike");
+    rows.template copy<kWsBN, RPT, ROW_STEP, LG>(sm.raw_k(slot), rows.k, kv0, pages);
+    rows.template copy<kWsBN, RPT, ROW_STEP, LG>(sm.raw_v(slot), rows.v, kv0, pages);
+    cp_async_commit();
+    if (pending) {
+      cp_async_wait_groups<1>();   // the pending tile's copies landed (this tile's stay in flight)
+      dequantize(sm, cur, slot ^ 1);
+    }
+    pending = true;
+    slot ^= 1;
+  }
+
+  // The last tile, once no other is coming.
+  template <typename C, typename Cursor>
+  __device__ __forceinline__ void flush(const WsSmem<C, D>& sm, Cursor& cur) {
+    if (!pending) return;
+    cp_async_wait_groups<0>();
+    dequantize(sm, cur, slot ^ 1);
+    pending = false;
+  }
+
+  template <typename C, typename Cursor>
+  __device__ __forceinline__ void dequantize(const WsSmem<C, D>& sm, Cursor& cur, int s) const {
+    mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
+    convert(sm.raw_k(s), sm.k_tile(cur.stage));
+    fence_proxy_async();
+    mbar_arrive(sm.full_k(cur.stage));
+    mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
+    convert(sm.raw_v(s), sm.v_tile(cur.stage));
+    fence_proxy_async();
+    mbar_arrive(sm.full_v(cur.stage));
+    cur.advance();
+  }
+
+  // This thread's chunks of the raw tile at `raw` into the stage's tile at `tile`, exactly (e4m3
+  // fits fp16 and bf16); rows that were zero-filled stay zeros.
+  __device__ __forceinline__ void convert(uint32_t raw, uint32_t tile) const {
     using M = Mma<T>;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       uint4 u;
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-                   : "r"(raw_tile + dst + i * ROW_STEP * D)
+                   : "r"(raw + src + i * ROW_STEP * D)
                    : "memory");
-      uint4 lo, hi;
-      lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
-      lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
-      hi.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); hi.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
-      hi.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); hi.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
+      uint4 a, b;
+      a.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); a.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
+      a.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); a.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
+      b.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); b.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
+      b.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); b.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
       const uint32_t row = tile + i * ROW_STEP * 128;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + deq_lo), "r"(lo.x), "r"(lo.y), "r"(lo.z),
-                   "r"(lo.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
                    : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + deq_hi), "r"(hi.x), "r"(hi.y), "r"(hi.z),
-                   "r"(hi.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w)
                    : "memory");
     }
   }
 };
-
-// fp8 caches: an item's tiles through the raw slots. Tile j's copies land in raw slot j % 2 and
-// are issued a tile ahead, so that they are in flight while this thread dequantizes tile j - 1
-// into its stage; each full barrier then gets a plain arrival per thread (its stores are its own,
-// made visible to the tensor cores' async proxy by a proxy fence first). `pages`: tile 0's block
-// ids (tile_pages).
-template <typename T, typename C, int D, int LG, typename Blk>
-__device__ __forceinline__ void ws_produce_raw_tiles(const WsSmem<C, D>& sm, const Blk& blk, const RowCopier<C, D>& rows,
-                                                     StageCursor<WsSmem<C, D>::S>& cur, int pages) {
-  constexpr int BN = Blk::BN, RPT = Blk::RPT, ROW_STEP = Blk::ROW_STEP;
-  const int n = blk.n_tiles;
-  auto issue = [&](int j, int pg) {
-    rows.template copy<BN, RPT, ROW_STEP, LG>(sm.raw_k(j & 1), rows.k, j * BN, pg);
-    rows.template copy<BN, RPT, ROW_STEP, LG>(sm.raw_v(j & 1), rows.v, j * BN, pg);
-    cp_async_commit();
-  };
-  issue(0, pages);
-  pages = n > 1 ? tile_pages(blk, BN) : -1;
-  for (int j = 0; j < n; ++j) {
-    if (j + 1 < n) {
-      issue(j + 1, pages);
-      pages = j + 2 < n ? tile_pages(blk, (j + 2) * BN) : -1;   // lands during this tile
-      cp_async_wait_groups<1>();   // tile j's copies (and the item's Q) landed, tile j + 1's in flight
-    } else {
-      cp_async_wait_groups<0>();
-    }
-    mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
-    rows.template dequantize<T, RPT, ROW_STEP>(sm.raw_k(j & 1), sm.k_tile(cur.stage));
-    fence_proxy_async();
-    mbar_arrive(sm.full_k(cur.stage));
-    mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
-    rows.template dequantize<T, RPT, ROW_STEP>(sm.raw_v(j & 1), sm.v_tile(cur.stage));
-    fence_proxy_async();
-    mbar_arrive(sm.full_v(cur.stage));
-    cur.advance();
-  }
-}
 
 template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
@@ -426,6 +451,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
   const WsSmem<C, D> sm(smem_raw);
   StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
+  RawTiles<T, D> raw;   // fp8 caches only
   for (int m = 0;; ++m) {
     const int pair = ws_next_pair(a, m, num_pairs, sm.ticket());
     if (pair >= num_pairs) break;
@@ -451,7 +477,12 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     qcur.advance();
     const RowCopier<C, D> rows(blk);
     if constexpr (RowCopier<C, D>::kRaw) {
-      ws_produce_raw_tiles<T, C, D, LG>(sm, blk, rows, cur, pages);
+      for (int j = 0; j < blk.n_tiles; ++j) {
+        const int kv0 = j * Blk::BN;
+        const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+        raw.template next<LG, C, Blk>(sm, rows, kv0, pages, cur);
+        pages = next_pages;
+      }
     } else {
       for (int j = 0; j < blk.n_tiles; ++j) {
         const int kv0 = j * Blk::BN;
@@ -467,6 +498,7 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       }
     }
   }
+  if constexpr (RowCopier<C, D>::kRaw) raw.flush(sm, cur);
   // The consumers' last record: no item.
   mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
   if (threadIdx.x == 0) sm.record(qcur.stage)->pair = -1;
