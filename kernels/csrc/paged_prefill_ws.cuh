@@ -112,10 +112,13 @@ struct WsLayout {
   }
   static constexpr int S = fit();
   static constexpr int kSmemBytes = bytes(S);
-  static_assert(kSmemBytes <= kWsSmemLimit,
-                "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
-                "(a stage of K and V is 64 KB at head_dim 128)");
+  // False only for build options that leave no room (e.g. two Q buffers beside an fp8 cache's raw
+  // tiles at head_dim 128): the launcher then runs the two-warpgroup kernel for that cache.
+  static constexpr bool kFits = kSmemBytes <= kWsSmemLimit;
 };
+static_assert(WsLayout<__half, 128>::kFits,
+              "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
+              "(a stage of K and V is 64 KB at head_dim 128)");
 
 template <typename C, int D>
 constexpr int prefill_ws_smem_bytes() {
@@ -698,6 +701,7 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
 // Built for sm_90a only: elsewhere the body is empty and the launcher never picks it.
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kWsThreads, 1) paged_prefill_ws_kernel(const PrefillArgs a) {
+  static_assert(WsLayout<C, D>::kFits, "the tiles fit a block's shared memory");
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if KVPAGER_PREFILL_WGMMA
   prefill_detail::prefill_ws<T, C, D>(a, smem_raw);
