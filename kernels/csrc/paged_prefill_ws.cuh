@@ -292,6 +292,21 @@ __device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
 // position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
 // bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
 // dst + i * ROW_STEP * D), which the same thread then dequantizes (RawTiles).
+// The row (0 .. ROW_STEP - 1) and 16-byte chunk of a tile's fp8 rows that producer thread t copies
+// and dequantizes. At head_dim 128 the halves of each 8-lane group take adjacent rows (lanes 0-3:
+// row 2r, chunks 0-3; lanes 4-7: row 2r + 1, chunks 4-7; the next 8 lanes the other way round),
+// so that the 16-bit chunks an 8-lane phase stores fall in 8 distinct bank groups of the swizzled
+// stage; row-major, lanes 0-7 would store chunks 0, 2, 4, 6 of both 64-column panels, a 2-way
+// bank conflict. At head_dim 64 (4 lanes a row, two rows a phase) row-major has none.
+template <int D>
+__device__ __forceinline__ int2 raw_row_chunk(int t) {
+  constexpr int CCPR = D / 16;
+  if constexpr (CCPR == 8)
+    return make_int2(2 * (t >> 4) + (((t >> 3) ^ (t >> 2)) & 1), t & 7);
+  else
+    return make_int2(t / CCPR, t % CCPR);
+}
+
 template <typename C, int D>
 struct RowCopier {
   static constexpr bool kRaw = sizeof(C) == 1;
@@ -304,10 +319,15 @@ struct RowCopier {
 
   template <typename Blk>
   __device__ __forceinline__ explicit RowCopier(const Blk& blk)
-      : k(blk.kbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
-        v(blk.vbase + blk.my_ch * (16 / static_cast<int>(sizeof(C)))),
-        dst(kRaw ? blk.my_row * D + blk.my_ch * 16 : 2 * tile_off<Blk::BN>(blk.my_row, blk.my_ch)),
-        stride(static_cast<int>(blk.a.kv_stride_block)), my_row(blk.my_row), kv_end(blk.kv_end) {}
+      : RowCopier(blk, kRaw ? raw_row_chunk<D>(blk.loader) : make_int2(blk.my_row, blk.my_ch)) {}
+
+  // rc: this thread's (row, chunk).
+  template <typename Blk>
+  __device__ __forceinline__ RowCopier(const Blk& blk, int2 rc)
+      : k(blk.kbase + rc.y * (16 / static_cast<int>(sizeof(C)))),
+        v(blk.vbase + rc.y * (16 / static_cast<int>(sizeof(C)))),
+        dst(kRaw ? rc.x * D + rc.y * 16 : 2 * tile_off<Blk::BN>(rc.x, rc.y)),
+        stride(static_cast<int>(blk.a.kv_stride_block)), my_row(rc.x), kv_end(blk.kv_end) {}
 
   // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
   // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles, one per
@@ -359,16 +379,20 @@ struct RowCopier {
 // are into raw slot `slot` (the two slots alternate), and dequantized into the next stage one tile
 // later: after the next tile's copies are issued, and at an item's end after the next item's
 // set-up (its ticket, lengths, block ids and Q), so the copies' latency and the set-up's global
-// round trips overlap instead of adding up (dequantizing each tile as soon as its copies landed
-// took 1.01-1.10x this time; H200, 2026-11-26, ninth session). Measured and not kept: V
-// dequantized a tile after K (K_t's stage frees after S_{t-2}, V_t's only after P_{t-2} V_{t-2}),
-// no faster, and with one Q buffer it deadlocks: an item's last P V then waits for the next
-// item's second tile, whose producer waits for the consumers to take the next Q. Without any
-// conversion (timing only) the fp8 cache took 1.19-1.21x the 16-bit cache's time, against
-// 1.31-1.36x with it: the rest is the raw tiles' path and 2 stages instead of 3. A thread dequantizes only its own copies (it waits on
-// its own cp.async groups, no barrier), its chunk my_ch of rows my_row + i * ROW_STEP: the 16-bit
-// chunks 2 my_ch and 2 my_ch + 1 of the stage's rows. The stage's full barrier then gets a plain
-// arrival per thread, after a proxy fence (the stores are read by the tensor cores' async proxy).
+// round trips overlap instead of adding up. A thread dequantizes only its own copies (it waits on
+// its own cp.async groups, no barrier): its chunk my_ch of rows my_row + i * ROW_STEP
+// (raw_row_chunk), into the 16-bit chunks 2 my_ch and 2 my_ch + 1 of the stage's rows. The
+// stage's full barrier then gets a plain arrival per thread, after a proxy fence (the stores are
+// read by the tensor cores' async proxy).
+// Measured (H200, 2026-11-26, ninth session; docs/performance.md, "fp8 caches on the
+// warp-specialized prefill kernel"), fp8 cache time over the 16-bit cache's: dequantizing each
+// tile as soon as its copies landed 1.33-1.50x; this order 1.31-1.36x; with the bank-conflict-free
+// rows of raw_row_chunk 1.27-1.29x. Timing-only builds: no conversion (loads and stores kept)
+// 1.19-1.21x, no dequantization at all 0.89-1.04x, so the shared-memory round trip and the
+// conversion are what is left, not the raw tiles' path or the 2 stages. Not kept: V dequantized a
+// tile after K (K_t's stage frees after S_{t-2}, V_t's only after P_{t-2} V_{t-2}); no faster, and
+// with one Q buffer it deadlocks: an item's last P V then waits for the next item's second tile,
+// whose producer waits for the consumers to take the next Q.
 template <typename T, int D>
 struct RawTiles {
   static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
@@ -378,7 +402,8 @@ struct RawTiles {
   bool pending = false;   // a tile in the other slot waits to be dequantized
 
   __device__ __forceinline__ RawTiles() {
-    const int my_row = threadIdx.x / CCPR, my_ch = threadIdx.x % CCPR;
+    const int2 rc = raw_row_chunk<D>(threadIdx.x);   // as RowCopier copies
+    const int my_row = rc.x, my_ch = rc.y;
     src = my_row * D + my_ch * 16;
     lo = 2 * tile_off<kWsBN>(my_row, 2 * my_ch);
     hi = 2 * tile_off<kWsBN>(my_row, 2 * my_ch + 1);
