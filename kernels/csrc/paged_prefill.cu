@@ -9,8 +9,8 @@
 #include "paged_prefill.cuh"
 #include "paged_prefill_ws.cuh"
 
-// 0: the wgmma instances over 16-bit caches run the two-warpgroup kernel of paged_prefill.cuh
-// instead of the warp-specialized persistent one of paged_prefill_ws.cuh (for A/B timing).
+// 0: the wgmma instances run the two-warpgroup kernel of paged_prefill.cuh instead of the
+// warp-specialized persistent one of paged_prefill_ws.cuh, whatever the cache (for A/B timing).
 #ifndef KVPAGER_PREFILL_WS
 #define KVPAGER_PREFILL_WS 1
 #endif
