@@ -13,9 +13,7 @@ import time
 
 import pytest
 
-from kvpager.client import BlockManagerClient
 from kvpager.manager import ManagerConfig
-from kvpager.manager.service import create_server
 from tests.support import tools
 
 
@@ -154,6 +152,11 @@ def pytest_xdist_make_scheduler(config, log):
 @contextlib.contextmanager
 def running_server(config: ManagerConfig, max_workers: int = 16):
     """Start a server on 127.0.0.1:0; yield (client, service); check invariants and stop it."""
+    # Imported here, not at the top: the kernel tests then collect where the gRPC extras (health
+    # checking, reflection) are not installed, as on the lent GPU machines' image.
+    from kvpager.client import BlockManagerClient
+    from kvpager.manager.service import create_server
+
     server, port, service, _ = create_server(config, "127.0.0.1:0", max_workers=max_workers)
     server.start()
     client = BlockManagerClient(f"127.0.0.1:{port}", timeout=10)
