@@ -109,6 +109,17 @@ struct Mma<__half> {
   }
 };
 
+// 16 fp8 e4m3 values (16 bytes, the lowest first) -> 16 values of T, exactly: lo the first 8, hi the
+// last 8.
+template <typename T>
+__device__ __forceinline__ void fp8x16_to(const uint4& u, uint4& lo, uint4& hi) {
+  using M = Mma<T>;
+  lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
+  lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
+  hi.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); hi.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
+  hi.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); hi.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
+}
+
 // Element offset of 16-byte chunk `chunk` of row `row` in a tile of R rows x D 16-bit elements,
 // laid out as wgmma's 128-byte-swizzled canonical layout (also conflict-free for ldmatrix):
 // D / 64 column panels one after the other, each R rows of 128 bytes, and inside each group of
@@ -386,7 +397,6 @@ struct PrefillBlock {
   // converted (exactly) and stored.
   // kv0: the located tile's first position (rows' slots within their blocks follow from it).
   __device__ __forceinline__ void load_tile(T* dst, const C* base, int kv0) {
-    using M = Mma<T>;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = my_row + i * ROW_STEP;
@@ -399,10 +409,7 @@ struct PrefillBlock {
         uint4 u = make_uint4(0, 0, 0, 0);
         if (valid) u = __ldg(reinterpret_cast<const uint4*>(base + off + my_ch * 16));
         uint4 lo, hi;
-        lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
-        lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
-        hi.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); hi.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
-        hi.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); hi.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
+        fp8x16_to<T>(u, lo, hi);
         *reinterpret_cast<uint4*>(dst + tile_off<BN>(r, 2 * my_ch)) = lo;
         *reinterpret_cast<uint4*>(dst + tile_off<BN>(r, 2 * my_ch + 1)) = hi;
       }

@@ -286,12 +286,6 @@ __device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
   return b;
 }
 
-// What a producer thread needs to copy its rows of any K/V tile of an item, computed once per
-// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each. 16-bit
-// caches (C = T) are copied into a stage: as ROW_STEP is a multiple of 8, the swizzled chunk
-// position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
-// bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
-// dst + i * ROW_STEP * D), which the same thread then dequantizes (RawTiles).
 // The row (0 .. ROW_STEP - 1) and 16-byte chunk of a tile's fp8 rows that producer thread t copies
 // and dequantizes. At head_dim 128 the halves of each 8-lane group take adjacent rows (lanes 0-3:
 // row 2r, chunks 0-3; lanes 4-7: row 2r + 1, chunks 4-7; the next 8 lanes the other way round),
@@ -307,6 +301,12 @@ __device__ __forceinline__ int2 raw_row_chunk(int t) {
     return make_int2(t / CCPR, t % CCPR);
 }
 
+// What a producer thread needs to copy its rows of any K/V tile of an item, computed once per
+// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each. 16-bit
+// caches (C = T) are copied into a stage: as ROW_STEP is a multiple of 8, the swizzled chunk
+// position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
+// bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
+// dst + i * ROW_STEP * D), which the same thread then dequantizes (RawTiles).
 template <typename C, int D>
 struct RowCopier {
   static constexpr bool kRaw = sizeof(C) == 1;
@@ -451,7 +451,6 @@ struct RawTiles {
   // This thread's chunks of the raw tile at `raw` into the stage's tile at `tile`, exactly (e4m3
   // fits fp16 and bf16); rows that were zero-filled stay zeros.
   __device__ __forceinline__ void convert(uint32_t raw, uint32_t tile) const {
-    using M = Mma<T>;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       uint4 u;
@@ -460,10 +459,7 @@ struct RawTiles {
                    : "r"(raw + src + i * ROW_STEP * D)
                    : "memory");
       uint4 a, b;
-      a.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); a.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
-      a.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); a.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
-      b.x = M::from_fp8x2(static_cast<uint16_t>(u.z)); b.y = M::from_fp8x2(static_cast<uint16_t>(u.z >> 16));
-      b.z = M::from_fp8x2(static_cast<uint16_t>(u.w)); b.w = M::from_fp8x2(static_cast<uint16_t>(u.w >> 16));
+      fp8x16_to<T>(u, a, b);
       const uint32_t row = tile + i * ROW_STEP * 128;
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
                    : "memory");
@@ -504,26 +500,21 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
     const RowCopier<C, D> rows(blk);
-    if constexpr (RowCopier<C, D>::kRaw) {
-      for (int j = 0; j < blk.n_tiles; ++j) {
-        const int kv0 = j * Blk::BN;
-        const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+    for (int j = 0; j < blk.n_tiles; ++j) {
+      const int kv0 = j * Blk::BN;
+      const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+      if constexpr (RowCopier<C, D>::kRaw) {
         raw.template next<LG, C, Blk>(sm, rows, kv0, pages, cur);
-        pages = next_pages;
-      }
-    } else {
-      for (int j = 0; j < blk.n_tiles; ++j) {
-        const int kv0 = j * Blk::BN;
-        const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+      } else {
         mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
         rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
         mbar_arrive_on_copies(sm.full_k(cur.stage));
         mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
         rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.v_tile(cur.stage), rows.v, kv0, pages);
         mbar_arrive_on_copies(sm.full_v(cur.stage));
-        pages = next_pages;
         cur.advance();
       }
+      pages = next_pages;
     }
   }
   if constexpr (RowCopier<C, D>::kRaw) raw.flush(sm, cur);
