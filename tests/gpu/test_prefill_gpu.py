@@ -216,34 +216,14 @@ def test_dynamic_schedule_equals_the_static_one_and_leaves_its_counter_zero(dtyp
     gen = seeded("prefill dynamic schedule", dtype, group, block_size, head_dim)
     cases = _cases(block_size, gen) + [(4 * block_size + 5, 4 * block_size + 5)] * 3
     paged, queries, starts = _kernel_case(gen, block_size, head_dim, dtype, group, cases)
-    kv = paged.kv_cache.to(DEV)
-    query = torch.cat(queries).to(DEV)
-    tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
-    host = (starts.tolist(), paged.context_lens.tolist())
-    scale = head_dim ** -0.5
-    static = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "static")
-    dynamic = cuda._plan_prefill(query, kv[:, LAYER, 0], host, None, 8, None, "dynamic")
-    persistent = cuda.prefill_wgmma(query.device)
-    assert static.counter is None and (dynamic.counter is not None) == persistent
-    assert sorted(map(tuple, static.work.tolist())) == sorted(map(tuple, dynamic.work.tolist()))
-    want = cuda.paged_prefill_run(static, query, kv[:, LAYER, 0], kv[:, LAYER, 1], tables, lens, starts_d, scale)
-    for _ in range(3):
-        out = torch.full_like(query, float("nan"))
-        cuda.paged_prefill_run(dynamic, query, kv[:, LAYER, 0], kv[:, LAYER, 1], tables, lens, starts_d, scale,
-                               out=out)
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-        if persistent:
-            assert dynamic.counter.tolist() == [0, 0]
-    assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[dtype]
+    _check_dynamic_equals_static(paged, queries, starts, head_dim, TOL[dtype])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 64), (64, 128)])
 def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, head_dim):
-    """The same over an fp8 cache (on Hopper the warp-specialized kernel's dequantizing producer):
-    equal outputs bit for bit under both schedules, launch after launch, the counter left zero."""
+    """The same over an fp8 cache (on Hopper the warp-specialized kernel's dequantizing producer)."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill fp8 dynamic schedule", group, block_size, head_dim)
@@ -252,6 +232,13 @@ def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, hea
     paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
     paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
                                           paged=paged)
+    _check_dynamic_equals_static(paged, queries, starts, head_dim, TOL[torch.bfloat16], k_scale, v_scale)
+
+
+def _check_dynamic_equals_static(paged, queries, starts, head_dim, tol, k_scale=1.0, v_scale=1.0):
+    """Both schedules' plans on the case: the same items, outputs equal bit for bit over three
+    launches of the dynamic plan, its counter zero after each (persistent kernel), and the
+    static output within `tol` of float64 attention."""
     kv = paged.kv_cache.to(DEV)
     query = torch.cat(queries).to(DEV)
     tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
@@ -261,7 +248,8 @@ def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, hea
     static = cuda._plan_prefill(query, k, host, None, 8, None, "static")
     dynamic = cuda._plan_prefill(query, k, host, None, 8, None, "dynamic")
     persistent = cuda.prefill_wgmma(query.device)
-    assert (dynamic.counter is not None) == persistent
+    assert static.counter is None and (dynamic.counter is not None) == persistent
+    assert sorted(map(tuple, static.work.tolist())) == sorted(map(tuple, dynamic.work.tolist()))
     want = cuda.paged_prefill_run(static, query, k, v, tables, lens, starts_d, scale, k_scale, v_scale)
     for _ in range(3):
         out = torch.full_like(query, float("nan"))
@@ -270,7 +258,7 @@ def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, hea
         assert torch.equal(out, want)
         if persistent:
             assert dynamic.counter.tolist() == [0, 0]
-    assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < TOL[torch.bfloat16]
+    assert rel_err(want.cpu(), reference_attention(queries, paged, scale)) < tol
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
