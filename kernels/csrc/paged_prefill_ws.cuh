@@ -44,6 +44,8 @@
 // (8), q_empty one per consumer thread (256: each thread read the record and its Q fragments).
 #pragma once
 
+#include <type_traits>
+
 #include "paged_prefill.cuh"
 
 namespace kvpager {
@@ -81,6 +83,12 @@ constexpr bool kWsOverlap = KVPAGER_PREFILL_WS_OVERLAP != 0;
 #define KVPAGER_PREFILL_WS_QBUFS 1
 #endif
 constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
+// KVPAGER_PREFILL_WS_FP8_HALF=0: over fp8 caches the tensor cores multiply in the query's type
+// (bf16: every pair of cache values costs the producer about four conversions, through fp32)
+// instead of fp16, for A/B timing.
+#ifndef KVPAGER_PREFILL_WS_FP8_HALF
+#define KVPAGER_PREFILL_WS_FP8_HALF 1
+#endif
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
@@ -91,6 +99,15 @@ constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-sc
 
 constexpr int kWsSmemLimit = 227 * 1024;   // the shared memory a Hopper block can have
 constexpr int kWsRawSlots = 2;   // fp8 caches: raw K/V tile pairs (one landing while one is dequantized)
+// KVPAGER_PREFILL_WS_FP8_REGS=1: over fp8 caches the producer loads each tile's rows from the
+// pages into its registers and converts them into the stage from there (RegTiles), instead of
+// copying them into a raw tile first (RawTiles): no shared-memory round trip and room for a third
+// stage, but every load's latency is the producer's to wait out.
+#ifndef KVPAGER_PREFILL_WS_FP8_REGS
+#define KVPAGER_PREFILL_WS_FP8_REGS 0
+#endif
+constexpr bool kWsFp8Regs = KVPAGER_PREFILL_WS_FP8_REGS != 0;
+
 
 // The shared memory of one block over a cache of element type C: Q tiles, S K and V stages
 // (16-bit: wgmma reads them), for fp8 caches kWsRawSlots pairs of raw fp8 K/V tiles (the
@@ -100,7 +117,7 @@ constexpr int kWsRawSlots = 2;   // fp8 caches: raw K/V tile pairs (one landing 
 template <typename C, int D>
 struct WsLayout {
   static constexpr bool kFp8 = sizeof(C) == 1;
-  static constexpr int kRawBytes = kFp8 ? kWsRawSlots * 2 * kWsBN * D : 0;
+  static constexpr int kRawBytes = kFp8 && !kWsFp8Regs ? kWsRawSlots * 2 * kWsBN * D : 0;
   static constexpr int bytes(int stages) {
     return (kWsQBufs * kWsRows + 2 * stages * kWsBN) * D * 2 + kRawBytes + 1024 + kWsBarrierBytes +
            kWsQBufs * kWsRecordBytes + kWsTicketBytes;
@@ -163,7 +180,8 @@ __device__ __forceinline__ void regs_up() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Registers per thread after the hand-over: 128 x 56 + 256 x 224 <= 64K.
+// Registers per thread after the hand-over: 128 x 56 + 256 x 224 = 384 x 168, the block's allocation
+// (__launch_bounds__(384, 1)): consumers asking for more than the producer gives back wait forever.
 constexpr int kWsProducerRegs = 56;
 constexpr int kWsConsumerRegs = 224;
 constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
@@ -232,6 +250,43 @@ struct StageCursor {
     }
   }
 };
+
+// The 16-bit type the tensor cores multiply in: the query's, except over fp8 caches, where it is
+// fp16 whatever the query's type. e4m3 -> fp16 is one cvt per pair of values, e4m3 -> bf16 about
+// four (through fp32), and the producer converts every cache value; both are exact. A bf16 query
+// is converted once per item (ws_query_to_half, scaled into fp16's range), P is packed to fp16
+// (3 more bits than bf16), and the output is written in the query's type.
+template <typename T, typename C>
+using WsMma = std::conditional_t<sizeof(C) == 1 && KVPAGER_PREFILL_WS_FP8_HALF != 0, __half, T>;
+
+// A warp's bf16 query fragments (the A operands of its S GEMMs) -> fp16, times 2^f with f putting
+// the warp's largest |q| in [2^14, 2^15): under fp16's largest value, and every q within 2^28 of
+// it exact (bf16 has 8 significant bits, fp16 11); smaller ones add under 2^-28 of the largest
+// term to a score. Returns 2^-f, the factor the warp's scores are to be scaled back by (folded
+// into the softmax scale). Every lane of the warp must call it; once per item.
+template <int KS>
+__device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
+  float mx = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      mx = fmaxf(mx, fmaxf(fabsf(__uint_as_float(qa[kk][e] << 16)), fabsf(__uint_as_float(qa[kk][e] & 0xffff0000u))));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const int e = mx > 0.f ? static_cast<int>((__float_as_uint(mx) >> 23) & 0xff) - 127 : 0;   // floor(log2 mx)
+  const int f = min(max(14 - e, -126), 126);
+  const float up = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int e2 = 0; e2 < 4; ++e2) {
+      const uint32_t w = qa[kk][e2];
+      const __half2 h = __floats2half2_rn(__uint_as_float(w << 16) * up, __uint_as_float(w & 0xffff0000u) * up);
+      qa[kk][e2] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
+}
 
 // An item as the warp-specialized kernel runs it: 128 query rows, K/V tiles of kWsBN positions
 // copied by the 128 producer threads (C: the cache's element type).
@@ -329,13 +384,14 @@ struct RowCopier {
         dst(kRaw ? rc.x * D + rc.y * 16 : 2 * tile_off<Blk::BN>(rc.x, rc.y)),
         stride(static_cast<int>(blk.a.kv_stride_block)), my_row(rc.x), kv_end(blk.kv_end) {}
 
-  // This thread's rows of the tile at positions [kv0, kv0 + BN) of `base` (k or v) into the
-  // stage at `tile`, by cp.async; block ids from `pages` (tile_pages) by warp shuffles, one per
-  // page this thread touches (not one per row). Rows at or past kv_end, or in an invalid block,
-  // are zero-filled, never read. LG: log2 of the block size, so that which page and slot each
-  // row falls in is known at compile time; WHOLE: every row of the tile is before kv_end.
-  template <int BN, int RPT, int ROW_STEP, int LG, bool WHOLE>
-  __device__ __forceinline__ void copy_rows(uint32_t tile, const C* base, int kv0, int pages) const {
+  // Calls emit(i, src, valid) for each of this thread's rows i (< RPT) of the tile at positions
+  // [kv0, kv0 + BN) of `base` (k or v): src, the row's chunk in the cache; valid false for rows at
+  // or past kv_end or in an invalid block (never to be read). Block ids come from `pages`
+  // (tile_pages) by warp shuffles, one per page this thread touches (not one per row). LG: log2 of
+  // the block size, so that which page and slot each row falls in is known at compile time; WHOLE:
+  // every row of the tile is before kv_end.
+  template <int BN, int RPT, int ROW_STEP, int LG, bool WHOLE, typename Emit>
+  __device__ __forceinline__ void visit_rows(const C* base, int kv0, int pages, Emit&& emit) const {
     constexpr int BS = 1 << LG;
     const int row_pos = kv0 + my_row;   // the position of this thread's row i is row_pos + i * ROW_STEP
     if constexpr (ROW_STEP <= BS) {
@@ -350,8 +406,7 @@ struct RowCopier {
 #pragma unroll
         for (int sub = 0; sub < SUBS; ++sub) {
           const int i = p * SUBS + sub;
-          const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
-          cp_async16(tile + dst + i * ROW_STEP * kPitch, src + sub * ROW_STEP * D, valid);
+          emit(i, src + sub * ROW_STEP * D, b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end));
         }
       }
     } else {
@@ -360,18 +415,26 @@ struct RowCopier {
       for (int i = 0; i < RPT; ++i) {
         const int b = __shfl_sync(0xffffffffu, pages, (my_row >> LG) + i * (ROW_STEP >> LG));
         const C* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + (my_row & (BS - 1)) * D;
-        const bool valid = b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end);
-        cp_async16(tile + dst + i * ROW_STEP * kPitch, src, valid);
+        emit(i, src, b >= 0 && (WHOLE || row_pos + i * ROW_STEP < kv_end));
       }
     }
   }
 
+  template <int BN, int RPT, int ROW_STEP, int LG, typename Emit>
+  __device__ __forceinline__ void visit(const C* base, int kv0, int pages, Emit&& emit) const {
+    if (kv0 + BN <= kv_end)
+      visit_rows<BN, RPT, ROW_STEP, LG, true>(base, kv0, pages, emit);
+    else
+      visit_rows<BN, RPT, ROW_STEP, LG, false>(base, kv0, pages, emit);
+  }
+
+  // This thread's rows of the tile into the stage (or raw tile) at `tile`, by cp.async; rows not
+  // valid are zero-filled.
   template <int BN, int RPT, int ROW_STEP, int LG>
   __device__ __forceinline__ void copy(uint32_t tile, const C* base, int kv0, int pages) const {
-    if (kv0 + BN <= kv_end)
-      copy_rows<BN, RPT, ROW_STEP, LG, true>(tile, base, kv0, pages);
-    else
-      copy_rows<BN, RPT, ROW_STEP, LG, false>(tile, base, kv0, pages);
+    visit<BN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
+      cp_async16(tile + dst + i * ROW_STEP * kPitch, src, valid);
+    });
   }
 };
 
@@ -469,13 +532,66 @@ struct RawTiles {
   }
 };
 
+// fp8 caches with KVPAGER_PREFILL_WS_FP8_REGS=1, a producer thread's side: each half tile (K, then
+// V) loaded from the pages into registers (RPT 16-byte loads), then, once its stage is free,
+// converted into it (the chunks of raw_row_chunk, as RawTiles) and signalled as RawTiles does.
+template <typename T, int D>
+struct RegTiles {
+  static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
+  uint32_t lo, hi;    // this thread's two 16-bit chunks of row my_row in a stage (bytes)
+
+  __device__ __forceinline__ RegTiles() {
+    const int2 rc = raw_row_chunk<D>(threadIdx.x);   // as RowCopier reads
+    lo = 2 * tile_off<kWsBN>(rc.x, 2 * rc.y);
+    hi = 2 * tile_off<kWsBN>(rc.x, 2 * rc.y + 1);
+  }
+
+  template <int LG, typename C, typename Blk, typename Cursor>
+  __device__ __forceinline__ void next(const WsSmem<C, D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
+                                       Cursor& cur) {
+    static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "RegTiles and RowCopier split a tile alike");
+    half<LG>(rows, rows.k, kv0, pages, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
+    half<LG>(rows, rows.v, kv0, pages, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
+    cur.advance();
+  }
+
+  template <typename C, typename Cursor>
+  __device__ __forceinline__ void flush(const WsSmem<C, D>&, Cursor&) {}
+
+  template <int LG, typename C>
+  __device__ __forceinline__ void half(const RowCopier<C, D>& rows, const C* base, int kv0, int pages, uint32_t tile,
+                                       uint32_t empty, uint32_t full, uint32_t phase) const {
+    uint4 u[RPT];
+    rows.template visit<kWsBN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
+      u[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (valid) u[i] = __ldg(reinterpret_cast<const uint4*>(src));
+    });
+    mbar_wait(empty, phase ^ 1);
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      uint4 a, b;
+      fp8x16_to<T>(u[i], a, b);
+      const uint32_t row = tile + i * ROW_STEP * 128;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
+                   : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w)
+                   : "memory");
+    }
+    fence_proxy_async();
+    mbar_arrive(full);
+  }
+};
+
+template <typename T, int D>
+using Fp8Tiles = std::conditional_t<kWsFp8Regs, RegTiles<T, D>, RawTiles<T, D>>;
+
 template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, C, D>;
   const WsSmem<C, D> sm(smem_raw);
   StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
-  RawTiles<T, D> raw;   // fp8 caches only
+  Fp8Tiles<WsMma<T, C>, D> raw;   // fp8 caches only: dequantized into the tensor cores' type
   for (int m = 0;; ++m) {
     const int pair = ws_next_pair(a, m, num_pairs, sm.ticket());
     if (pair >= num_pairs) break;
@@ -552,7 +668,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&
 template <typename T, typename C, int D>
 __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* smem_raw) {
   using Blk = WsBlock<T, C, D>;
-  using Softmax = RowSoftmax<T, D, kWsBN>;
+  using MT = WsMma<T, C>;   // the tensor cores' type (P is packed to it)
+  using Softmax = RowSoftmax<MT, D, kWsBN>;
   constexpr int BM = kWsRows, BN = kWsBN;
   const WsSmem<C, D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
@@ -604,6 +721,8 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     for (int kk = 0; kk < D / 16; ++kk)
       ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
     mbar_arrive(sm.q_empty(qb));
+    float sl2 = a.scale_log2;   // the softmax scale (log2 domain) of this warp's raw scores
+    if constexpr (!std::is_same_v<MT, T>) sl2 *= ws_query_to_half(qa);
     if (kWsOverlap) finish_pending();   // the previous item's last P V ran under this set-up
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -626,13 +745,13 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-        wgmma_rs<0>(Tag<T>{}, s, qa[kk], k_desc + (dk >> 4), kk == 0 ? 0 : 1);
+        wgmma_rs<0>(Tag<MT>{}, s, qa[kk], k_desc + (dk >> 4), kk == 0 ? 0 : 1);
       }
       wgmma_commit();
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
         mbar_wait(sm.full_v(prev.stage), prev.phase);
         fence_proxy_async();
-        issue_pv<T, D, BN>(o, pa, sm.v_tile(prev.stage));
+        issue_pv<MT, D, BN>(o, pa, sm.v_tile(prev.stage));
         wgmma_commit();
       }
       if (j > 0)
@@ -645,7 +764,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(s);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_k(cur.stage));
-      const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, a.scale_log2, t4);
+      const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, sl2, t4);
       // P_j, meant to run under P_{j-1} V_{j-1}. Without the fence NVVM sinks most of the softmax
       // below the wait; with it the PTX has the intended order, but ptxas (nvcc 13.0) still moves
       // the wait up to just after the mask, so the max, exp and sums run after P V (read in the
@@ -669,7 +788,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(o);
       fence_regs(pa);
       wgmma_fence();
-      issue_pv<T, D, BN>(o, pa, sm.v_tile(prev.stage));
+      issue_pv<MT, D, BN>(o, pa, sm.v_tile(prev.stage));
       wgmma_commit();
     }
     out = out_rows(blk, soft, r_a);   // (no tiles: nothing visible, zero rows)

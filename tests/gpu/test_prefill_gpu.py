@@ -142,6 +142,33 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, gro
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("magnitude", [1e-7, 3e5])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
+def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size, head_dim):
+    """bf16 queries far below and above fp16's range over an fp8 cache: on Hopper the
+    warp-specialized kernel multiplies in fp16 there, each warp's queries scaled into its range
+    (unscaled, 3e5 overflows fp16 and 1e-7 is below its smallest subnormal step). The softmax scale
+    is divided by the magnitude, so that the scores, and so the float64 truth, stay ordinary."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill fp8 query range", magnitude, group, block_size, head_dim)
+    cases = _cases(block_size, gen)
+    k_scale, v_scale = 0.05, 0.03
+    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
+                                          paged=paged)
+    queries = [(q.float() * magnitude).to(torch.bfloat16) for q in queries]
+    scale = head_dim ** -0.5 / magnitude
+    out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
+    assert torch.isfinite(out).all()
+    ref = reference_attention(queries, paged, scale)
+    for i, (ctx, q_len) in enumerate(cases):
+        s, e = int(starts[i]), int(starts[i + 1])
+        assert rel_err(out[s:e], ref[s:e]) < TOL[torch.bfloat16], f"sequence {i} (context {ctx}, queries {q_len})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_prefill_dispatch_with_and_without_the_kernel(use_kernel, monkeypatch):
     """ops → prefill.py with the kernel forced on and off: a mixed step (decodes ride along)."""
