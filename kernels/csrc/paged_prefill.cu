@@ -85,12 +85,11 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
   const bool ok = dispatch_prefill(dtype, cache_dtype, a.head_dim, a.warps, a.wgmma != 0, [&](auto cfg) {
     using Cfg = decltype(cfg);
     constexpr bool fp8 = !std::is_same_v<typename Cfg::T, typename Cfg::C>;
-    if constexpr (Cfg::WG && KVPAGER_PREFILL_WS != 0 && (!fp8 || KVPAGER_PREFILL_WS_FP8 != 0) &&
-                  WsLayout<typename Cfg::C, Cfg::D>::kFits) {
+    if constexpr (Cfg::WG && KVPAGER_PREFILL_WS != 0 && (!fp8 || KVPAGER_PREFILL_WS_FP8 != 0)) {
       if (paged_prefill_has_wgmma(device)) {
         // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
         auto ws = paged_prefill_ws_kernel<typename Cfg::T, typename Cfg::C, Cfg::D>;
-        constexpr int ws_smem = prefill_ws_smem_bytes<typename Cfg::C, Cfg::D>();
+        constexpr int ws_smem = prefill_ws_smem_bytes<Cfg::D>();
         err = cudaFuncSetAttribute(ws, cudaFuncAttributeMaxDynamicSharedMemorySize, ws_smem);
         if (err != cudaSuccess) return;
         const int64_t pairs = static_cast<int64_t>(a.num_items) * a.num_kv_heads;

@@ -32,12 +32,11 @@
 //   cores behind its P_{j-1} V_{j-1}, and one's softmax runs under the other's GEMMs.
 // The producer moves on to the next item's Q and tiles as soon as it has issued this item's, so
 // the consumers find them landed when they finish the item (its last P V and its output rows).
-// fp8 e4m3 caches (since 2026-11-26, ninth session; before, the two-warpgroup kernel ran them at
-// 1.7-1.9x the 16-bit cache's time): the producer copies each tile's fp8 rows as they are into a
-// raw tile (2 K/V pairs, a tile ahead), and each thread dequantizes its own rows into the 16-bit
-// stage (exact: e4m3 fits fp16 and bf16), then arrives on its full barrier; the consumers are the
-// same code (the per-tensor k_scale is in the softmax scale, v_scale in the output). The raw tiles
-// take a stage's room at head_dim 128 (WsLayout: 2 stages).
+// fp8 e4m3 caches (since 2026-11-26; before, the two-warpgroup kernel ran them at 1.7-1.9x the
+// 16-bit cache's time): the producer loads each half tile's fp8 rows into its registers,
+// converts them into the stage (exact: e4m3 fits fp16) and arrives on its full barrier
+// (Fp8TileLoader); the consumers are the same code, multiplying in fp16 whatever the query's type
+// (WsMma; the per-tensor k_scale is in the softmax scale, v_scale in the output).
 //
 // Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
 // one more (thread 0's, releasing the record); empty K/V barriers one arrival per consumer warp
@@ -98,29 +97,16 @@ constexpr int kWsRecordBytes = 32;   // one WsRecord per Q buffer
 constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-schedule ticket
 
 constexpr int kWsSmemLimit = 227 * 1024;   // the shared memory a Hopper block can have
-constexpr int kWsRawSlots = 2;   // fp8 caches: raw K/V tile pairs (one landing while one is dequantized)
-// KVPAGER_PREFILL_WS_FP8_REGS=1: over fp8 caches the producer loads each tile's rows from the
-// pages into its registers and converts them into the stage from there (RegTiles), instead of
-// copying them into a raw tile first (RawTiles): no shared-memory round trip and room for a third
-// stage, but every load's latency is the producer's to wait out.
-#ifndef KVPAGER_PREFILL_WS_FP8_REGS
-#define KVPAGER_PREFILL_WS_FP8_REGS 0
-#endif
-constexpr bool kWsFp8Regs = KVPAGER_PREFILL_WS_FP8_REGS != 0;
 
-
-// The shared memory of one block over a cache of element type C: Q tiles, S K and V stages
-// (16-bit: wgmma reads them), for fp8 caches kWsRawSlots pairs of raw fp8 K/V tiles (the
-// producer's copies land there and are dequantized into a stage), 1 KB of alignment slack, the
-// mbarriers, the item records and the ticket word. S: kWsStages, or fewer where the raw tiles
-// would not fit beside them (fp8, head_dim 128: 2 stages of 64 KB and 64 KB of raw tiles).
-template <typename C, int D>
+// The shared memory of one block (any cache: fp8 tiles are converted into 16-bit stages): Q tiles,
+// S K and V stages (16-bit: wgmma reads them), 1 KB of alignment slack, the mbarriers, the item
+// records and the ticket word. S: kWsStages, or fewer where they would not fit (two Q buffers at
+// head_dim 128: 2 stages).
+template <int D>
 struct WsLayout {
-  static constexpr bool kFp8 = sizeof(C) == 1;
-  static constexpr int kRawBytes = kFp8 && !kWsFp8Regs ? kWsRawSlots * 2 * kWsBN * D : 0;
   static constexpr int bytes(int stages) {
-    return (kWsQBufs * kWsRows + 2 * stages * kWsBN) * D * 2 + kRawBytes + 1024 + kWsBarrierBytes +
-           kWsQBufs * kWsRecordBytes + kWsTicketBytes;
+    return (kWsQBufs * kWsRows + 2 * stages * kWsBN) * D * 2 + 1024 + kWsBarrierBytes + kWsQBufs * kWsRecordBytes +
+           kWsTicketBytes;
   }
   static constexpr int fit() {
     int s = kWsStages;
@@ -129,17 +115,14 @@ struct WsLayout {
   }
   static constexpr int S = fit();
   static constexpr int kSmemBytes = bytes(S);
-  // False only for build options that leave no room (e.g. two Q buffers beside an fp8 cache's raw
-  // tiles at head_dim 128): the launcher then runs the two-warpgroup kernel for that cache.
-  static constexpr bool kFits = kSmemBytes <= kWsSmemLimit;
 };
-static_assert(WsLayout<__half, 128>::kFits,
+static_assert(WsLayout<128>::kSmemBytes <= kWsSmemLimit && WsLayout<64>::kSmemBytes <= kWsSmemLimit,
               "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
               "(a stage of K and V is 64 KB at head_dim 128)");
 
-template <typename C, int D>
+template <int D>
 constexpr int prefill_ws_smem_bytes() {
-  return WsLayout<C, D>::kSmemBytes;
+  return WsLayout<D>::kSmemBytes;
 }
 
 namespace prefill_detail {
@@ -187,12 +170,6 @@ constexpr int kWsConsumerRegs = 224;
 constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
 constexpr int kWsProducerBar = 3;   // named barrier 3: the producer warpgroup's 128 threads
 
-// Returns once at most N of this thread's committed cp.async groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_groups() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 __device__ __forceinline__ void producer_sync() {
   asm volatile("bar.sync %0, %1;\n" ::"r"(kWsProducerBar), "r"(128) : "memory");
 }
@@ -207,18 +184,17 @@ struct WsRecord {
 };
 static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 
-// Shared-memory addresses of one block's tiles and barriers (WsLayout<C, D>).
-template <typename C, int D>
+// Shared-memory addresses of one block's tiles and barriers (WsLayout<D>).
+template <int D>
 struct WsSmem {
-  static constexpr int BN = kWsBN, S = WsLayout<C, D>::S;
-  uint32_t q0, tiles, raw_tiles, bars;
+  static constexpr int BN = kWsBN, S = WsLayout<D>::S;
+  uint32_t q0, tiles, bars;
   unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
     const uint32_t raw = smem_addr(smem_raw);
     q0 = (raw + 1023) & ~1023u;
     tiles = q0 + kWsQBufs * kWsRows * D * 2;
-    raw_tiles = tiles + 2 * S * BN * D * 2;
-    bars = raw_tiles + WsLayout<C, D>::kRawBytes;
+    bars = tiles + 2 * S * BN * D * 2;
     tail = smem_raw + (bars - raw) + kWsBarrierBytes;
   }
   __device__ __forceinline__ WsRecord* record(int qb) const { return reinterpret_cast<WsRecord*>(tail) + qb; }
@@ -226,9 +202,6 @@ struct WsSmem {
   __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
   __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
   __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
-  // fp8 caches: raw slot rs's K and V tiles (BN rows of D bytes each).
-  __device__ __forceinline__ uint32_t raw_k(int rs) const { return raw_tiles + rs * 2 * BN * D; }
-  __device__ __forceinline__ uint32_t raw_v(int rs) const { return raw_k(rs) + BN * D; }
   __device__ __forceinline__ uint32_t full_k(int st) const { return bars + 8 * st; }
   __device__ __forceinline__ uint32_t full_v(int st) const { return bars + 8 * (S + st); }
   __device__ __forceinline__ uint32_t empty_k(int st) const { return bars + 8 * (2 * S + st); }
@@ -341,14 +314,23 @@ __device__ __forceinline__ int tile_pages(const Blk& blk, int kv0) {
   return b;
 }
 
-// The row (0 .. ROW_STEP - 1) and 16-byte chunk of a tile's fp8 rows that producer thread t copies
-// and dequantizes. At head_dim 128 the halves of each 8-lane group take adjacent rows (lanes 0-3:
+// threadIdx.x, read where it is used: what is computed from it then stays in the loop instead of
+// being hoisted out and held in a register across the producer's loops (over fp8 caches they have
+// none to spare: ptxas spilled).
+__device__ __forceinline__ int thread_index_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
+// The row (0 .. ROW_STEP - 1) and 16-byte chunk of a tile's fp8 rows that producer thread t loads
+// and converts. At head_dim 128 the halves of each 8-lane group take adjacent rows (lanes 0-3:
 // row 2r, chunks 0-3; lanes 4-7: row 2r + 1, chunks 4-7; the next 8 lanes the other way round),
 // so that the 16-bit chunks an 8-lane phase stores fall in 8 distinct bank groups of the swizzled
 // stage; row-major, lanes 0-7 would store chunks 0, 2, 4, 6 of both 64-column panels, a 2-way
 // bank conflict. At head_dim 64 (4 lanes a row, two rows a phase) row-major has none.
 template <int D>
-__device__ __forceinline__ int2 raw_row_chunk(int t) {
+__device__ __forceinline__ int2 fp8_row_chunk(int t) {
   constexpr int CCPR = D / 16;
   if constexpr (CCPR == 8)
     return make_int2(2 * (t >> 4) + (((t >> 3) ^ (t >> 2)) & 1), t & 7);
@@ -356,32 +338,31 @@ __device__ __forceinline__ int2 raw_row_chunk(int t) {
     return make_int2(t / CCPR, t % CCPR);
 }
 
-// What a producer thread needs to copy its rows of any K/V tile of an item, computed once per
-// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk my_ch of each. 16-bit
-// caches (C = T) are copied into a stage: as ROW_STEP is a multiple of 8, the swizzled chunk
-// position is the same in every row, so the destination of row i is dst + i * ROW_STEP * 128
-// bytes. fp8 caches are copied as they are into a raw tile (rows of D bytes, unswizzled: row i at
-// dst + i * ROW_STEP * D), which the same thread then dequantizes (RawTiles).
+// What a producer thread needs to read its rows of any K/V tile of an item, computed once per
+// item: its rows are my_row + i * ROW_STEP (i < RPT), its 16-byte chunk of each (fp8 caches:
+// fp8_row_chunk's). A 16-bit cache's rows are copied into a stage (copy): as ROW_STEP is a
+// multiple of 8, the swizzled chunk position is the same in every row, so the destination of row
+// i is dst + i * ROW_STEP * 128 bytes. An fp8 cache's rows are loaded into registers and converted
+// into the stage by Fp8TileLoader (visit).
 template <typename C, int D>
 struct RowCopier {
-  static constexpr bool kRaw = sizeof(C) == 1;
-  static constexpr int kPitch = kRaw ? D : 128;   // destination bytes from one row to the next
+  static constexpr bool kFp8 = sizeof(C) == 1;
   const C* k;       // the item's KV head in the K cache, at this thread's chunk
   const C* v;
-  uint32_t dst;     // this thread's chunk of row my_row, relative to a tile's start (bytes)
+  uint32_t dst;     // 16-bit caches: this thread's chunk of row my_row, from a stage's start (bytes)
   int stride;       // elements between consecutive blocks (checked < 2^31 by the launcher)
   int my_row, kv_end;
 
   template <typename Blk>
   __device__ __forceinline__ explicit RowCopier(const Blk& blk)
-      : RowCopier(blk, kRaw ? raw_row_chunk<D>(blk.loader) : make_int2(blk.my_row, blk.my_ch)) {}
+      : RowCopier(blk, kFp8 ? fp8_row_chunk<D>(blk.loader) : make_int2(blk.my_row, blk.my_ch)) {}
 
   // rc: this thread's (row, chunk).
   template <typename Blk>
   __device__ __forceinline__ RowCopier(const Blk& blk, int2 rc)
       : k(blk.kbase + rc.y * (16 / static_cast<int>(sizeof(C)))),
         v(blk.vbase + rc.y * (16 / static_cast<int>(sizeof(C)))),
-        dst(kRaw ? rc.x * D + rc.y * 16 : 2 * tile_off<Blk::BN>(rc.x, rc.y)),
+        dst(2 * tile_off<Blk::BN>(rc.x, rc.y)),
         stride(static_cast<int>(blk.a.kv_stride_block)), my_row(rc.x), kv_end(blk.kv_end) {}
 
   // Calls emit(i, src, valid) for each of this thread's rows i (< RPT) of the tile at positions
@@ -428,153 +409,68 @@ struct RowCopier {
       visit_rows<BN, RPT, ROW_STEP, LG, false>(base, kv0, pages, emit);
   }
 
-  // This thread's rows of the tile into the stage (or raw tile) at `tile`, by cp.async; rows not
-  // valid are zero-filled.
+  // This thread's rows of the tile into the stage at `tile`, by cp.async; rows not valid are
+  // zero-filled.
   template <int BN, int RPT, int ROW_STEP, int LG>
   __device__ __forceinline__ void copy(uint32_t tile, const C* base, int kv0, int pages) const {
+    static_assert(!kFp8, "fp8 rows are converted on their way (Fp8TileLoader)");
     visit<BN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
-      cp_async16(tile + dst + i * ROW_STEP * kPitch, src, valid);
+      cp_async16(tile + dst + i * ROW_STEP * 128, src, valid);
     });
   }
 };
 
-// fp8 caches, a producer thread's side of the raw tiles. Each tile's fp8 rows are copied as they
-// are into raw slot `slot` (the two slots alternate), and dequantized into the next stage one tile
-// later: after the next tile's copies are issued, and at an item's end after the next item's
-// set-up (its ticket, lengths, block ids and Q), so the copies' latency and the set-up's global
-// round trips overlap instead of adding up. A thread dequantizes only its own copies (it waits on
-// its own cp.async groups, no barrier): its chunk my_ch of rows my_row + i * ROW_STEP
-// (raw_row_chunk), into the 16-bit chunks 2 my_ch and 2 my_ch + 1 of the stage's rows. The
-// stage's full barrier then gets a plain arrival per thread, after a proxy fence (the stores are
-// read by the tensor cores' async proxy).
-// Measured (H200, 2026-11-26, ninth session; docs/performance.md, "fp8 caches on the
-// warp-specialized prefill kernel"), fp8 cache time over the 16-bit cache's: dequantizing each
-// tile as soon as its copies landed 1.33-1.50x; this order 1.31-1.36x; with the bank-conflict-free
-// rows of raw_row_chunk 1.27-1.29x. Timing-only builds: no conversion (loads and stores kept)
-// 1.19-1.21x, no dequantization at all 0.89-1.04x, so the shared-memory round trip and the
-// conversion are what is left, not the raw tiles' path or the 2 stages. Not kept: V dequantized a
-// tile after K (K_t's stage frees after S_{t-2}, V_t's only after P_{t-2} V_{t-2}); no faster, and
-// with one Q buffer it deadlocks: an item's last P V then waits for the next item's second tile,
-// whose producer waits for the consumers to take the next Q.
+// fp8 caches, a producer thread's side: each half tile (K, then V) loaded from the pages into its
+// registers (RPT 16-byte loads: its chunk of rows my_row + i * ROW_STEP, fp8_row_chunk), then, once
+// the stage is free, converted into it (e4m3 -> fp16 exactly, one cvt a pair: WsMma), the stage's
+// full barrier getting a plain arrival per thread after a proxy fence (the stores are read by the
+// tensor cores' async proxy). A thread converts only its own loads: no barrier among producers.
+// Measured against copying the rows as they are into raw tiles in shared memory (cp.async, a tile
+// ahead) and converting from there (H200, 2026-11-26, tenth session; docs/performance.md, "fp8
+// caches on the warp-specialized prefill kernel"): 3-5% less time on every shape, although each
+// half tile's load latency is waited out here. The raw tiles cost a shared-memory round trip and
+// the third stage's room. Before both, e4m3 -> bf16 (about 4 instructions a pair, through fp32)
+// took another 5%.
 template <typename T, int D>
-struct RawTiles {
+struct Fp8TileLoader {
   static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
-  uint32_t src;       // this thread's chunk of row my_row in a raw tile (bytes)
-  uint32_t lo, hi;    // its two 16-bit chunks of row my_row in a stage (bytes)
-  int slot = 0;       // the raw slot the next tile's copies go to
-  bool pending = false;   // a tile in the other slot waits to be dequantized
-
-  __device__ __forceinline__ RawTiles() {
-    const int2 rc = raw_row_chunk<D>(threadIdx.x);   // as RowCopier copies
-    const int my_row = rc.x, my_ch = rc.y;
-    src = my_row * D + my_ch * 16;
-    lo = 2 * tile_off<kWsBN>(my_row, 2 * my_ch);
-    hi = 2 * tile_off<kWsBN>(my_row, 2 * my_ch + 1);
+  // This thread's 16-bit chunks 2c and 2c + 1 of row my_row in a stage (its fp8 chunk c, as
+  // RowCopier reads): at lo and lo ^ 16 bytes (the same 128-byte row of the same panel, swizzled by
+  // the same row bits). Computed where used (thread_index_here).
+  static __device__ __forceinline__ uint32_t lo() {
+    const int2 rc = fp8_row_chunk<D>(thread_index_here());
+    return 2 * tile_off<kWsBN>(rc.x, 2 * rc.y);
   }
 
-  // The item's tile at kv0 (block ids `pages`, tile_pages): its copies issued into the free slot,
-  // then the pending tile dequantized.
+  // The item's tile at kv0 (block ids `pages`, tile_pages) into the stage at cur, which advances.
   template <int LG, typename C, typename Blk, typename Cursor>
-  __device__ __forceinline__ void next(const WsSmem<C, D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
-                                       Cursor& cur) {
-    static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "RawTiles and RowCopier split a tile alike");
-    rows.template copy<kWsBN, RPT, ROW_STEP, LG>(sm.raw_k(slot), rows.k, kv0, pages);
-    rows.template copy<kWsBN, RPT, ROW_STEP, LG>(sm.raw_v(slot), rows.v, kv0, pages);
-    cp_async_commit();
-    if (pending) {
-      cp_async_wait_groups<1>();   // the pending tile's copies landed (this tile's stay in flight)
-      dequantize(sm, cur, slot ^ 1);
-    }
-    pending = true;
-    slot ^= 1;
-  }
-
-  // The last tile, once no other is coming.
-  template <typename C, typename Cursor>
-  __device__ __forceinline__ void flush(const WsSmem<C, D>& sm, Cursor& cur) {
-    if (!pending) return;
-    cp_async_wait_groups<0>();
-    dequantize(sm, cur, slot ^ 1);
-    pending = false;
-  }
-
-  template <typename C, typename Cursor>
-  __device__ __forceinline__ void dequantize(const WsSmem<C, D>& sm, Cursor& cur, int s) const {
-    mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
-    convert(sm.raw_k(s), sm.k_tile(cur.stage));
-    fence_proxy_async();
-    mbar_arrive(sm.full_k(cur.stage));
-    mbar_wait(sm.empty_v(cur.stage), cur.phase ^ 1);
-    convert(sm.raw_v(s), sm.v_tile(cur.stage));
-    fence_proxy_async();
-    mbar_arrive(sm.full_v(cur.stage));
-    cur.advance();
-  }
-
-  // This thread's chunks of the raw tile at `raw` into the stage's tile at `tile`, exactly (e4m3
-  // fits fp16 and bf16); rows that were zero-filled stay zeros.
-  __device__ __forceinline__ void convert(uint32_t raw, uint32_t tile) const {
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      uint4 u;
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-                   : "r"(raw + src + i * ROW_STEP * D)
-                   : "memory");
-      uint4 a, b;
-      fp8x16_to<T>(u, a, b);
-      const uint32_t row = tile + i * ROW_STEP * 128;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
-                   : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w)
-                   : "memory");
-    }
-  }
-};
-
-// fp8 caches with KVPAGER_PREFILL_WS_FP8_REGS=1, a producer thread's side: each half tile (K, then
-// V) loaded from the pages into registers (RPT 16-byte loads), then, once its stage is free,
-// converted into it (the chunks of raw_row_chunk, as RawTiles) and signalled as RawTiles does.
-template <typename T, int D>
-struct RegTiles {
-  static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
-  uint32_t lo, hi;    // this thread's two 16-bit chunks of row my_row in a stage (bytes)
-
-  __device__ __forceinline__ RegTiles() {
-    const int2 rc = raw_row_chunk<D>(threadIdx.x);   // as RowCopier reads
-    lo = 2 * tile_off<kWsBN>(rc.x, 2 * rc.y);
-    hi = 2 * tile_off<kWsBN>(rc.x, 2 * rc.y + 1);
-  }
-
-  template <int LG, typename C, typename Blk, typename Cursor>
-  __device__ __forceinline__ void next(const WsSmem<C, D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
-                                       Cursor& cur) {
-    static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "RegTiles and RowCopier split a tile alike");
+  static __device__ __forceinline__ void load(const WsSmem<D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
+                                              Cursor& cur) {
+    static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "Fp8TileLoader and RowCopier split a tile alike");
     half<LG>(rows, rows.k, kv0, pages, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
     half<LG>(rows, rows.v, kv0, pages, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
     cur.advance();
   }
 
-  template <typename C, typename Cursor>
-  __device__ __forceinline__ void flush(const WsSmem<C, D>&, Cursor&) {}
-
   template <int LG, typename C>
-  __device__ __forceinline__ void half(const RowCopier<C, D>& rows, const C* base, int kv0, int pages, uint32_t tile,
-                                       uint32_t empty, uint32_t full, uint32_t phase) const {
-    uint4 u[RPT];
+  static __device__ __forceinline__ void half(const RowCopier<C, D>& rows, const C* base, int kv0, int pages,
+                                              uint32_t tile, uint32_t empty, uint32_t full, uint32_t phase) {
+    uint4 u[RPT];   // rows not valid stay zeros
     rows.template visit<kWsBN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
       u[i] = make_uint4(0u, 0u, 0u, 0u);
       if (valid) u[i] = __ldg(reinterpret_cast<const uint4*>(src));
     });
     mbar_wait(empty, phase ^ 1);
+    const uint32_t lo = tile + Fp8TileLoader::lo();
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       uint4 a, b;
       fp8x16_to<T>(u[i], a, b);
-      const uint32_t row = tile + i * ROW_STEP * 128;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + lo), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
+      const uint32_t row = lo + i * ROW_STEP * 128;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
                    : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row + hi), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row ^ 16u), "r"(b.x), "r"(b.y), "r"(b.z),
+                   "r"(b.w)
                    : "memory");
     }
     fence_proxy_async();
@@ -582,16 +478,13 @@ struct RegTiles {
   }
 };
 
-template <typename T, int D>
-using Fp8Tiles = std::conditional_t<kWsFp8Regs, RegTiles<T, D>, RawTiles<T, D>>;
-
 template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, C, D>;
-  const WsSmem<C, D> sm(smem_raw);
-  StageCursor<WsSmem<C, D>::S> cur;
+  const WsSmem<D> sm(smem_raw);
+  StageCursor<WsSmem<D>::S> cur;
   StageCursor<kWsQBufs> qcur;
-  Fp8Tiles<WsMma<T, C>, D> raw;   // fp8 caches only: dequantized into the tensor cores' type
+  using Fp8 = Fp8TileLoader<WsMma<T, C>, D>;   // fp8 caches only
   for (int m = 0;; ++m) {
     const int pair = ws_next_pair(a, m, num_pairs, sm.ticket());
     if (pair >= num_pairs) break;
@@ -608,10 +501,12 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       rec->item = item;
     }
     // Q's rows and chunks are those of a 16-bit row (an fp8 cache's rows have half the chunks).
-    if constexpr (RowCopier<C, D>::kRaw)
-      load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), threadIdx.x / (D / 8), threadIdx.x % (D / 8));
-    else
+    if constexpr (RowCopier<C, D>::kFp8) {
+      const int t = thread_index_here();
+      load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), t / (D / 8), t % (D / 8));
+    } else {
       load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), blk.my_row, blk.my_ch);
+    }
     mbar_arrive_on_copies(sm.q_full(qcur.stage));
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
@@ -619,8 +514,8 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * Blk::BN;
       const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
-      if constexpr (RowCopier<C, D>::kRaw) {
-        raw.template next<LG, C, Blk>(sm, rows, kv0, pages, cur);
+      if constexpr (RowCopier<C, D>::kFp8) {
+        Fp8::template load<LG, C, Blk>(sm, rows, kv0, pages, cur);
       } else {
         mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
         rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
@@ -633,7 +528,6 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
       pages = next_pages;
     }
   }
-  if constexpr (RowCopier<C, D>::kRaw) raw.flush(sm, cur);
   // The consumers' last record: no item.
   mbar_wait(sm.q_empty(qcur.stage), qcur.phase ^ 1);
   if (threadIdx.x == 0) sm.record(qcur.stage)->pair = -1;
@@ -671,20 +565,20 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   using MT = WsMma<T, C>;   // the tensor cores' type (P is packed to it)
   using Softmax = RowSoftmax<MT, D, kWsBN>;
   constexpr int BM = kWsRows, BN = kWsBN;
-  const WsSmem<C, D> sm(smem_raw);
+  const WsSmem<D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
   const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const bool signals = lane == 0;             // one arrival per warp on the empty barriers
   const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
-  StageCursor<WsSmem<C, D>::S> cur;
+  StageCursor<WsSmem<D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
   // The item whose rows are still to be written (with kWsOverlap, while its last P V runs under
   // the next item's set-up): its accumulators (o), the V stage that P V reads (prev, when
   // pending_v) and where its rows go.
   float o[D / 8][4];
-  StageCursor<WsSmem<C, D>::S> prev;   // V_{j-1}'s stage
+  StageCursor<WsSmem<D>::S> prev;   // V_{j-1}'s stage
   bool pending = false, pending_v = false;
   OutRows out{};
   auto finish_pending = [&]() {   // wait for the last P V, free its V stage, write the rows
@@ -804,10 +698,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
 
 template <typename T, typename C, int D>
 __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* smem_raw) {
-  const WsSmem<C, D> sm(smem_raw);
+  const WsSmem<D> sm(smem_raw);
   const int num_pairs = a.num_items * a.num_kv_heads;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < WsSmem<C, D>::S; ++st) {
+    for (int st = 0; st < WsSmem<D>::S; ++st) {
       mbar_init(sm.full_k(st), 128);
       mbar_init(sm.full_v(st), 128);
       mbar_init(sm.empty_k(st), 8);
@@ -836,7 +730,6 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
 // Built for sm_90a only: elsewhere the body is empty and the launcher never picks it.
 template <typename T, typename C, int D>
 __global__ void __launch_bounds__(kWsThreads, 1) paged_prefill_ws_kernel(const PrefillArgs a) {
-  static_assert(WsLayout<C, D>::kFits, "the tiles fit a block's shared memory");
   extern __shared__ __align__(128) unsigned char smem_raw[];
 #if KVPAGER_PREFILL_WGMMA
   prefill_detail::prefill_ws<T, C, D>(a, smem_raw);
