@@ -425,12 +425,13 @@ struct RowCopier {
 // the stage is free, converted into it (e4m3 -> fp16 exactly, one cvt a pair: WsMma), the stage's
 // full barrier getting a plain arrival per thread after a proxy fence (the stores are read by the
 // tensor cores' async proxy). A thread converts only its own loads: no barrier among producers.
-// Measured against copying the rows as they are into raw tiles in shared memory (cp.async, a tile
-// ahead) and converting from there (H200, 2026-11-26, tenth session; docs/performance.md, "fp8
-// caches on the warp-specialized prefill kernel"): 3-5% less time on every shape, although each
-// half tile's load latency is waited out here. The raw tiles cost a shared-memory round trip and
-// the third stage's room. Before both, e4m3 -> bf16 (about 4 instructions a pair, through fp32)
-// took another 5%.
+// The producer's instructions are what the fp8 cache's time above the 16-bit one follows, not the
+// latency it waits out (H200, 2026-11-26, tenth session; docs/performance.md, "fp8 prefill: fp16
+// math and rows through the producer's registers"): against copying the rows as they are into raw
+// tiles in shared memory (cp.async, a tile ahead) and converting from there, this took 3-5% less
+// time; the whole-tile path below (no zeroing or predicates a row) and the second chunk's stores at
+// immediate offsets 2-4% less again. Slower, not kept: e4m3 -> fp16 by integer ops (4 a pair, no
+// cvt) 25% more; the loads a quarter tile ahead of the conversions (two buffers of 4 rows) 4-8% more.
 template <typename T, int D>
 struct Fp8TileLoader {
   static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
@@ -447,30 +448,45 @@ struct Fp8TileLoader {
   static __device__ __forceinline__ void load(const WsSmem<D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
                                               Cursor& cur) {
     static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "Fp8TileLoader and RowCopier split a tile alike");
-    half<LG>(rows, rows.k, kv0, pages, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
-    half<LG>(rows, rows.v, kv0, pages, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
+    // Every row of the tile before kv_end and every page id valid (the usual case): rows loaded
+    // without zeroing and predicates (3 instructions a row fewer).
+    const int lane = threadIdx.x & 31;
+    const bool whole = kv0 + kWsBN <= rows.kv_end &&
+                       __all_sync(0xffffffffu, lane >= (kWsBN >> LG) || pages >= 0);
+    half<LG>(rows, rows.k, kv0, pages, whole, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage),
+             cur.phase);
+    half<LG>(rows, rows.v, kv0, pages, whole, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage),
+             cur.phase);
     cur.advance();
   }
 
   template <int LG, typename C>
   static __device__ __forceinline__ void half(const RowCopier<C, D>& rows, const C* base, int kv0, int pages,
-                                              uint32_t tile, uint32_t empty, uint32_t full, uint32_t phase) {
-    uint4 u[RPT];   // rows not valid stay zeros
-    rows.template visit<kWsBN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
-      u[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (valid) u[i] = __ldg(reinterpret_cast<const uint4*>(src));
-    });
+                                              bool whole, uint32_t tile, uint32_t empty, uint32_t full,
+                                              uint32_t phase) {
+    uint4 u[RPT];
+    // (Block size 8: at head_dim 128 a row a page, whose lane indices the two paths hold apart:
+    // ptxas spilled. It takes the general path.)
+    if (LG > 3 && whole) {
+      rows.template visit_rows<kWsBN, RPT, ROW_STEP, LG, true>(
+          base, kv0, pages, [&](int i, const C* src, bool) { u[i] = __ldg(reinterpret_cast<const uint4*>(src)); });
+    } else {
+      rows.template visit<kWsBN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
+        u[i] = make_uint4(0u, 0u, 0u, 0u);   // rows not valid stay zeros
+        if (valid) u[i] = __ldg(reinterpret_cast<const uint4*>(src));
+      });
+    }
     mbar_wait(empty, phase ^ 1);
-    const uint32_t lo = tile + Fp8TileLoader::lo();
+    const uint32_t lo = tile + Fp8TileLoader::lo(), hi = lo ^ 16u;   // hi: plus an immediate offset a row
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       uint4 a, b;
       fp8x16_to<T>(u[i], a, b);
-      const uint32_t row = lo + i * ROW_STEP * 128;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row), "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo + i * ROW_STEP * 128), "r"(a.x), "r"(a.y),
+                   "r"(a.z), "r"(a.w)
                    : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(row ^ 16u), "r"(b.x), "r"(b.y), "r"(b.z),
-                   "r"(b.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi + i * ROW_STEP * 128), "r"(b.x), "r"(b.y),
+                   "r"(b.z), "r"(b.w)
                    : "memory");
     }
     fence_proxy_async();

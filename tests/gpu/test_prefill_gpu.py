@@ -169,6 +169,37 @@ def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (8, 128), (32, 64)])
+@pytest.mark.parametrize("bad_id", [-1, 10**6])
+def test_fp8_cache_block_ids_that_are_not_blocks_read_as_zeros(query_dtype, block_size, head_dim, bad_id):
+    """A table entry inside a context that is no block of the cache (negative or past the last):
+    its rows are never read (the cache's NaN poison would show) and attend as zero K and V, whole
+    tiles and partial ones alike (on Hopper the warp-specialized kernel's producer takes its general
+    path for a tile with such a page, its fast path for the others)."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill fp8 bad block ids", query_dtype, block_size, head_dim, bad_id)
+    cases = [(20 * block_size, 20 * block_size), (12 * block_size + 5, 3 * block_size), (9 * block_size, 9 * block_size)]
+    k_scale, v_scale = 0.05, 0.03
+    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
+    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group=4, cases=cases, share=False,
+                                          paged=paged)
+    queries = [q.to(query_dtype) for q in queries]
+    for seq, entry in ((0, 3), (0, 17), (1, 0), (2, 8)):   # a whole tile's page, a partial tile's, the first, the last
+        paged.block_tables[seq, entry] = bad_id
+        paged.keys[seq][entry * block_size:(entry + 1) * block_size] = 0
+        paged.values[seq][entry * block_size:(entry + 1) * block_size] = 0
+    scale = head_dim ** -0.5
+    out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
+    assert torch.isfinite(out).all()
+    ref = reference_attention(queries, paged, scale)
+    for i, (ctx, q_len) in enumerate(cases):
+        s, e = int(starts[i]), int(starts[i + 1])
+        assert rel_err(out[s:e], ref[s:e]) < TOL[query_dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_prefill_dispatch_with_and_without_the_kernel(use_kernel, monkeypatch):
     """ops → prefill.py with the kernel forced on and off: a mixed step (decodes ride along)."""
