@@ -322,6 +322,11 @@ __device__ __forceinline__ int thread_index_here() {
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
   return t;
 }
+// v, as a value computed where it is used, for the same reason.
+__device__ __forceinline__ int opaque(int v) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(v));
+  return v;
+}
 
 // The row (0 .. ROW_STEP - 1) and 16-byte chunk of a tile's fp8 rows that producer thread t loads
 // and converts. At head_dim 128 the halves of each 8-lane group take adjacent rows (lanes 0-3:
@@ -444,19 +449,22 @@ struct Fp8TileLoader {
   }
 
   // The item's tile at kv0 (block ids `pages`, tile_pages) into the stage at cur, which advances.
+  // head_off: this thread's chunk of its KV head in a block (elements, < kv_stride_block < 2^31),
+  // from the caches' base pointers (kernel parameters) where rows.k and rows.v would hold 64-bit
+  // pointers: registers the producer does not have to spare (ptxas spilled).
   template <int LG, typename C, typename Blk, typename Cursor>
-  static __device__ __forceinline__ void load(const WsSmem<D>& sm, const RowCopier<C, D>& rows, int kv0, int pages,
-                                              Cursor& cur) {
+  static __device__ __forceinline__ void load(const WsSmem<D>& sm, const PrefillArgs& a, const RowCopier<C, D>& rows,
+                                              uint32_t head_off, int kv0, int pages, Cursor& cur) {
     static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "Fp8TileLoader and RowCopier split a tile alike");
     // Every row of the tile before kv_end and every page id valid (the usual case): rows loaded
     // without zeroing and predicates (3 instructions a row fewer).
     const int lane = threadIdx.x & 31;
     const bool whole = kv0 + kWsBN <= rows.kv_end &&
                        __all_sync(0xffffffffu, lane >= (kWsBN >> LG) || pages >= 0);
-    half<LG>(rows, rows.k, kv0, pages, whole, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage),
-             cur.phase);
-    half<LG>(rows, rows.v, kv0, pages, whole, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage),
-             cur.phase);
+    half<LG>(rows, static_cast<const C*>(a.k_cache) + head_off, kv0, pages, whole, sm.k_tile(cur.stage),
+             sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
+    half<LG>(rows, static_cast<const C*>(a.v_cache) + head_off, kv0, pages, whole, sm.v_tile(cur.stage),
+             sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
     cur.advance();
   }
 
@@ -481,7 +489,7 @@ struct Fp8TileLoader {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       uint4 a, b;
-      fp8x16_to<T>(u[i], a, b);
+      fp8x16_to<T, (LG > 3)>(u[i], a, b);   // (block size 8: the upper halves' form made ptxas spill)
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo + i * ROW_STEP * 128), "r"(a.x), "r"(a.y),
                    "r"(a.z), "r"(a.w)
                    : "memory");
@@ -527,11 +535,22 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     if (threadIdx.x == 0) mbar_arrive(sm.q_full(qcur.stage));   // releases the record
     qcur.advance();
     const RowCopier<C, D> rows(blk);
+    uint32_t head_off = 0;   // fp8 caches (Fp8TileLoader::load)
+    if constexpr (RowCopier<C, D>::kFp8)
+      head_off = static_cast<uint32_t>(blk.kvh * a.kv_stride_head) + 16 * fp8_row_chunk<D>(thread_index_here()).y;
     for (int j = 0; j < blk.n_tiles; ++j) {
       const int kv0 = j * Blk::BN;
-      const int next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;   // lands during this tile
+      int next_pages;   // lands during this tile
       if constexpr (RowCopier<C, D>::kFp8) {
-        Fp8::template load<LG, C, Blk>(sm, rows, kv0, pages, cur);
+        // The table row's pointer made where used (opaque): held across the loop, ptxas spilled it.
+        Blk at = blk;
+        at.table = a.block_tables + static_cast<int64_t>(opaque(item.seq)) * a.table_stride;
+        next_pages = j + 1 < blk.n_tiles ? tile_pages(at, kv0 + Blk::BN) : -1;
+      } else {
+        next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;
+      }
+      if constexpr (RowCopier<C, D>::kFp8) {
+        Fp8::template load<LG, C, Blk>(sm, a, rows, head_off, kv0, pages, cur);
       } else {
         mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
         rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
