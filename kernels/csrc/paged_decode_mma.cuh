@@ -97,6 +97,22 @@ __device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// Four (a word, low byte first) -> two f16x2: lo from the low 16 bits, hi from the high 16. On
+// sm_89+ one cvt each, the high pair read as the word's upper half (F2FP ... .H1); through
+// fp8x2_to_h2(w >> 16) a shift came first.
+__device__ __forceinline__ uint2 fp8x4_to_h2x2(uint32_t w) {
+  uint2 r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(r.x), "=r"(r.y)
+      : "r"(w));
+#else
+  r.x = fp8x2_to_h2(w);
+  r.y = fp8x2_to_h2(w >> 16);
+#endif
+  return r;
+}
+
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   uint32_t r;
@@ -307,7 +323,8 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       for (int n = 0; n < NT; ++n) {
         const uint4& v = kr[n][s / 4];
         const uint32_t w = (s % 4 == 0) ? v.x : (s % 4 == 1) ? v.y : (s % 4 == 2) ? v.z : v.w;
-        mma16816(d[n], q.x, 0u, q.y, 0u, fp8x2_to_h2(w), fp8x2_to_h2(w >> 16));
+        const uint2 kb = fp8x4_to_h2x2(w);
+        mma16816(d[n], q.x, 0u, q.y, 0u, kb.x, kb.y);
       }
     }
 #pragma unroll
@@ -361,8 +378,8 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
           const uint32_t sel = half ? 0x7362u : 0x5140u;
           const uint32_t x01 = __byte_perm(vr[2 * h][0][w], vr[2 * h][1][w], sel);
           const uint32_t x23 = __byte_perm(vr[2 * h + 1][0][w], vr[2 * h + 1][1][w], sel);
-          mma16816(acc[2 * w + half], fp8x2_to_h2(x01), fp8x2_to_h2(x01 >> 16), fp8x2_to_h2(x23),
-                   fp8x2_to_h2(x23 >> 16), b0, b1);
+          const uint2 a01 = fp8x4_to_h2x2(x01), a23 = fp8x4_to_h2x2(x23);
+          mma16816(acc[2 * w + half], a01.x, a01.y, a23.x, a23.y, b0, b1);
         }
       }
     }
