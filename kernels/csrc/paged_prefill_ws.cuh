@@ -435,8 +435,9 @@ struct RowCopier {
 // math and rows through the producer's registers"): against copying the rows as they are into raw
 // tiles in shared memory (cp.async, a tile ahead) and converting from there, this took 3-5% less
 // time; the whole-tile path below (no zeroing or predicates a row) and the second chunk's stores at
-// immediate offsets 2-4% less again. Slower, not kept: e4m3 -> fp16 by integer ops (4 a pair, no
-// cvt) 25% more; the loads a quarter tile ahead of the conversions (two buffers of 4 rows) 4-8% more.
+// immediate offsets 2-4% less again; no shift before each high pair's cvt (fp8x16_to) 3-5% less
+// again. Slower, not kept: e4m3 -> fp16 by integer ops (4 a pair, no cvt) 25% more; the loads a
+// quarter tile ahead of the conversions (two buffers of 4 rows) 4-8% more.
 template <typename T, int D>
 struct Fp8TileLoader {
   static constexpr int CCPR = D / 16, ROW_STEP = 128 / CCPR, RPT = kWsBN / ROW_STEP;
