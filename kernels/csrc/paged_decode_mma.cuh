@@ -48,6 +48,7 @@
 // memory at the end, as in decode_item.
 #pragma once
 
+#include "fp8_convert.cuh"
 #include "paged_decode.cuh"
 
 namespace kvpager {
@@ -89,28 +90,6 @@ __device__ __forceinline__ uint2 load_kv8(const void* ptr, bool pred) {
       : "=r"(v.x), "=r"(v.y)
       : "l"(ptr), "r"(static_cast<int>(pred)));
   return v;
-}
-
-// Two fp8 e4m3 values (the low 16 bits, low byte first) -> f16x2 (low byte in the low half), exactly.
-__device__ __forceinline__ uint32_t fp8x2_to_h2(uint32_t w) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-
-// Four (a word, low byte first) -> two f16x2: lo from the low 16 bits, hi from the high 16. On
-// sm_89+ one cvt each, the high pair read as the word's upper half (F2FP ... .H1); through
-// fp8x2_to_h2(w >> 16) a shift came first.
-__device__ __forceinline__ uint2 fp8x4_to_h2x2(uint32_t w) {
-  uint2 r;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(r.x), "=r"(r.y)
-      : "r"(w));
-#else
-  r.x = fp8x2_to_h2(w);
-  r.y = fp8x2_to_h2(w >> 16);
-#endif
-  return r;
 }
 
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {

@@ -34,6 +34,7 @@
 
 #include <type_traits>
 
+#include "fp8_convert.cuh"
 #include "launch.h"
 
 namespace kvpager {
@@ -112,25 +113,16 @@ struct Mma<__half> {
 };
 
 // 16 fp8 e4m3 values (16 bytes, the lowest first) -> 16 values of T, exactly: lo the first 8, hi the
-// last 8. fp16 on sm_89+ (unless kHalves is false): one cvt a pair, the high pair of each word read
-// as its upper half (F2FP ... .H1); through from_fp8x2 a shift comes first, an instruction more for
-// every 4 values.
+// last 8. fp16 by fp8x4_to_h2x2 (on sm_89+ a shift fewer per word than through from_fp8x2) unless
+// kHalves is false.
 template <typename T, bool kHalves = true>
 __device__ __forceinline__ void fp8x16_to(const uint4& u, uint4& lo, uint4& hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if constexpr (std::is_same_v<T, __half> && kHalves) {
-    auto word = [](uint32_t w, uint32_t& a, uint32_t& b) {
-      asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-          : "=r"(a), "=r"(b)
-          : "r"(w));
-    };
-    word(u.x, lo.x, lo.y);
-    word(u.y, lo.z, lo.w);
-    word(u.z, hi.x, hi.y);
-    word(u.w, hi.z, hi.w);
+    const uint2 a = fp8x4_to_h2x2(u.x), b = fp8x4_to_h2x2(u.y), c = fp8x4_to_h2x2(u.z), d = fp8x4_to_h2x2(u.w);
+    lo = make_uint4(a.x, a.y, b.x, b.y);
+    hi = make_uint4(c.x, c.y, d.x, d.y);
     return;
   }
-#endif
   using M = Mma<T>;
   lo.x = M::from_fp8x2(static_cast<uint16_t>(u.x)); lo.y = M::from_fp8x2(static_cast<uint16_t>(u.x >> 16));
   lo.z = M::from_fp8x2(static_cast<uint16_t>(u.y)); lo.w = M::from_fp8x2(static_cast<uint16_t>(u.y >> 16));
