@@ -167,6 +167,9 @@ __device__ __forceinline__ void regs_up() {
 // (__launch_bounds__(384, 1)): consumers asking for more than the producer gives back wait forever.
 constexpr int kWsProducerRegs = 56;
 constexpr int kWsConsumerRegs = 224;
+static_assert(128 * kWsProducerRegs + 256 * kWsConsumerRegs <= 384 * 168 && kWsProducerRegs % 8 == 0 &&
+                  kWsConsumerRegs % 8 == 0,
+              "setmaxnreg: the warpgroups' registers fit the block's allocation, in steps of 8");
 constexpr int kWsTurnBar = 1;   // named barriers 1 and 2: consumer warpgroup 0's and 1's turn to issue
 constexpr int kWsProducerBar = 3;   // named barrier 3: the producer warpgroup's 128 threads
 
