@@ -104,12 +104,7 @@ struct Mma<__half> {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
-  static __device__ __forceinline__ uint32_t from_fp8x2(uint16_t w) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
-    uint32_t r;
-    memcpy(&r, &h, sizeof(r));
-    return r;
-  }
+  static __device__ __forceinline__ uint32_t from_fp8x2(uint16_t w) { return fp8x2_to_h2(w); }
 };
 
 // 16 fp8 e4m3 values (16 bytes, the lowest first) -> 16 values of T, exactly: lo the first 8, hi the

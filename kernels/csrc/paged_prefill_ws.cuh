@@ -550,12 +550,9 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
         Blk at = blk;
         at.table = a.block_tables + static_cast<int64_t>(opaque(item.seq)) * a.table_stride;
         next_pages = j + 1 < blk.n_tiles ? tile_pages(at, kv0 + Blk::BN) : -1;
-      } else {
-        next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;
-      }
-      if constexpr (RowCopier<C, D>::kFp8) {
         Fp8::template load<LG, C, Blk>(sm, a, rows, head_off, kv0, pages, cur);
       } else {
+        next_pages = j + 1 < blk.n_tiles ? tile_pages(blk, kv0 + Blk::BN) : -1;
         mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
         rows.template copy<Blk::BN, Blk::RPT, Blk::ROW_STEP, LG>(sm.k_tile(cur.stage), rows.k, kv0, pages);
         mbar_arrive_on_copies(sm.full_k(cur.stage));
