@@ -36,9 +36,14 @@ def test_mixed_prefill_step_matches_float64(dtype, group, block_size, head_dim):
                                       paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV), scale)
     assert out.dtype == dtype and torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
+    _assert_each_sequence(out, ref, starts, cases, TOL[dtype])
+
+
+def _assert_each_sequence(out, ref, starts, cases, tol):
+    """Each sequence's rows of out within tol of float64 attention (relative error), one message a sequence."""
     for i, (ctx, q_len) in enumerate(cases):
         s, e = int(starts[i]), int(starts[i + 1])
-        assert rel_err(out[s:e].cpu(), ref[s:e]) < TOL[dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+        assert rel_err(out[s:e].cpu(), ref[s:e]) < tol, f"sequence {i} (context {ctx}, queries {q_len})"
 
 
 # ---- our prefill kernel (kernels/csrc/paged_prefill.cuh), called directly --------------------------
@@ -61,6 +66,15 @@ def _kernel_case(gen, block_size, head_dim, dtype, group, cases, share=True, pag
     queries = [torch.randn(q, NUM_KV_HEADS * group, head_dim, generator=gen).to(qdtype) for _, q in cases]
     starts = torch.tensor([0] + [q for _, q in cases]).cumsum(0).to(torch.int32)
     return paged, queries, starts
+
+
+FP8_SCALES = (0.05, 0.03)   # (k_scale, v_scale) of the fp8 cases
+
+
+def _fp8_case(gen, block_size, head_dim, group, cases):
+    """_kernel_case over an fp8 cache (fp8_paged, FP8_SCALES; no shared prefix), bf16 queries."""
+    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, *FP8_SCALES)
+    return _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False, paged=paged)
 
 
 def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0, wgmma=False):
@@ -109,9 +123,7 @@ def test_prefill_kernel_matches_float64(warps, wgmma, dtype, group, block_size, 
     out = _run_kernel(paged, queries, starts, scale, warps, wgmma=wgmma)
     assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or non-finite rows"
     ref = reference_attention(queries, paged, scale)
-    for i, (ctx, q_len) in enumerate(cases):
-        s, e = int(starts[i]), int(starts[i + 1])
-        assert rel_err(out[s:e], ref[s:e]) < TOL[dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+    _assert_each_sequence(out, ref, starts, cases, TOL[dtype])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -127,18 +139,14 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, gro
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill kernel fp8", warps, wgmma, query_dtype, group, block_size, head_dim)
     cases = _cases(block_size, gen)
-    k_scale, v_scale = 0.05, 0.03
-    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
-    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
-                                          paged=paged)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
+    k_scale, v_scale = FP8_SCALES
     queries = [q.to(query_dtype) for q in queries]
     scale = head_dim ** -0.5
     out = _run_kernel(paged, queries, starts, scale, warps, k_scale, v_scale, wgmma=wgmma)
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
-    for i, (ctx, q_len) in enumerate(cases):
-        s, e = int(starts[i]), int(starts[i + 1])
-        assert rel_err(out[s:e], ref[s:e]) < TOL[query_dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+    _assert_each_sequence(out, ref, starts, cases, TOL[query_dtype])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -154,18 +162,14 @@ def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size,
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill fp8 query range", magnitude, group, block_size, head_dim)
     cases = _cases(block_size, gen)
-    k_scale, v_scale = 0.05, 0.03
-    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
-    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
-                                          paged=paged)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
+    k_scale, v_scale = FP8_SCALES
     queries = [(q.float() * magnitude).to(torch.bfloat16) for q in queries]
     scale = head_dim ** -0.5 / magnitude
     out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
-    for i, (ctx, q_len) in enumerate(cases):
-        s, e = int(starts[i]), int(starts[i + 1])
-        assert rel_err(out[s:e], ref[s:e]) < TOL[torch.bfloat16], f"sequence {i} (context {ctx}, queries {q_len})"
+    _assert_each_sequence(out, ref, starts, cases, TOL[torch.bfloat16])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -181,10 +185,8 @@ def test_fp8_cache_block_ids_that_are_not_blocks_read_as_zeros(query_dtype, bloc
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill fp8 bad block ids", query_dtype, block_size, head_dim, bad_id)
     cases = [(20 * block_size, 20 * block_size), (12 * block_size + 5, 3 * block_size), (9 * block_size, 9 * block_size)]
-    k_scale, v_scale = 0.05, 0.03
-    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
-    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group=4, cases=cases, share=False,
-                                          paged=paged)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, 4, cases)
+    k_scale, v_scale = FP8_SCALES
     queries = [q.to(query_dtype) for q in queries]
     for seq, entry in ((0, 3), (0, 17), (1, 0), (2, 8)):   # a whole tile's page, a partial tile's, the first, the last
         paged.block_tables[seq, entry] = bad_id
@@ -194,9 +196,7 @@ def test_fp8_cache_block_ids_that_are_not_blocks_read_as_zeros(query_dtype, bloc
     out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
-    for i, (ctx, q_len) in enumerate(cases):
-        s, e = int(starts[i]), int(starts[i + 1])
-        assert rel_err(out[s:e], ref[s:e]) < TOL[query_dtype], f"sequence {i} (context {ctx}, queries {q_len})"
+    _assert_each_sequence(out, ref, starts, cases, TOL[query_dtype])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -286,10 +286,8 @@ def test_fp8_cache_dynamic_schedule_equals_the_static_one(group, block_size, hea
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill fp8 dynamic schedule", group, block_size, head_dim)
     cases = _cases(block_size, gen) + [(4 * block_size + 5, 4 * block_size + 5)] * 3
-    k_scale, v_scale = 0.05, 0.03
-    paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, k_scale, v_scale)
-    paged, queries, starts = _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False,
-                                          paged=paged)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
+    k_scale, v_scale = FP8_SCALES
     _check_dynamic_equals_static(paged, queries, starts, head_dim, TOL[torch.bfloat16], k_scale, v_scale)
 
 
