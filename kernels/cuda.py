@@ -327,11 +327,10 @@ def plan_prefill(query_like: torch.Tensor, k_cache: torch.Tensor, host_lengths, 
 def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bool | None,
                   schedule: str | None = None) -> PrefillKernelPlan:
     use_wgmma = (prefill_wgmma(query_like.device) and warps == 8) if wgmma is None else bool(wgmma)
-    # The persistent kernel (paged_prefill_ws.cuh) runs for wgmma, over 16-bit and fp8 caches alike;
-    # the others launch a block per item and take the heaviest-first list whatever the schedule.
-    persistent = use_wgmma
-    chosen = check_schedule(schedule) if schedule else prefill_schedule(persistent)
-    dynamic = persistent and chosen == "dynamic"
+    # The persistent kernel (paged_prefill_ws.cuh) is the wgmma one, over 16-bit and fp8 caches
+    # alike; the others launch a block per item and take the heaviest-first list whatever the schedule.
+    chosen = check_schedule(schedule) if schedule else prefill_schedule(use_wgmma)
+    dynamic = use_wgmma and chosen == "dynamic"
     group = query_like.shape[1] // k_cache.shape[1]
     work = torch.from_numpy(prefill_work(host_lengths[0], host_lengths[1], group, warps, seqs,
                                          order="by_sequence" if dynamic else "heaviest"))
