@@ -246,6 +246,51 @@ __device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[16][4], const u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TransB)
       : "memory");
 }
+// Narrower S GEMMs (N = 32 and 96; 64 and 128 are above) for the warp-specialized kernel's last
+// tile of an item, whose rows see only its first key columns (paged_prefill_ws.cuh, ws_cols).
+template <int TransB = 1>
+__device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                         int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TransB)
+      : "memory");
+}
+
+template <int TransB = 1>
+__device__ __forceinline__ void wgmma_rs(Tag<__nv_bfloat16>, float (&d)[12][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                         int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, %54;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TransB)
+      : "memory");
+}
+
+template <int TransB = 1>
+__device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                         int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TransB)
+      : "memory");
+}
+
+template <int TransB = 1>
+__device__ __forceinline__ void wgmma_rs(Tag<__half>, float (&d)[12][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                         int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, %54;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TransB)
+      : "memory");
+}
 #endif
 
 
@@ -432,17 +477,21 @@ struct RowSoftmax {
 
   // s becomes P (fp32); m and l move on; returns the factors o must be rescaled by
   // (alpha_a, alpha_b), for the caller to apply when o may be touched.
+  // NB: the 8-column groups of s that hold scores (the first NB; a narrowed last tile has fewer
+  // than BN / 8, the rest are neither read nor written).
+  template <int NB = BN / 8>
   __device__ __forceinline__ float2 scores(float (&s)[BN / 8][4], int kv0, bool need_mask, float sl2, int t4) {
+    static_assert(NB > 0 && NB <= BN / 8 && NB % 2 == 0, "whole 16-column k-steps of P");
     if (need_mask) {
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
+      for (int i = 0; i < NB; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (kv0 + i * 8 + 2 * t4 + (e & 1) > (e < 2 ? lim_a : lim_b)) s[i][e] = -INFINITY;
     }
     float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < NB; ++i) {
       mx_a = fmaxf(mx_a, fmaxf(s[i][0], s[i][1]));
       mx_b = fmaxf(mx_b, fmaxf(s[i][2], s[i][3]));
     }
@@ -459,7 +508,7 @@ struct RowSoftmax {
     m_b = mx_b;
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
+    for (int i = 0; i < NB; ++i) {
       s[i][0] = fast_exp2(fmaf(s[i][0], sl2, -use_a));
       s[i][1] = fast_exp2(fmaf(s[i][1], sl2, -use_a));
       s[i][2] = fast_exp2(fmaf(s[i][2], sl2, -use_b));
@@ -486,10 +535,11 @@ struct RowSoftmax {
   }
 
   // P as A fragments (the m16n8 accumulator layout of two n-tiles is the m16k16 A layout).
+  template <int NB = BN / 8>   // the first NB / 2 k-steps only (see scores)
   static __device__ __forceinline__ void pack(const float (&s)[BN / 8][4], uint32_t (&pa)[BN / 16][4]) {
     using M = Mma<T>;
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < NB / 2; ++kk) {
       pa[kk][0] = M::pack(s[2 * kk][0], s[2 * kk][1]);
       pa[kk][1] = M::pack(s[2 * kk][2], s[2 * kk][3]);
       pa[kk][2] = M::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);

@@ -587,11 +587,56 @@ __device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* 
 }
 
 // O += P V over the V tile at v_tile (N-major), issued (not waited for).
-template <typename T, int D, int BN>
+// O += P V over the tile's first NB * 8 positions (NB / 2 k-steps of 16 V rows).
+template <typename T, int D, int BN, int NB = BN / 8>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[BN / 16][4], uint32_t v_tile) {
   const uint64_t v_desc = gmma_desc(v_tile, BN * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
+  for (int kk = 0; kk < NB / 2; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
+}
+
+// S = Q K^T over the tile's first NB * 8 key positions (the first NB column groups of s).
+template <typename T, int D, int BN, int NB>
+__device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&qa)[D / 16][4], uint32_t k_tile) {
+  // The descriptors of a tile's k-steps are its first one's plus a constant (addresses stay
+  // inside the descriptor's 18-bit field).
+  const uint64_t k_desc = gmma_desc(k_tile, 16, 1024);
+  auto& sn = reinterpret_cast<float (&)[NB][4]>(s);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
+    wgmma_rs<0>(Tag<T>{}, sn, qa[kk], k_desc + (dk >> 4), kk == 0 ? 0 : 1);
+  }
+}
+
+// KVPAGER_PREFILL_WS_NARROW=0: an item's last tile is computed whole (before 2026-11-27), for A/B
+// timing.
+#ifndef KVPAGER_PREFILL_WS_NARROW
+#define KVPAGER_PREFILL_WS_NARROW 1
+#endif
+
+// The column groups (of 8 positions) of an item's last K/V tile that a consumer warpgroup computes:
+// its rows see positions up to `last_visible` (its last row's), so columns past it are all masked.
+// Rounded up to 32 positions (N = 32, 64, 96 or 128 for the GEMMs): an item of 32 query positions
+// (128 rows at G = 4) ends a quarter, half, three quarters or all the way into its last tile, so
+// on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average.
+__device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
+  if (KVPAGER_PREFILL_WS_NARROW == 0) return kWsBN / 8;
+  const int cols = (last_visible + 1 - last_kv0 + 31) & ~31;
+  return min(max(cols, 32), kWsBN) / 8;
+}
+
+// f(std::integral_constant<int, NB>) for the NB column groups a tile's GEMMs and softmax cover:
+// the whole tile, or 4, 8 or 12 groups (ws_last_groups). Warp-uniform.
+template <typename F>
+__device__ __forceinline__ void ws_with_groups(int nb, F&& f) {
+  static_assert(kWsBN == 128, "narrowed tiles are written for tiles of 128 positions");
+  switch (nb) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 12: f(std::integral_constant<int, 12>{}); break;
+    default: f(std::integral_constant<int, 16>{}); break;
+  }
 }
 
 // Warpgroups 1 and 2: 64 rows each of every item, GEMMs issued in turns.
@@ -642,6 +687,11 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
+    // The last tile's column groups for this warpgroup (its last row, warp 3's row g + 8 of 7).
+    // (16-bit caches only: over fp8 the consumers keep the query's scale and the narrowed paths
+    // leave ptxas short of registers for the wgmma pipeline, C7511, and the producer sets the pace.)
+    const int last_nb = !std::is_same_v<T, C> ? BN / 8 : ws_last_groups(blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1),
+                                       (blk.n_tiles - 1) * BN);
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
     // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
@@ -658,25 +708,21 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
 
-    for (int j = 0; j < blk.n_tiles; ++j) {
+    // Tile j over its first NB column groups (decltype(n)::value): S_j issued, P_{j-1} V_{j-1}
+    // issued behind it (j > 0), the softmax of S_j, then P_j packed for the next tile's P V.
+    auto tile = [&](int j, auto n) {
+      constexpr int NB = decltype(n)::value;
       const int kv0 = j * BN;
       float s[BN / 8][4];   // not zeroed: the first k-step's wgmma ignores its old contents (scale_d 0)
       mbar_wait(sm.full_k(cur.stage), cur.phase);
       fence_proxy_async();
       named_sync(my_turn, 256);
-      // The descriptors of a tile's k-steps are its first one's plus a constant (addresses stay
-      // inside the descriptor's 18-bit field).
-      const uint64_t k_desc = gmma_desc(sm.k_tile(cur.stage), 16, 1024);
       fence_regs(s);
       fence_regs(o);
       fence_regs(pa);
       fence_regs(qa);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t dk = (kk >> 2) * (BN * 128) + (kk & 3) * 32;
-        wgmma_rs<0>(Tag<MT>{}, s, qa[kk], k_desc + (dk >> 4), kk == 0 ? 0 : 1);
-      }
+      issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
         mbar_wait(sm.full_v(prev.stage), prev.phase);
@@ -694,7 +740,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(s);
       __syncwarp();
       if (signals) mbar_arrive(sm.empty_k(cur.stage));
-      const float2 alpha = soft.scores(s, kv0, kv0 + BN - 1 > first_pos, sl2, t4);
+      const float2 alpha = soft.template scores<NB>(s, kv0, kv0 + BN - 1 > first_pos, sl2, t4);
       // P_j, meant to run under P_{j-1} V_{j-1}. Without the fence NVVM sinks most of the softmax
       // below the wait; with it the PTX has the intended order, but ptxas (nvcc 13.0) still moves
       // the wait up to just after the mask, so the max, exp and sums run after P V (read in the
@@ -708,18 +754,30 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       __syncwarp();
       if (j > 0 && signals) mbar_arrive(sm.empty_v(prev.stage));
       Softmax::rescale(o, alpha);
-      Softmax::pack(s, pa);
+      Softmax::template pack<NB>(s, pa);
       prev = cur;
       cur.advance();
-    }
-    if (blk.n_tiles > 0) {   // the last P V
-      mbar_wait(sm.full_v(prev.stage), prev.phase);
-      fence_proxy_async();
-      fence_regs(o);
-      fence_regs(pa);
-      wgmma_fence();
-      issue_pv<MT, D, BN>(o, pa, sm.v_tile(prev.stage));
-      wgmma_commit();
+    };
+    for (int j = 0; j + 1 < blk.n_tiles; ++j) tile(j, std::integral_constant<int, BN / 8>{});
+    if (blk.n_tiles > 0) {
+      // The last tile and its P V over the columns its rows can see, each width one straight
+      // path: a GEMM issued in one branch of a switch and waited for after it makes ptxas
+      // serialize every wgmma of the kernel (C7520).
+      auto last = [&](auto n) {
+        tile(blk.n_tiles - 1, n);
+        mbar_wait(sm.full_v(prev.stage), prev.phase);
+        fence_proxy_async();
+        fence_regs(o);
+        fence_regs(pa);
+        wgmma_fence();
+        issue_pv<MT, D, BN, decltype(n)::value>(o, pa, sm.v_tile(prev.stage));
+        wgmma_commit();
+        if (!kWsOverlap) wgmma_wait<0>();
+      };
+      if constexpr (std::is_same_v<T, C>)
+        ws_with_groups(last_nb, last);
+      else
+        last(std::integral_constant<int, BN / 8>{});
     }
     out = out_rows(blk, soft, r_a);   // (no tiles: nothing visible, zero rows)
     pending = true;

@@ -126,6 +126,28 @@ def test_prefill_kernel_matches_float64(warps, wgmma, dtype, group, block_size, 
     _assert_each_sequence(out, ref, starts, cases, TOL[dtype])
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [4, 2])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_narrowed_last_tile_matches_float64(dtype, group, head_dim):
+    """The warp-specialized kernel computes an item's last K/V tile only as far as each consumer
+    warpgroup's rows can see, rounded up to 32 positions: whole prompts whose items end a quarter,
+    half, three quarters and all the way into a tile, and chunks over cached prefixes whose first
+    warpgroup sees nothing of its item's last tile (prefix 100: rows at positions 100-115 against a
+    tile from 128)."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("narrowed last tiles", dtype, group, head_dim)
+    cases = [(512, 512), (612, 512), (140, 40), (130, 30), (164, 64), (1000, 1000), (229, 101)]
+    paged, queries, starts = _kernel_case(gen, 16, head_dim, dtype, group, cases, share=False)
+    scale = head_dim ** -0.5
+    out = _run_kernel(paged, queries, starts, scale, 8, wgmma=True)
+    assert torch.isfinite(out).all(), "unwritten or non-finite rows"
+    ref = reference_attention(queries, paged, scale)
+    _assert_each_sequence(out, ref, starts, cases, TOL[dtype])
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("warps,wgmma", _instances())
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
