@@ -33,6 +33,10 @@ def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
     assert out.stat().st_size > 0
     # Register arrays must stay in registers: ptxas reports any spill (or local-memory stack use).
     assert "spill" not in proc.stderr.lower(), proc.stderr
+    # The wgmma pipeline must stay asynchronous: ptxas serializes every wgmma of a kernel it cannot
+    # prove safe (registers short, a GEMM issued in one branch and waited for after it: C7510-C7520),
+    # and says so only as "Potential Performance Loss": each GEMM then waits for the one before.
+    assert "Performance Loss" not in proc.stderr, proc.stderr
 
 
 def test_kernel_sources_have_no_torch_includes():
