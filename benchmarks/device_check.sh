@@ -19,7 +19,7 @@
 #       # A/B against a committed checkout: times base, working tree, base, working tree (each tree
 #       # builds its own extension; the build cache is keyed by the sources). Here, first:
 #       # git archive <commit> | (mkdir -p .gpu/base && tar -x -C .gpu/base); carry [".gpu"] there.
-#   NCU_AB=1 NCU=0 VARIANTS="overlap=-DKVPAGER_PREFILL_WS_OVERLAP=1;base=" bash benchmarks/device_check.sh
+#   NCU_AB=1 NCU=0 VARIANTS="whole=-DKVPAGER_PREFILL_WS_NARROW=0;base=" bash benchmarks/device_check.sh
 #       # also each variant's single launches under ncu (median of 3, clocks locked and free): the
 #       # steadier A/B for changes of a few percent
 #   NCU=0 bash benchmarks/device_check.sh      # without the L2 counters

@@ -24,7 +24,8 @@
 //   the producer loads the next item's Q while this one runs. For tile j:
 //   wait K_j; issue S_j = Q K_j^T; wait V_{j-1}; issue O += P_{j-1} V_{j-1}; softmax of S_j (meant
 //   to run under that P V: ptxas orders most of it after, see the loop); release K_j and V_{j-1}
-//   to the producer (mbarrier arrivals, one per warp).
+//   to the producer (mbarrier arrivals, one per warp). An item's last tile is computed only as far
+//   as the warpgroup's rows see (ws_last_groups: N = 32, 64, 96 or 128; 16-bit caches).
 //   Descriptors are built once per tile and stepped by constants; S_j's first k-step ignores
 //   the accumulators' old contents (scale_d 0) instead of zeroing them.
 //   The two warpgroups take turns issuing their GEMMs (named barriers 1 and 2, FA3's ping-pong):
@@ -65,15 +66,9 @@ namespace kvpager {
 #ifndef KVPAGER_PREFILL_WS_STAGES
 #define KVPAGER_PREFILL_WS_STAGES (384 / KVPAGER_PREFILL_WS_BN)
 #endif
-// KVPAGER_PREFILL_WS_OVERLAP=1: a consumer leaves an item's last P V running while it takes the
-// next item (its record, Q fragments, set-up), and waits for it and writes the item's rows only
-// then (default 0: wait and write first). Measured mixed (H100, single launches under ncu at boost
-// clocks, two rounds, 2026-11-26 eighth session): 32 x 512 prompts 0.9% faster, 8 x 2K the same,
-// the 4K prompt 1.2% slower; 198 prefill GPU tests pass with it.
-#ifndef KVPAGER_PREFILL_WS_OVERLAP
-#define KVPAGER_PREFILL_WS_OVERLAP 0
-#endif
-constexpr bool kWsOverlap = KVPAGER_PREFILL_WS_OVERLAP != 0;
+// (KVPAGER_PREFILL_WS_OVERLAP=1, removed 2026-11-26 in the eleventh session: a consumer left an
+// item's last P V running under the next item's set-up. Measured mixed three times, eighth and
+// tenth sessions; with narrowed last tiles ptxas serialized every wgmma of it, C7520.)
 // Q buffers (KVPAGER_PREFILL_WS_QBUFS, default 1): the consumers copy their rows of Q to registers
 // as an item starts, and the producer then loads the next item's Q into the buffer. Two buffers
 // (at head_dim 128 they fit beside 2 K/V stages, not 3) measured no faster, both when Q stayed in
@@ -609,8 +604,8 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
   }
 }
 
-// KVPAGER_PREFILL_WS_NARROW=0: an item's last tile is computed whole (before 2026-11-27), for A/B
-// timing.
+// KVPAGER_PREFILL_WS_NARROW=0: an item's last tile is computed whole (as before 2026-11-26,
+// eleventh session), for A/B timing.
 #ifndef KVPAGER_PREFILL_WS_NARROW
 #define KVPAGER_PREFILL_WS_NARROW 1
 #endif
@@ -619,7 +614,9 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 // its rows see positions up to `last_visible` (its last row's), so columns past it are all masked.
 // Rounded up to 32 positions (N = 32, 64, 96 or 128 for the GEMMs): an item of 32 query positions
 // (128 rows at G = 4) ends a quarter, half, three quarters or all the way into its last tile, so
-// on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average.
+// on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. 16-bit caches
+// only: over fp8, every arrangement tried left ptxas short of registers (the wgmmas serialized,
+// C7511, or the producer spilled), and the producer, not the consumers, sets fp8's pace.
 __device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
   if (KVPAGER_PREFILL_WS_NARROW == 0) return kWsBN / 8;
   const int cols = (last_visible + 1 - last_kv0 + 31) & ~31;
@@ -655,23 +652,8 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   StageCursor<WsSmem<D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
-  // The item whose rows are still to be written (with kWsOverlap, while its last P V runs under
-  // the next item's set-up): its accumulators (o), the V stage that P V reads (prev, when
-  // pending_v) and where its rows go.
   float o[D / 8][4];
   StageCursor<WsSmem<D>::S> prev;   // V_{j-1}'s stage
-  bool pending = false, pending_v = false;
-  OutRows out{};
-  auto finish_pending = [&]() {   // wait for the last P V, free its V stage, write the rows
-    wgmma_wait<0>();
-    fence_regs(o);
-    __syncwarp();
-    if (pending) {
-      if (pending_v && signals) mbar_arrive(sm.empty_v(prev.stage));
-      write_out_rows<T, D>(a, out, o, t4);
-      pending = false;
-    }
-  };
 
   for (;;) {
     // The producer's next item: its Q tile and its record.
@@ -703,7 +685,6 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     mbar_arrive(sm.q_empty(qb));
     float sl2 = a.scale_log2;   // the softmax scale (log2 domain) of this warp's raw scores
     if constexpr (!std::is_same_v<MT, T>) sl2 *= ws_query_to_half(qa);
-    if (kWsOverlap) finish_pending();   // the previous item's last P V ran under this set-up
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
@@ -772,19 +753,20 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
         wgmma_fence();
         issue_pv<MT, D, BN, decltype(n)::value>(o, pa, sm.v_tile(prev.stage));
         wgmma_commit();
-        if (!kWsOverlap) wgmma_wait<0>();
+        wgmma_wait<0>();
       };
       if constexpr (std::is_same_v<T, C>)
         ws_with_groups(last_nb, last);
       else
         last(std::integral_constant<int, BN / 8>{});
     }
-    out = out_rows(blk, soft, r_a);   // (no tiles: nothing visible, zero rows)
-    pending = true;
-    pending_v = blk.n_tiles > 0;
-    if (!kWsOverlap) finish_pending();
+    // The last P V is done: its V stage is free; the item's rows out (no tiles: nothing visible,
+    // zero rows).
+    fence_regs(o);
+    __syncwarp();
+    if (blk.n_tiles > 0 && signals) mbar_arrive(sm.empty_v(prev.stage));
+    write_out_rows<T, D>(a, out_rows(blk, soft, r_a), o, t4);
   }
-  if (kWsOverlap) finish_pending();
   // Warpgroup 1's last "your turn" arrival on barrier 1 has no issue left to admit: take it, so
   // that no named barrier is left half-arrived at exit.
   if (wg == 0) named_sync(kWsTurnBar, 256);
