@@ -581,8 +581,8 @@ __device__ __forceinline__ void ws_produce(const PrefillArgs& a, unsigned char* 
   }
 }
 
-// O += P V over the V tile at v_tile (N-major), issued (not waited for).
-// O += P V over the tile's first NB * 8 positions (NB / 2 k-steps of 16 V rows).
+// O += P V over the first NB * 8 positions of the V tile at v_tile (N-major; NB / 2 k-steps of 16
+// V rows), issued (not waited for).
 template <typename T, int D, int BN, int NB = BN / 8>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&pa)[BN / 16][4], uint32_t v_tile) {
   const uint64_t v_desc = gmma_desc(v_tile, BN * 128, 1024);
@@ -590,7 +590,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 8][4], const uint32_t (&
   for (int kk = 0; kk < NB / 2; ++kk) wgmma_rs(Tag<T>{}, o, pa[kk], v_desc + kk * (2048 >> 4));
 }
 
-// S = Q K^T over the tile's first NB * 8 key positions (the first NB column groups of s).
+// S = Q K^T over the tile's first NB * 8 key positions (the first NB column groups of s), issued.
 template <typename T, int D, int BN, int NB>
 __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&qa)[D / 16][4], uint32_t k_tile) {
   // The descriptors of a tile's k-steps are its first one's plus a constant (addresses stay
@@ -669,11 +669,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
-    // The last tile's column groups for this warpgroup (its last row, warp 3's row g + 8 of 7).
-    // (16-bit caches only: over fp8 the consumers keep the query's scale and the narrowed paths
-    // leave ptxas short of registers for the wgmma pipeline, C7511, and the producer sets the pace.)
-    const int last_nb = !std::is_same_v<T, C> ? BN / 8 : ws_last_groups(blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1),
-                                       (blk.n_tiles - 1) * BN);
+    // The column groups of the item's last tile this warpgroup computes: as far as its last row
+    // (its row 63) sees. 16-bit caches only (ws_last_groups says why).
+    const int last_visible = blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1);
+    const int last_nb = !std::is_same_v<T, C> ? BN / 8 : ws_last_groups(last_visible, (blk.n_tiles - 1) * BN);
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
     // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
