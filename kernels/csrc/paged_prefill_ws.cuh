@@ -617,17 +617,23 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 // on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. 16-bit caches
 // only: over fp8, every arrangement tried left ptxas short of registers (the wgmmas serialized,
 // C7511, or the producer spilled), and the producer, not the consumers, sets fp8's pace.
+template <typename C>
 __device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
-  if (KVPAGER_PREFILL_WS_NARROW == 0) return kWsBN / 8;
+  if (KVPAGER_PREFILL_WS_NARROW == 0 || sizeof(C) == 1) return kWsBN / 8;
   const int cols = (last_visible + 1 - last_kv0 + 31) & ~31;
   return min(max(cols, 32), kWsBN) / 8;
 }
 
 // f(std::integral_constant<int, NB>) for the NB column groups a tile's GEMMs and softmax cover:
-// the whole tile, or 4, 8 or 12 groups (ws_last_groups). Warp-uniform.
-template <typename F>
+// the whole tile, or 4, 8 or 12 groups (ws_last_groups<C>). Warp-uniform. Over fp8 caches only
+// the whole tile is compiled.
+template <typename C, typename F>
 __device__ __forceinline__ void ws_with_groups(int nb, F&& f) {
   static_assert(kWsBN == 128, "narrowed tiles are written for tiles of 128 positions");
+  if constexpr (sizeof(C) == 1) {
+    f(std::integral_constant<int, kWsBN / 8>{});
+    return;
+  }
   switch (nb) {
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 8: f(std::integral_constant<int, 8>{}); break;
@@ -672,7 +678,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     // The column groups of the item's last tile this warpgroup computes: as far as its last row
     // (its row 63) sees. 16-bit caches only (ws_last_groups says why).
     const int last_visible = blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1);
-    const int last_nb = !std::is_same_v<T, C> ? BN / 8 : ws_last_groups(last_visible, (blk.n_tiles - 1) * BN);
+    const int last_nb = ws_last_groups<C>(last_visible, (blk.n_tiles - 1) * BN);
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
     // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
@@ -754,10 +760,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
         wgmma_commit();
         wgmma_wait<0>();
       };
-      if constexpr (std::is_same_v<T, C>)
-        ws_with_groups(last_nb, last);
-      else
-        last(std::integral_constant<int, BN / 8>{});
+      ws_with_groups<C>(last_nb, last);
     }
     // The last P V is done: its V stage is free; the item's rows out (no tiles: nothing visible,
     // zero rows).
