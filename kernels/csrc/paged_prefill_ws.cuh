@@ -83,6 +83,17 @@ constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
 #ifndef KVPAGER_PREFILL_WS_FP8_HALF
 #define KVPAGER_PREFILL_WS_FP8_HALF 1
 #endif
+// KVPAGER_PREFILL_WS_FP8_RAWK=0: over fp8 caches the producer converts K tiles to fp16 too (as
+// before 2026-11-27), and S is computed in fp16, for A/B timing (ws_raw_k).
+#ifndef KVPAGER_PREFILL_WS_FP8_RAWK
+#define KVPAGER_PREFILL_WS_FP8_RAWK 1
+#endif
+// Over fp8 caches, K tiles stay fp8 e4m3 in shared memory, as the cache holds them (copied by
+// cp.async, rows padded to 128 bytes at head_dim 64), and S = Q K^T runs on the tensor cores in
+// e4m3 (wgmma k32), the query split into two e4m3 terms (ws_query_to_e4m3_pair): the producer
+// converts only V tiles.
+template <typename C>
+constexpr bool ws_raw_k = sizeof(C) == 1 && KVPAGER_PREFILL_WS_FP8_RAWK != 0;
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
@@ -93,15 +104,19 @@ constexpr int kWsTicketBytes = 16;   // the producer's broadcast of a dynamic-sc
 
 constexpr int kWsSmemLimit = 227 * 1024;   // the shared memory a Hopper block can have
 
-// The shared memory of one block (any cache: fp8 tiles are converted into 16-bit stages): Q tiles,
-// S K and V stages (16-bit: wgmma reads them), 1 KB of alignment slack, the mbarriers, the item
-// records and the ticket word. S: kWsStages, or fewer where they would not fit (two Q buffers at
-// head_dim 128: 2 stages).
-template <int D>
+// The shared memory of one block: Q tiles (16-bit), S K and V stages, 1 KB of alignment slack, the
+// mbarriers, the item records and the ticket word. V stages are 16-bit (fp8 tiles are converted into
+// them), K stages too, except over fp8 caches (ws_raw_k: rows of e4m3 values, 128 bytes whatever the
+// head_dim, so that wgmma reads them in the 128-byte swizzle). S: kWsStages, or fewer where they
+// would not fit (two Q buffers at head_dim 128: 2 stages).
+template <typename C, int D>
 struct WsLayout {
+  static_assert(D <= 128, "a raw fp8 K row fits 128 bytes");
+  static constexpr int kKStage = kWsBN * (ws_raw_k<C> ? 128 : 2 * D);   // bytes of a K stage
+  static constexpr int kVStage = kWsBN * D * 2;
   static constexpr int bytes(int stages) {
-    return (kWsQBufs * kWsRows + 2 * stages * kWsBN) * D * 2 + 1024 + kWsBarrierBytes + kWsQBufs * kWsRecordBytes +
-           kWsTicketBytes;
+    return kWsQBufs * kWsRows * D * 2 + stages * (kKStage + kVStage) + 1024 + kWsBarrierBytes +
+           kWsQBufs * kWsRecordBytes + kWsTicketBytes;
   }
   static constexpr int fit() {
     int s = kWsStages;
@@ -111,13 +126,13 @@ struct WsLayout {
   static constexpr int S = fit();
   static constexpr int kSmemBytes = bytes(S);
 };
-static_assert(WsLayout<128>::kSmemBytes <= kWsSmemLimit && WsLayout<64>::kSmemBytes <= kWsSmemLimit,
+static_assert(WsLayout<__half, 128>::kSmemBytes <= kWsSmemLimit && WsLayout<__half, 64>::kSmemBytes <= kWsSmemLimit,
               "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
               "(a stage of K and V is 64 KB at head_dim 128)");
 
-template <int D>
+template <typename C, int D>
 constexpr int prefill_ws_smem_bytes() {
-  return WsLayout<D>::kSmemBytes;
+  return WsLayout<C, D>::kSmemBytes;
 }
 
 namespace prefill_detail {
@@ -182,24 +197,25 @@ struct WsRecord {
 };
 static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 
-// Shared-memory addresses of one block's tiles and barriers (WsLayout<D>).
-template <int D>
+// Shared-memory addresses of one block's tiles and barriers (WsLayout<C, D>).
+template <typename C, int D>
 struct WsSmem {
-  static constexpr int BN = kWsBN, S = WsLayout<D>::S;
+  using L = WsLayout<C, D>;
+  static constexpr int BN = kWsBN, S = L::S;
   uint32_t q0, tiles, bars;
   unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
   __device__ __forceinline__ explicit WsSmem(unsigned char* smem_raw) {
     const uint32_t raw = smem_addr(smem_raw);
     q0 = (raw + 1023) & ~1023u;
     tiles = q0 + kWsQBufs * kWsRows * D * 2;
-    bars = tiles + 2 * S * BN * D * 2;
+    bars = tiles + S * (L::kKStage + L::kVStage);
     tail = smem_raw + (bars - raw) + kWsBarrierBytes;
   }
   __device__ __forceinline__ WsRecord* record(int qb) const { return reinterpret_cast<WsRecord*>(tail) + qb; }
   __device__ __forceinline__ int* ticket() const { return reinterpret_cast<int*>(tail + kWsQBufs * kWsRecordBytes); }
   __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
-  __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * 2 * BN * D * 2; }
-  __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + BN * D * 2; }
+  __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * (L::kKStage + L::kVStage); }
+  __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + L::kKStage; }
   __device__ __forceinline__ uint32_t full_k(int st) const { return bars + 8 * st; }
   __device__ __forceinline__ uint32_t full_v(int st) const { return bars + 8 * (S + st); }
   __device__ __forceinline__ uint32_t empty_k(int st) const { return bars + 8 * (2 * S + st); }
@@ -255,6 +271,78 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
       const uint32_t w = qa[kk][e2];
       const __half2 h = __floats2half2_rn(__uint_as_float(w << 16) * up, __uint_as_float(w & 0xffff0000u) * up);
       qa[kk][e2] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
+}
+
+// Over fp8 caches (ws_raw_k): a warp's 16 rows of Q (16-bit, from the Q tile at q_tile, tile_off
+// layout) as the A operands of e4m3 S GEMMs (wgmma k32): qa[kk] and qa[D / 32 + kk] are k-step kk's
+// two terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi), so that hi + lo carries 8 significant bits
+// of each q: a bf16 query exactly (where lo is not below e4m3's normal range), an fp16 one rounded to
+// bf16's precision. f puts the warp's largest |q| in [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of
+// it lose bits below 2^-17 of the largest (e4m3's subnormal step). Returns 2^-f, the factor the
+// warp's scores are to be scaled back by (folded into the softmax scale). Every lane of the warp must
+// call it; once per item. Each register holds 4 consecutive columns of a row (the 8-bit A layout:
+// lane g, t4 holds row g's and row g + 8's columns 4 t4 .. 4 t4 + 3 and 16 more), read as 8 bytes
+// of the 16-bit tile.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ float ws_query_to_e4m3_pair(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int warp, int lane) {
+  constexpr int KS = D / 32;
+  const int g = lane >> 2, t4 = lane & 3;
+  float x[KS][4][4];   // k-step, register (row g / g + 8, columns 0-15 / 16-31), column
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = warp * 16 + g + (e & 1) * 8, col = kk * 32 + (e >> 1) * 16 + 4 * t4;
+      uint32_t w0, w1;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                   : "=r"(w0), "=r"(w1)
+                   : "r"(q_tile + 2 * tile_off<ROWS>(row, col >> 3) + 2 * (col & 7)));
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        x[kk][e][0] = __uint_as_float(w0 << 16);
+        x[kk][e][1] = __uint_as_float(w0 & 0xffff0000u);
+        x[kk][e][2] = __uint_as_float(w1 << 16);
+        x[kk][e][3] = __uint_as_float(w1 & 0xffff0000u);
+      } else {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w0));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w1));
+        x[kk][e][0] = a.x;
+        x[kk][e][1] = a.y;
+        x[kk][e][2] = b.x;
+        x[kk][e][3] = b.y;
+      }
+    }
+  float mx = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) mx = fmaxf(mx, fabsf(x[kk][e][c]));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  const int ex = mx > 0.f ? static_cast<int>((__float_as_uint(mx) >> 23) & 0xff) - 127 : 0;   // floor(log2 mx)
+  const int f = min(max(7 - ex, -126), 126);
+  const float up = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
+  // Two values -> e4m3x2 (the first in the low byte), and back to float.
+  auto to_e4m3 = [](float a, float b) -> uint32_t {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  };
+  auto from_e4m3 = [](uint32_t w) -> float2 {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+  };
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float a0 = x[kk][e][0] * up, a1 = x[kk][e][1] * up, a2 = x[kk][e][2] * up, a3 = x[kk][e][3] * up;
+      const uint32_t h01 = to_e4m3(a0, a1), h23 = to_e4m3(a2, a3);
+      const float2 b01 = from_e4m3(h01), b23 = from_e4m3(h23);
+      const uint32_t l01 = to_e4m3(a0 - b01.x, a1 - b01.y), l23 = to_e4m3(a2 - b23.x, a3 - b23.y);
+      qa[kk][e] = h01 | (h23 << 16);
+      qa[KS + kk][e] = l01 | (l23 << 16);
     }
   return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
 }
@@ -452,7 +540,7 @@ struct Fp8TileLoader {
   // from the caches' base pointers (kernel parameters) where rows.k and rows.v would hold 64-bit
   // pointers: registers the producer does not have to spare (ptxas spilled).
   template <int LG, typename C, typename Blk, typename Cursor>
-  static __device__ __forceinline__ void load(const WsSmem<D>& sm, const PrefillArgs& a, const RowCopier<C, D>& rows,
+  static __device__ __forceinline__ void load(const WsSmem<C, D>& sm, const PrefillArgs& a, const RowCopier<C, D>& rows,
                                               uint32_t head_off, int kv0, int pages, Cursor& cur) {
     static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "Fp8TileLoader and RowCopier split a tile alike");
     // Every row of the tile before kv_end and every page id valid (the usual case): rows loaded
@@ -460,18 +548,29 @@ struct Fp8TileLoader {
     const int lane = threadIdx.x & 31;
     const bool whole = kv0 + kWsBN <= rows.kv_end &&
                        __all_sync(0xffffffffu, lane >= (kWsBN >> LG) || pages >= 0);
-    half<LG>(rows, static_cast<const C*>(a.k_cache) + head_off, kv0, pages, whole, sm.k_tile(cur.stage),
-             sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
-    half<LG>(rows, static_cast<const C*>(a.v_cache) + head_off, kv0, pages, whole, sm.v_tile(cur.stage),
-             sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
+    const C* k_base = static_cast<const C*>(a.k_cache) + head_off;
+    const C* v_base = static_cast<const C*>(a.v_cache) + head_off;
+    uint4 u[RPT];
+    if constexpr (ws_raw_k<C>) {
+      // K's rows copied as they are (cp.async, the full barrier's arrival when they land), then V's
+      // into registers, to be converted into its stage.
+      mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
+      copy_raw<LG>(rows, k_base, kv0, pages, whole, sm.k_tile(cur.stage));
+      mbar_arrive_on_copies(sm.full_k(cur.stage));
+      read_rows<LG>(rows, v_base, kv0, pages, whole, u);
+    } else {
+      read_rows<LG>(rows, k_base, kv0, pages, whole, u);
+      convert_rows<LG>(u, sm.k_tile(cur.stage), sm.empty_k(cur.stage), sm.full_k(cur.stage), cur.phase);
+      read_rows<LG>(rows, v_base, kv0, pages, whole, u);
+    }
+    convert_rows<LG>(u, sm.v_tile(cur.stage), sm.empty_v(cur.stage), sm.full_v(cur.stage), cur.phase);
     cur.advance();
   }
 
+  // This thread's fp8 rows of a half tile (K or V, from `base`) into u; rows not valid are zeros.
   template <int LG, typename C>
-  static __device__ __forceinline__ void half(const RowCopier<C, D>& rows, const C* base, int kv0, int pages,
-                                              bool whole, uint32_t tile, uint32_t empty, uint32_t full,
-                                              uint32_t phase) {
-    uint4 u[RPT];
+  static __device__ __forceinline__ void read_rows(const RowCopier<C, D>& rows, const C* base, int kv0, int pages,
+                                                   bool whole, uint4 (&u)[RPT]) {
     // (Block size 8: at head_dim 128 a row a page, whose lane indices the two paths hold apart:
     // ptxas spilled. It takes the general path.)
     if (LG > 3 && whole) {
@@ -483,6 +582,31 @@ struct Fp8TileLoader {
         if (valid) u[i] = __ldg(reinterpret_cast<const uint4*>(src));
       });
     }
+  }
+
+  // This thread's fp8 K rows into the raw K stage at `tile` by cp.async (ws_raw_k): its 16 bytes of
+  // each 128-byte row land where a 16-bit row's chunk of the same index would (tile_off); rows not
+  // valid are zero-filled.
+  template <int LG, typename C>
+  static __device__ __forceinline__ void copy_raw(const RowCopier<C, D>& rows, const C* base, int kv0, int pages,
+                                                  bool whole, uint32_t tile) {
+    const int2 rc = fp8_row_chunk<D>(thread_index_here());
+    const uint32_t dst = tile + 2 * tile_off<kWsBN>(rc.x, rc.y);
+    if (whole) {
+      rows.template visit_rows<kWsBN, RPT, ROW_STEP, LG, true>(
+          base, kv0, pages, [&](int i, const C* src, bool) { cp_async16(dst + i * ROW_STEP * 128, src, true); });
+    } else {
+      rows.template visit<kWsBN, RPT, ROW_STEP, LG>(base, kv0, pages, [&](int i, const C* src, bool valid) {
+        cp_async16(dst + i * ROW_STEP * 128, src, valid);
+      });
+    }
+  }
+
+  // u (this thread's rows, read_rows) converted into the stage at `tile` once it is free (`empty`),
+  // then one arrival on `full`.
+  template <int LG>
+  static __device__ __forceinline__ void convert_rows(const uint4 (&u)[RPT], uint32_t tile, uint32_t empty,
+                                                      uint32_t full, uint32_t phase) {
     mbar_wait(empty, phase ^ 1);
     const uint32_t lo = tile + Fp8TileLoader::lo(), hi = lo ^ 16u;   // hi: plus an immediate offset a row
 #pragma unroll
@@ -504,8 +628,8 @@ struct Fp8TileLoader {
 template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, C, D>;
-  const WsSmem<D> sm(smem_raw);
-  StageCursor<WsSmem<D>::S> cur;
+  const WsSmem<C, D> sm(smem_raw);
+  StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   using Fp8 = Fp8TileLoader<WsMma<T, C>, D>;   // fp8 caches only
   for (int m = 0;; ++m) {
@@ -604,6 +728,20 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
   }
 }
 
+// S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
+// e4m3 terms (ws_query_to_e4m3_pair) against the same K columns. At twice fp16's rate on the
+// tensor cores, the two GEMMs take the time of one fp16 GEMM over the converted tile.
+template <int D, int BN>
+__device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], const uint32_t (&qa)[D / 16][4], uint32_t k_tile) {
+  static_assert(BN == 128, "the e4m3 S GEMM is written for tiles of 128 positions");
+  const uint64_t k_desc = gmma_desc(k_tile, 16, 1024);
+#pragma unroll
+  for (int kk = 0; kk < D / 32; ++kk) {
+    wgmma_rs_e4m3(s, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
+    wgmma_rs_e4m3(s, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
+  }
+}
+
 // KVPAGER_PREFILL_WS_NARROW=0: an item's last tile is computed whole (as before 2026-11-26,
 // eleventh session), for A/B timing.
 #ifndef KVPAGER_PREFILL_WS_NARROW
@@ -649,17 +787,17 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   using MT = WsMma<T, C>;   // the tensor cores' type (P is packed to it)
   using Softmax = RowSoftmax<MT, D, kWsBN>;
   constexpr int BM = kWsRows, BN = kWsBN;
-  const WsSmem<D> sm(smem_raw);
+  const WsSmem<C, D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
   const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const bool signals = lane == 0;             // one arrival per warp on the empty barriers
   const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
-  StageCursor<WsSmem<D>::S> cur;
+  StageCursor<WsSmem<C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
   float o[D / 8][4];
-  StageCursor<WsSmem<D>::S> prev;   // V_{j-1}'s stage
+  StageCursor<WsSmem<C, D>::S> prev;   // V_{j-1}'s stage
 
   for (;;) {
     // The producer's next item: its Q tile and its record.
@@ -684,12 +822,17 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
     // (racecheck flags an order that runs through __syncwarp and one lane's arrival).
     uint32_t qa[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-    mbar_arrive(sm.q_empty(qb));
     float sl2 = a.scale_log2;   // the softmax scale (log2 domain) of this warp's raw scores
-    if constexpr (!std::is_same_v<MT, T>) sl2 *= ws_query_to_half(qa);
+    if constexpr (ws_raw_k<C>) {
+      sl2 *= ws_query_to_e4m3_pair<T, D, BM>(qa, sm.q(qb), warp, lane);
+      mbar_arrive(sm.q_empty(qb));
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      mbar_arrive(sm.q_empty(qb));
+      if constexpr (!std::is_same_v<MT, T>) sl2 *= ws_query_to_half(qa);
+    }
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     uint32_t pa[BN / 16][4];   // P_{j-1}
@@ -708,7 +851,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(pa);
       fence_regs(qa);
       wgmma_fence();
-      issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
+      if constexpr (ws_raw_k<C>)
+        issue_s_e4m3<D, BN>(s, qa, sm.k_tile(cur.stage));
+      else
+        issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
       if (j > 0) {   // O += P_{j-1} V_{j-1}, behind S_j on the tensor cores
         mbar_wait(sm.full_v(prev.stage), prev.phase);
@@ -776,10 +922,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
 
 template <typename T, typename C, int D>
 __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* smem_raw) {
-  const WsSmem<D> sm(smem_raw);
+  const WsSmem<C, D> sm(smem_raw);
   const int num_pairs = a.num_items * a.num_kv_heads;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < WsSmem<D>::S; ++st) {
+    for (int st = 0; st < WsSmem<C, D>::S; ++st) {
       mbar_init(sm.full_k(st), 128);
       mbar_init(sm.full_v(st), 128);
       mbar_init(sm.empty_k(st), 8);
