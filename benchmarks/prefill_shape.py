@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--sdpa", choices=("flash", "efficient", "cudnn"), default=None,
                     help="run torch SDPA on this backend over the contiguous layout instead of our kernel")
     ap.add_argument("--expand", action="store_true", help="with --sdpa: K/V repeated to the query heads")
+    ap.add_argument("--fp8", action="store_true",
+                    help="our kernel over the cache quantized to fp8 e4m3 (k_scale = v_scale = 4, as "
+                         "--only prefill_fp8)")
     args = ap.parse_args()
     if args.list:
         print("\n".join(shapes))
@@ -52,12 +55,20 @@ def main() -> None:
                    "cudnn": SDPBackend.CUDNN_ATTENTION}[args.sdpa]
         run = bench.sdpa_runner(*bench.contiguous_prefill(c, shapes[args.shape]), scale, backend, args.expand)
     else:
-        plan = debug.plan_prefill(c.query, c.k, c.host, warps=8, wgmma=True, schedule=args.schedule)
-        run = lambda: cuda.paged_prefill_run(plan, c.query, c.k, c.v, c.tables, c.lens, c.starts, scale)  # noqa: E731
+        k, v, kv_scale = c.k, c.v, 1.0
+        if args.fp8:
+            from kvpager.kernels.reference import FP8
+
+            cache8 = (c.cache * 0.25).to(FP8)
+            k, v, kv_scale = cache8[:, 0, 0], cache8[:, 0, 1], 4.0
+        plan = debug.plan_prefill(c.query, k, c.host, warps=8, wgmma=True, schedule=args.schedule)
+        run = lambda: cuda.paged_prefill_run(plan, c.query, k, v, c.tables, c.lens, c.starts, scale,  # noqa: E731
+                                             kv_scale, kv_scale)
     for _ in range(args.runs):
         run()
     torch.cuda.synchronize()
-    print(f"ran {args.shape!r} {args.runs} times" + (f" on SDPA ({args.sdpa})" if args.sdpa else ""))
+    print(f"ran {args.shape!r} {args.runs} times" + (f" on SDPA ({args.sdpa})" if args.sdpa else "")
+          + (" over an fp8 cache" if args.fp8 and not args.sdpa else ""))
 
 
 if __name__ == "__main__":

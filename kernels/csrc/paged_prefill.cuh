@@ -229,16 +229,43 @@ KVPAGER_WGMMA_WRAPPERS(__nv_bfloat16, "bf16")
 KVPAGER_WGMMA_WRAPPERS(__half, "f16")
 #undef KVPAGER_WGMMA_WRAPPERS
 
-// D (m64 x n128) += A B over k32 of fp8 e4m3, fp32 accumulators: A from registers (each warp's 16
+// D (m64 x n) += A B over k32 of fp8 e4m3, fp32 accumulators: A from registers (each warp's 16
 // rows, 4 consecutive values a byte each per register: the mma.sync m16n8k32 8-bit A layout), B
 // K-major from shared memory (fp8 K rows as the cache holds them, 128-byte swizzle). scale_d 0
-// ignores D's old contents.
+// ignores D's old contents. N = 128, and 32, 64 and 96 for the narrowed last tiles (ws_last_groups).
 __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                               int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[12][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                              int scale_d = 1) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
@@ -430,8 +457,13 @@ struct RowSoftmax {
   // (alpha_a, alpha_b), for the caller to apply when o may be touched.
   // NB: the 8-column groups of s that hold scores (the first NB; a narrowed last tile has fewer
   // than BN / 8, the rest are neither read nor written).
+  // sl2: the softmax scale (log2 domain) of rows a and b's raw scores, or one for both.
   template <int NB = BN / 8>
   __device__ __forceinline__ float2 scores(float (&s)[BN / 8][4], int kv0, bool need_mask, float sl2, int t4) {
+    return scores<NB>(s, kv0, need_mask, make_float2(sl2, sl2), t4);
+  }
+  template <int NB = BN / 8>
+  __device__ __forceinline__ float2 scores(float (&s)[BN / 8][4], int kv0, bool need_mask, float2 sl2, int t4) {
     static_assert(NB > 0 && NB <= BN / 8 && NB % 2 == 0, "whole 16-column k-steps of P");
     if (need_mask) {
 #pragma unroll
@@ -450,8 +482,8 @@ struct RowSoftmax {
     mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    mx_a = fmaxf(m_a, mx_a * sl2);
-    mx_b = fmaxf(m_b, mx_b * sl2);
+    mx_a = fmaxf(m_a, mx_a * sl2.x);
+    mx_b = fmaxf(m_b, mx_b * sl2.y);
     // A row with nothing visible yet keeps m = -inf; 0 stands in so that no inf - inf appears.
     const float use_a = mx_a == -INFINITY ? 0.f : mx_a, use_b = mx_b == -INFINITY ? 0.f : mx_b;
     const float alpha_a = fast_exp2(m_a - use_a), alpha_b = fast_exp2(m_b - use_b);
@@ -460,10 +492,10 @@ struct RowSoftmax {
     float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
-      s[i][0] = fast_exp2(fmaf(s[i][0], sl2, -use_a));
-      s[i][1] = fast_exp2(fmaf(s[i][1], sl2, -use_a));
-      s[i][2] = fast_exp2(fmaf(s[i][2], sl2, -use_b));
-      s[i][3] = fast_exp2(fmaf(s[i][3], sl2, -use_b));
+      s[i][0] = fast_exp2(fmaf(s[i][0], sl2.x, -use_a));
+      s[i][1] = fast_exp2(fmaf(s[i][1], sl2.x, -use_a));
+      s[i][2] = fast_exp2(fmaf(s[i][2], sl2.y, -use_b));
+      s[i][3] = fast_exp2(fmaf(s[i][3], sl2.y, -use_b));
       sum_a += s[i][0] + s[i][1];
       sum_b += s[i][2] + s[i][3];
     }

@@ -275,77 +275,99 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
   return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
 }
 
-// Over fp8 caches (ws_raw_k): a warp's 16 rows of Q (16-bit, from the Q tile at q_tile, tile_off
-// layout) as the A operands of e4m3 S GEMMs (wgmma k32): qa[kk] and qa[D / 32 + kk] are k-step kk's
-// two terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi), so that hi + lo carries 8 significant bits
-// of each q: a bf16 query exactly (where lo is not below e4m3's normal range), an fp16 one rounded to
-// bf16's precision. f puts the warp's largest |q| in [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of
-// it lose bits below 2^-17 of the largest (e4m3's subnormal step). Returns 2^-f, the factor the
-// warp's scores are to be scaled back by (folded into the softmax scale). Every lane of the warp must
-// call it; once per item. Each register holds 4 consecutive columns of a row (the 8-bit A layout:
-// lane g, t4 holds row g's and row g + 8's columns 4 t4 .. 4 t4 + 3 and 16 more), read as 8 bytes
-// of the 16-bit tile.
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ float ws_query_to_e4m3_pair(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int warp, int lane) {
-  constexpr int KS = D / 32;
-  const int g = lane >> 2, t4 = lane & 3;
-  float x[KS][4][4];   // k-step, register (row g / g + 8, columns 0-15 / 16-31), column
+// Over fp8 caches (ws_raw_k), the query as the A operands of e4m3 S GEMMs (wgmma k32): each q is
+// split into two e4m3 terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi), so that hi + lo carries 8
+// significant bits of it: a bf16 query exactly (where lo is not below e4m3's normal range), an fp16
+// one rounded to bf16's precision. f, one a row, puts the row's largest |q| in [2^7, 2^8) (e4m3
+// reaches 448); q under 2^-5 of it lose bits below 2^-17 of the largest (e4m3's subnormal step).
+// A consumer warp splits its own 16 rows as an item starts: load (the 16-bit values, in place in the
+// fragment registers, and each row's f: one pass over the tile, a quad's 2 shuffles, as a row's
+// values are its quad's), then split_step per k-step between the item's first S GEMMs
+// (issue_s_e4m3), so that most of the work runs under them.
+// Fragment layout: qa[kk] and qa[D / 32 + kk] are k-step kk's hi and lo terms; each register holds 4
+// consecutive columns of a row (the 8-bit A layout: lane g, t4 holds row g's and row g + 8's columns
+// 4 t4 .. 4 t4 + 3 and 16 more). Before the split they hold the same 4 values in 16 bits, the first
+// two in qa[kk], the last two in qa[D / 32 + kk].
+template <typename T, int D>
+struct WsQuerySplit {
+  static constexpr int KS = D / 32;   // k-steps of 32 columns
+
+  // This warp's rows of the 16-bit Q tile at q_tile (tile_off layout) into qa, unsplit; returns 2^f
+  // of rows g and g + 8 (`up`) and sets `down` to 2^-f, the factors their scores are to be scaled
+  // back by (folded into the softmax scale).
+  static __device__ __forceinline__ float2 load(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int warp, int lane,
+                                                float2& down) {
+    const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
+    for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = warp * 16 + g + (e & 1) * 8, col = kk * 32 + (e >> 1) * 16 + 4 * t4;
-      uint32_t w0, w1;
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                   : "=r"(w0), "=r"(w1)
-                   : "r"(q_tile + 2 * tile_off<ROWS>(row, col >> 3) + 2 * (col & 7)));
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        x[kk][e][0] = __uint_as_float(w0 << 16);
-        x[kk][e][1] = __uint_as_float(w0 & 0xffff0000u);
-        x[kk][e][2] = __uint_as_float(w1 << 16);
-        x[kk][e][3] = __uint_as_float(w1 & 0xffff0000u);
-      } else {
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w0));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w1));
-        x[kk][e][0] = a.x;
-        x[kk][e][1] = a.y;
-        x[kk][e][2] = b.x;
-        x[kk][e][3] = b.y;
+      for (int e = 0; e < 4; ++e) {
+        const int row = warp * 16 + g + (e & 1) * 8, col = kk * 32 + (e >> 1) * 16 + 4 * t4;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                     : "=r"(qa[kk][e]), "=r"(qa[KS + kk][e])
+                     : "r"(q_tile + 2 * tile_off<kWsRows>(row, col >> 3) + 2 * (col & 7)));
       }
+    // Each row's largest |q|: the bit patterns of non-negative bf16 and fp16 values order as their
+    // values do, so 16-bit unsigned maxima of |q|'s patterns (row g's, then g + 8's in the high
+    // half), then their exponents.
+    uint32_t m[2] = {0u, 0u};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        m[e & 1] = __vmaxu2(m[e & 1], __vmaxu2(qa[kk][e] & 0x7fff7fffu, qa[KS + kk][e] & 0x7fff7fffu));
+    uint32_t mab = max(m[0] & 0xffffu, m[0] >> 16) | (max(m[1] & 0xffffu, m[1] >> 16) << 16);
+    mab = __vmaxu2(mab, __shfl_xor_sync(0xffffffffu, mab, 1));
+    mab = __vmaxu2(mab, __shfl_xor_sync(0xffffffffu, mab, 2));
+    float up[2], dn[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t mx = (mab >> (16 * r)) & 0xffffu;
+      const int ex = mx == 0 ? 0
+                     : std::is_same_v<T, __nv_bfloat16> ? static_cast<int>(mx >> 7) - 127
+                                                       : static_cast<int>(mx >> 10) - 15;
+      const int f = min(max(7 - ex, -126), 126);   // ex: floor(log2) of the row's largest |q|
+      up[r] = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
+      dn[r] = __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
     }
-  float mx = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) mx = fmaxf(mx, fabsf(x[kk][e][c]));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  const int ex = mx > 0.f ? static_cast<int>((__float_as_uint(mx) >> 23) & 0xff) - 127 : 0;   // floor(log2 mx)
-  const int f = min(max(7 - ex, -126), 126);
-  const float up = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
-  // Two values -> e4m3x2 (the first in the low byte), and back to float.
-  auto to_e4m3 = [](float a, float b) -> uint32_t {
-    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  };
-  auto from_e4m3 = [](uint32_t w) -> float2 {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
-  };
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk)
+    down = make_float2(dn[0], dn[1]);
+    return make_float2(up[0], up[1]);
+  }
+
+  // k-step kk of qa split in place (load's layout -> the fragments').
+  static __device__ __forceinline__ void split_step(uint32_t (&qa)[D / 16][4], int kk, float2 up) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float a0 = x[kk][e][0] * up, a1 = x[kk][e][1] * up, a2 = x[kk][e][2] * up, a3 = x[kk][e][3] * up;
-      const uint32_t h01 = to_e4m3(a0, a1), h23 = to_e4m3(a2, a3);
-      const float2 b01 = from_e4m3(h01), b23 = from_e4m3(h23);
-      const uint32_t l01 = to_e4m3(a0 - b01.x, a1 - b01.y), l23 = to_e4m3(a2 - b23.x, a3 - b23.y);
+      const float u = (e & 1) ? up.y : up.x;
+      uint32_t h01, h23, l01, l23;
+      split_pair(qa[kk][e], u, h01, l01);
+      split_pair(qa[KS + kk][e], u, h23, l23);
       qa[kk][e] = h01 | (h23 << 16);
       qa[KS + kk][e] = l01 | (l23 << 16);
     }
-  return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
-}
+  }
+
+  // A word's two values (the low one first) times `up` (2^f) as fp16 (exact: bf16's 8 and fp16's 11
+  // significant bits fit, the largest under 2^8; what falls under fp16's normal range is far below
+  // e4m3's subnormal step), then the two e4m3 terms of each: hi rounded, lo = e4m3(value - hi) (the
+  // difference exact in fp16). hi and lo: two bytes each, the low value's first.
+  static __device__ __forceinline__ void split_pair(uint32_t v, float up, uint32_t& hi, uint32_t& lo) {
+    float a, b;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      a = __uint_as_float(v << 16);
+      b = __uint_as_float(v & 0xffff0000u);
+    } else {
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&v));
+      a = x.x;
+      b = x.y;
+    }
+    const __half2 q = __floats2half2_rn(a * up, b * up);
+    const __nv_fp8x2_storage_t q8 = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(q), __NV_SATFINITE, __NV_E4M3);
+    const __half2 back(__nv_cvt_fp8x2_to_halfraw2(q8, __NV_E4M3));
+    hi = q8;
+    lo = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(__hsub2(q, back)), __NV_SATFINITE, __NV_E4M3);
+  }
+};
 
 // An item as the warp-specialized kernel runs it: 128 query rows, K/V tiles of kWsBN positions
 // copied by the 128 producer threads (C: the cache's element type).
@@ -729,16 +751,24 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 }
 
 // S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
-// e4m3 terms (ws_query_to_e4m3_pair) against the same K columns. At twice fp16's rate on the
-// tensor cores, the two GEMMs take the time of one fp16 GEMM over the converted tile.
-template <int D, int BN>
-__device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], const uint32_t (&qa)[D / 16][4], uint32_t k_tile) {
+// e4m3 terms (WsQuerySplit) against the same K columns. At twice fp16's rate on the tensor cores,
+// the two GEMMs take the time of one fp16 GEMM over the converted tile. Over the tile's first NB * 8
+// key positions (the first NB column groups of s). split: the item's first tile, whose query is
+// still unsplit (WsQuerySplit::load): each k-step is split just before its GEMMs are issued, under
+// the previous k-step's.
+template <typename T, int D, int BN, int NB>
+__device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&qa)[D / 16][4], uint32_t k_tile,
+                                             bool split, float2 up) {
   static_assert(BN == 128, "the e4m3 S GEMM is written for tiles of 128 positions");
   const uint64_t k_desc = gmma_desc(k_tile, 16, 1024);
+  auto& sn = reinterpret_cast<float (&)[NB][4]>(s);
 #pragma unroll
   for (int kk = 0; kk < D / 32; ++kk) {
-    wgmma_rs_e4m3(s, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
-    wgmma_rs_e4m3(s, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
+    if (split) WsQuerySplit<T, D>::split_step(qa, kk, up);
+    fence_regs(qa);
+    wgmma_fence();
+    wgmma_rs_e4m3(sn, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
+    wgmma_rs_e4m3(sn, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
   }
 }
 
@@ -822,16 +852,25 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
     // (racecheck flags an order that runs through __syncwarp and one lane's arrival).
     uint32_t qa[D / 16][4];
-    float sl2 = a.scale_log2;   // the softmax scale (log2 domain) of this warp's raw scores
+    float2 q_up;   // fp8 caches: the query's scales, for its split in the item's first S GEMMs
+    // The softmax scale (log2 domain) of this thread's rows' raw scores (rows g and g + 8).
+    float2 sl2 = make_float2(a.scale_log2, a.scale_log2);
     if constexpr (ws_raw_k<C>) {
-      sl2 *= ws_query_to_e4m3_pair<T, D, BM>(qa, sm.q(qb), warp, lane);
+      float2 down;
+      q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
+      sl2.x *= down.x;
+      sl2.y *= down.y;
       mbar_arrive(sm.q_empty(qb));
     } else {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
       mbar_arrive(sm.q_empty(qb));
-      if constexpr (!std::is_same_v<MT, T>) sl2 *= ws_query_to_half(qa);
+      if constexpr (!std::is_same_v<MT, T>) {
+        const float down = ws_query_to_half(qa);
+        sl2.x *= down;
+        sl2.y *= down;
+      }
     }
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
@@ -852,7 +891,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(qa);
       wgmma_fence();
       if constexpr (ws_raw_k<C>)
-        issue_s_e4m3<D, BN>(s, qa, sm.k_tile(cur.stage));
+        issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), j == 0, q_up);
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
