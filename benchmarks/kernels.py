@@ -1411,8 +1411,9 @@ def smoke() -> None:
         for mode in cuda.SWAP_MODES:
             debug.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode)
             debug.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode)
-    # The prefill kernel: both block shapes, a bf16 and an fp8 cache, chunked and whole prompts, GQA 4.
-    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64)):
+    # The prefill kernel: both block shapes, a 16-bit and an fp8 cache, chunked and whole prompts, GQA 4
+    # (over fp8, bf16 queries meet K as e4m3 and fp16 queries K converted: both at both head sizes).
+    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
         tables = torch.randperm(40, device="cuda", generator=gen)[:36].view(3, 12).to(torch.int32)
         lens = torch.tensor([1, 70, 190], dtype=torch.int32, device="cuda")

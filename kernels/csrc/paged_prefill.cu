@@ -89,7 +89,7 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
       if (paged_prefill_has_wgmma(device)) {
         // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
         auto ws = paged_prefill_ws_kernel<typename Cfg::T, typename Cfg::C, Cfg::D>;
-        constexpr int ws_smem = prefill_ws_smem_bytes<typename Cfg::C, Cfg::D>();
+        constexpr int ws_smem = prefill_ws_smem_bytes<typename Cfg::T, typename Cfg::C, Cfg::D>();
         err = cudaFuncSetAttribute(ws, cudaFuncAttributeMaxDynamicSharedMemorySize, ws_smem);
         if (err != cudaSuccess) return;
         const int64_t pairs = static_cast<int64_t>(a.num_items) * a.num_kv_heads;

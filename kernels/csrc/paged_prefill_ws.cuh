@@ -88,12 +88,14 @@ constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
 #ifndef KVPAGER_PREFILL_WS_FP8_RAWK
 #define KVPAGER_PREFILL_WS_FP8_RAWK 1
 #endif
-// Over fp8 caches, K tiles stay fp8 e4m3 in shared memory, as the cache holds them (copied by
-// cp.async, rows padded to 128 bytes at head_dim 64), and S = Q K^T runs on the tensor cores in
-// e4m3 (wgmma k32), the query split into two e4m3 terms (ws_query_to_e4m3_pair): the producer
-// converts only V tiles.
-template <typename C>
-constexpr bool ws_raw_k = sizeof(C) == 1 && KVPAGER_PREFILL_WS_FP8_RAWK != 0;
+// With bf16 queries over fp8 caches, K tiles stay fp8 e4m3 in shared memory, as the cache holds them
+// (copied by cp.async, rows padded to 128 bytes at head_dim 64), and S = Q K^T runs on the tensor
+// cores in e4m3 (wgmma k32), each query split into two e4m3 terms, exactly (WsQuerySplit): the
+// producer converts only V tiles. fp16 queries keep K converted to fp16: two e4m3 terms carry 8 of
+// their 11 significant bits (their attention 1-3e-3 off float64, against 1e-6 for bf16's; a CPU
+// emulation, 2026-11-27).
+template <typename T, typename C>
+constexpr bool ws_raw_k = sizeof(C) == 1 && std::is_same_v<T, __nv_bfloat16> && KVPAGER_PREFILL_WS_FP8_RAWK != 0;
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
@@ -109,10 +111,10 @@ constexpr int kWsSmemLimit = 227 * 1024;   // the shared memory a Hopper block c
 // them), K stages too, except over fp8 caches (ws_raw_k: rows of e4m3 values, 128 bytes whatever the
 // head_dim, so that wgmma reads them in the 128-byte swizzle). S: kWsStages, or fewer where they
 // would not fit (two Q buffers at head_dim 128: 2 stages).
-template <typename C, int D>
+template <typename T, typename C, int D>
 struct WsLayout {
   static_assert(D <= 128, "a raw fp8 K row fits 128 bytes");
-  static constexpr int kKStage = kWsBN * (ws_raw_k<C> ? 128 : 2 * D);   // bytes of a K stage
+  static constexpr int kKStage = kWsBN * (ws_raw_k<T, C> ? 128 : 2 * D);   // bytes of a K stage
   static constexpr int kVStage = kWsBN * D * 2;
   static constexpr int bytes(int stages) {
     return kWsQBufs * kWsRows * D * 2 + stages * (kKStage + kVStage) + 1024 + kWsBarrierBytes +
@@ -126,13 +128,14 @@ struct WsLayout {
   static constexpr int S = fit();
   static constexpr int kSmemBytes = bytes(S);
 };
-static_assert(WsLayout<__half, 128>::kSmemBytes <= kWsSmemLimit && WsLayout<__half, 64>::kSmemBytes <= kWsSmemLimit,
+static_assert(WsLayout<__half, __half, 128>::kSmemBytes <= kWsSmemLimit &&
+                  WsLayout<__half, __half, 64>::kSmemBytes <= kWsSmemLimit,
               "the Q buffer and K/V stages fit the 227 KB of shared memory a Hopper block can have "
               "(a stage of K and V is 64 KB at head_dim 128)");
 
-template <typename C, int D>
+template <typename T, typename C, int D>
 constexpr int prefill_ws_smem_bytes() {
-  return WsLayout<C, D>::kSmemBytes;
+  return WsLayout<T, C, D>::kSmemBytes;
 }
 
 namespace prefill_detail {
@@ -197,10 +200,10 @@ struct WsRecord {
 };
 static_assert(sizeof(WsRecord) == kWsRecordBytes, "a record fills its bytes");
 
-// Shared-memory addresses of one block's tiles and barriers (WsLayout<C, D>).
-template <typename C, int D>
+// Shared-memory addresses of one block's tiles and barriers (WsLayout<T, C, D>).
+template <typename T, typename C, int D>
 struct WsSmem {
-  using L = WsLayout<C, D>;
+  using L = WsLayout<T, C, D>;
   static constexpr int BN = kWsBN, S = L::S;
   uint32_t q0, tiles, bars;
   unsigned char* tail;   // generic address of the records and the ticket word (after the barriers)
@@ -561,8 +564,8 @@ struct Fp8TileLoader {
   // head_off: this thread's chunk of its KV head in a block (elements, < kv_stride_block < 2^31),
   // from the caches' base pointers (kernel parameters) where rows.k and rows.v would hold 64-bit
   // pointers: registers the producer does not have to spare (ptxas spilled).
-  template <int LG, typename C, typename Blk, typename Cursor>
-  static __device__ __forceinline__ void load(const WsSmem<C, D>& sm, const PrefillArgs& a, const RowCopier<C, D>& rows,
+  template <int LG, typename C, typename Blk, typename Q, typename Cursor>
+  static __device__ __forceinline__ void load(const WsSmem<Q, C, D>& sm, const PrefillArgs& a, const RowCopier<C, D>& rows,
                                               uint32_t head_off, int kv0, int pages, Cursor& cur) {
     static_assert(Blk::RPT == RPT && Blk::ROW_STEP == ROW_STEP, "Fp8TileLoader and RowCopier split a tile alike");
     // Every row of the tile before kv_end and every page id valid (the usual case): rows loaded
@@ -573,7 +576,7 @@ struct Fp8TileLoader {
     const C* k_base = static_cast<const C*>(a.k_cache) + head_off;
     const C* v_base = static_cast<const C*>(a.v_cache) + head_off;
     uint4 u[RPT];
-    if constexpr (ws_raw_k<C>) {
+    if constexpr (ws_raw_k<Q, C>) {
       // K's rows copied as they are (cp.async, the full barrier's arrival when they land), then V's
       // into registers, to be converted into its stage.
       mbar_wait(sm.empty_k(cur.stage), cur.phase ^ 1);
@@ -650,8 +653,8 @@ struct Fp8TileLoader {
 template <typename T, typename C, int D, int LG>
 __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned char* smem_raw, int num_pairs) {
   using Blk = WsBlock<T, C, D>;
-  const WsSmem<C, D> sm(smem_raw);
-  StageCursor<WsSmem<C, D>::S> cur;
+  const WsSmem<T, C, D> sm(smem_raw);
+  StageCursor<WsSmem<T, C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   using Fp8 = Fp8TileLoader<WsMma<T, C>, D>;   // fp8 caches only
   for (int m = 0;; ++m) {
@@ -817,17 +820,17 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   using MT = WsMma<T, C>;   // the tensor cores' type (P is packed to it)
   using Softmax = RowSoftmax<MT, D, kWsBN>;
   constexpr int BM = kWsRows, BN = kWsBN;
-  const WsSmem<C, D> sm(smem_raw);
+  const WsSmem<T, C, D> sm(smem_raw);
   const int wg = (threadIdx.x >> 7) - 1;      // 0 or 1
   const int warp = (threadIdx.x >> 5) - 4;    // the item's warp of 16 rows: 0..7
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const bool signals = lane == 0;             // one arrival per warp on the empty barriers
   const int my_turn = kWsTurnBar + wg, their_turn = kWsTurnBar + 1 - wg;
-  StageCursor<WsSmem<C, D>::S> cur;
+  StageCursor<WsSmem<T, C, D>::S> cur;
   StageCursor<kWsQBufs> qcur;
   if (wg == 1) named_arrive(kWsTurnBar, 256);   // warpgroup 0 issues first
   float o[D / 8][4];
-  StageCursor<WsSmem<C, D>::S> prev;   // V_{j-1}'s stage
+  StageCursor<WsSmem<T, C, D>::S> prev;   // V_{j-1}'s stage
 
   for (;;) {
     // The producer's next item: its Q tile and its record.
@@ -855,7 +858,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     float2 q_up;   // fp8 caches: the query's scales, for its split in the item's first S GEMMs
     // The softmax scale (log2 domain) of this thread's rows' raw scores (rows g and g + 8).
     float2 sl2 = make_float2(a.scale_log2, a.scale_log2);
-    if constexpr (ws_raw_k<C>) {
+    if constexpr (ws_raw_k<T, C>) {
       float2 down;
       q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
       sl2.x *= down.x;
@@ -890,7 +893,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(pa);
       fence_regs(qa);
       wgmma_fence();
-      if constexpr (ws_raw_k<C>)
+      if constexpr (ws_raw_k<T, C>)
         issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), j == 0, q_up);
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
@@ -961,10 +964,10 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
 
 template <typename T, typename C, int D>
 __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* smem_raw) {
-  const WsSmem<C, D> sm(smem_raw);
+  const WsSmem<T, C, D> sm(smem_raw);
   const int num_pairs = a.num_items * a.num_kv_heads;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < WsSmem<C, D>::S; ++st) {
+    for (int st = 0; st < WsSmem<T, C, D>::S; ++st) {
       mbar_init(sm.full_k(st), 128);
       mbar_init(sm.full_v(st), 128);
       mbar_init(sm.empty_k(st), 8);
@@ -988,7 +991,7 @@ __device__ __forceinline__ void prefill_ws(const PrefillArgs& a, unsigned char* 
 }  // namespace prefill_detail
 
 // grid: min(pairs, SMs) blocks, persistent over the (work item, KV head) pairs (item-major);
-// block: kWsThreads threads; dynamic smem: prefill_ws_smem_bytes<C, D>(). T: query/output type
+// block: kWsThreads threads; dynamic smem: prefill_ws_smem_bytes<T, C, D>(). T: query/output type
 // (fp16/bf16); C: cache type (T, or fp8 e4m3, dequantized by the producer).
 // Built for sm_90a only: elsewhere the body is empty and the launcher never picks it.
 template <typename T, typename C, int D>

@@ -155,8 +155,9 @@ def test_every_narrowed_last_tile_matches_float64(dtype, group, head_dim):
 @pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 128), (32, 64), (64, 128), (8, 64)])
 def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, group, block_size, head_dim):
     """Over an fp8 cache (on Hopper the wgmma instance is the warp-specialized kernel, whose
-    producer dequantizes each tile; every block size it compiles a copy loop for), against float64
-    attention over the dequantized cache: the dequantization is exact, so the 16-bit tolerance holds."""
+    producer dequantizes V tiles, and K tiles too for fp16 queries, while bf16 queries meet K as e4m3
+    in two exact e4m3 terms; every block size it compiles a copy loop for), against float64 attention
+    over the dequantized cache: nothing is rounded on the way in, so the 16-bit tolerance holds."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill kernel fp8", warps, wgmma, query_dtype, group, block_size, head_dim)
@@ -176,10 +177,11 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, gro
 @pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
 def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size, head_dim):
-    """bf16 queries far below and above fp16's range over an fp8 cache: on Hopper the
-    warp-specialized kernel multiplies in fp16 there, each warp's queries scaled into its range
-    (unscaled, 3e5 overflows fp16 and 1e-7 is below its smallest subnormal step). The softmax scale
-    is divided by the magnitude, so that the scores, and so the float64 truth, stay ordinary."""
+    """bf16 queries far below and above e4m3's and fp16's ranges over an fp8 cache: on Hopper the
+    warp-specialized kernel splits each query row into two e4m3 terms under a scale of the row's own
+    (unscaled, 3e5 overflows both types and 1e-7 is below their smallest subnormal steps). The
+    softmax scale is divided by the magnitude, so that the scores, and so the float64 truth, stay
+    ordinary."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill fp8 query range", magnitude, group, block_size, head_dim)
@@ -191,6 +193,36 @@ def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size,
     out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
     assert torch.isfinite(out).all()
     ref = reference_attention(queries, paged, scale)
+    _assert_each_sequence(out, ref, starts, cases, TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
+def test_fp8_cache_query_rows_of_every_magnitude(group, block_size, head_dim):
+    """bf16 queries over an fp8 cache, whose rows the warp-specialized kernel (on Hopper) splits into
+    two e4m3 terms, each row under a scale of its own: rows of one item 2^0 to 2^-12 apart, rows of
+    zeros, and rows with one element 2^8 times the others, against float64. The softmax scale puts
+    the middle magnitude's scores in the ordinary range (the largest rows' softmax is sharp, the
+    smallest rows' flat)."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill fp8 query rows", group, block_size, head_dim)
+    cases = [(300, 300), (700, 129), (129, 129), (5 * block_size + 3, 2 * block_size + 1)]
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
+    k_scale, v_scale = FP8_SCALES
+    shaped = []
+    for q in queries:
+        rows = q.float() * torch.exp2(-torch.randint(0, 13, q.shape[:-1], generator=gen).float())[..., None]
+        pick = torch.rand(q.shape[:-1], generator=gen)
+        rows[pick < 0.05] = 0.0
+        spike = (pick >= 0.05) & (pick < 0.1)
+        rows[..., 0] = torch.where(spike, rows[..., 0] * 256, rows[..., 0])
+        shaped.append(rows.to(torch.bfloat16))
+    scale = head_dim ** -0.5 * 64
+    out = _run_kernel(paged, shaped, starts, scale, 8, k_scale, v_scale, wgmma=True)
+    assert torch.isfinite(out).all()
+    ref = reference_attention(shaped, paged, scale)
     _assert_each_sequence(out, ref, starts, cases, TOL[torch.bfloat16])
 
 
