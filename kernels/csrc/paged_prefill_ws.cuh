@@ -34,10 +34,12 @@
 // The producer moves on to the next item's Q and tiles as soon as it has issued this item's, so
 // the consumers find them landed when they finish the item (its last P V and its output rows).
 // fp8 e4m3 caches (since 2026-11-26; before, the two-warpgroup kernel ran them at 1.7-1.9x the
-// 16-bit cache's time): the producer loads each half tile's fp8 rows into its registers,
-// converts them into the stage (exact: e4m3 fits fp16) and arrives on its full barrier
-// (Fp8TileLoader); the consumers are the same code, multiplying in fp16 whatever the query's type
-// (WsMma; the per-tensor k_scale is in the softmax scale, v_scale in the output).
+// 16-bit cache's time): the producer loads V tiles' fp8 rows into its registers, converts them
+// into the stage (exact: e4m3 fits fp16) and arrives on its full barrier (Fp8TileLoader); P V runs
+// in fp16 whatever the query's type (WsMma; the per-tensor k_scale is in the softmax scale, v_scale
+// in the output). K tiles: with bf16 queries (since 2026-11-27) copied as they are and multiplied
+// in e4m3, each query row split into two e4m3 terms (ws_raw_k, WsQuerySplit); with fp16 queries
+// converted like V, S in fp16.
 //
 // Barrier counts: full barriers get one asynchronous arrival per producer thread (128), q_full
 // one more (thread 0's, releasing the record); empty K/V barriers one arrival per consumer warp
@@ -278,21 +280,24 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
   return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
 }
 
-// Over fp8 caches (ws_raw_k), the query as the A operands of e4m3 S GEMMs (wgmma k32): each q is
-// split into two e4m3 terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi), so that hi + lo carries 8
-// significant bits of it: a bf16 query exactly (where lo is not below e4m3's normal range), an fp16
-// one rounded to bf16's precision. f, one a row, puts the row's largest |q| in [2^7, 2^8) (e4m3
-// reaches 448); q under 2^-5 of it lose bits below 2^-17 of the largest (e4m3's subnormal step).
+// bf16 queries over fp8 caches (ws_raw_k): the query as the A operands of e4m3 S GEMMs (wgmma k32).
+// Each q is split into two e4m3 terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi): hi + lo carries
+// 8 significant bits, all of a bf16 value's (where lo is not below e4m3's normal range). f, one a
+// row, puts the row's largest |q| in [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of it lose bits
+// below 2^-17 of the largest (e4m3's subnormal step).
 // A consumer warp splits its own 16 rows as an item starts: load (the 16-bit values, in place in the
 // fragment registers, and each row's f: one pass over the tile, a quad's 2 shuffles, as a row's
 // values are its quad's), then split_step per k-step between the item's first S GEMMs
-// (issue_s_e4m3), so that most of the work runs under them.
+// (issue_s_e4m3), so that most of the work runs under them. (Split before the first GEMM it held up
+// both warpgroups' GEMMs; split by the producer it slowed the producer more: docs/performance.md,
+// "fp8 prefill: K as e4m3".)
 // Fragment layout: qa[kk] and qa[D / 32 + kk] are k-step kk's hi and lo terms; each register holds 4
 // consecutive columns of a row (the 8-bit A layout: lane g, t4 holds row g's and row g + 8's columns
 // 4 t4 .. 4 t4 + 3 and 16 more). Before the split they hold the same 4 values in 16 bits, the first
 // two in qa[kk], the last two in qa[D / 32 + kk].
 template <typename T, int D>
 struct WsQuerySplit {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "two e4m3 terms hold a bf16 query exactly, not an fp16 one");
   static constexpr int KS = D / 32;   // k-steps of 32 columns
 
   // This warp's rows of the 16-bit Q tile at q_tile (tile_off layout) into qa, unsplit; returns 2^f
@@ -310,9 +315,9 @@ struct WsQuerySplit {
                      : "=r"(qa[kk][e]), "=r"(qa[KS + kk][e])
                      : "r"(q_tile + 2 * tile_off<kWsRows>(row, col >> 3) + 2 * (col & 7)));
       }
-    // Each row's largest |q|: the bit patterns of non-negative bf16 and fp16 values order as their
-    // values do, so 16-bit unsigned maxima of |q|'s patterns (row g's, then g + 8's in the high
-    // half), then their exponents.
+    // Each row's largest |q|: the bit patterns of non-negative bf16 values order as their values do,
+    // so 16-bit unsigned maxima of |q|'s patterns (row g's, then g + 8's in the high half), then
+    // their exponents.
     uint32_t m[2] = {0u, 0u};
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk)
@@ -326,10 +331,8 @@ struct WsQuerySplit {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const uint32_t mx = (mab >> (16 * r)) & 0xffffu;
-      const int ex = mx == 0 ? 0
-                     : std::is_same_v<T, __nv_bfloat16> ? static_cast<int>(mx >> 7) - 127
-                                                       : static_cast<int>(mx >> 10) - 15;
-      const int f = min(max(7 - ex, -126), 126);   // ex: floor(log2) of the row's largest |q|
+      const int ex = mx == 0 ? 0 : static_cast<int>(mx >> 7) - 127;   // floor(log2) of the row's largest |q|
+      const int f = min(max(7 - ex, -126), 126);
       up[r] = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
       dn[r] = __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
     }
@@ -350,20 +353,12 @@ struct WsQuerySplit {
     }
   }
 
-  // A word's two values (the low one first) times `up` (2^f) as fp16 (exact: bf16's 8 and fp16's 11
-  // significant bits fit, the largest under 2^8; what falls under fp16's normal range is far below
-  // e4m3's subnormal step), then the two e4m3 terms of each: hi rounded, lo = e4m3(value - hi) (the
-  // difference exact in fp16). hi and lo: two bytes each, the low value's first.
+  // A word's two bf16 values (the low one first) times `up` (2^f) as fp16 (exact: 8 significant bits
+  // fit, the largest under 2^8; what falls under fp16's normal range is far below e4m3's subnormal
+  // step), then the two e4m3 terms of each: hi rounded, lo = e4m3(value - hi) (the difference exact
+  // in fp16). hi and lo: two bytes each, the low value's first.
   static __device__ __forceinline__ void split_pair(uint32_t v, float up, uint32_t& hi, uint32_t& lo) {
-    float a, b;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      a = __uint_as_float(v << 16);
-      b = __uint_as_float(v & 0xffff0000u);
-    } else {
-      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&v));
-      a = x.x;
-      b = x.y;
-    }
+    const float a = __uint_as_float(v << 16), b = __uint_as_float(v & 0xffff0000u);
     const __half2 q = __floats2half2_rn(a * up, b * up);
     const __nv_fp8x2_storage_t q8 = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(q), __NV_SATFINITE, __NV_E4M3);
     const __half2 back(__nv_cvt_fp8x2_to_halfraw2(q8, __NV_E4M3));
@@ -536,7 +531,8 @@ struct RowCopier {
   }
 };
 
-// fp8 caches, a producer thread's side: each half tile (K, then V) loaded from the pages into its
+// fp8 caches, a producer thread's side: each half tile (K, then V; V only where K stays e4m3,
+// ws_raw_k, its rows then copied as they are by cp.async) loaded from the pages into its
 // registers (RPT 16-byte loads: its chunk of rows my_row + i * ROW_STEP, fp8_row_chunk), then, once
 // the stage is free, converted into it (e4m3 -> fp16 exactly, one cvt a pair: WsMma), the stage's
 // full barrier getting a plain arrival per thread after a proxy fence (the stores are read by the
