@@ -1,7 +1,8 @@
 """One shape of ``benchmarks/kernels.py --only prefill_kernel``, run a few times through our
 prefill kernel (the wgmma instance: on Hopper the warp-specialized kernel), for a profiler or a
 sanitizer to look at; prints nothing else. bf16, 32q/8kv, d128, block 16, K/V in a 2-layer
-block-major cache behind randperm'd tables, as there.
+block-major cache behind randperm'd tables, as there; ``--fp8``: the cache quantized to e4m3, as
+``--only prefill_fp8`` runs it.
 
     ncu --kernel-name regex:paged_prefill_ws --launch-skip 2 --launch-count 1 --set full \\
         --import-source yes -o ws4k python3 benchmarks/prefill_shape.py "1 x 4K prompt"
