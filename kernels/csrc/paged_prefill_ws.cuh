@@ -361,9 +361,10 @@ struct WsQuerySplit {
     const float a = __uint_as_float(v << 16), b = __uint_as_float(v & 0xffff0000u);
     const __half2 q = __floats2half2_rn(a * up, b * up);
     const __nv_fp8x2_storage_t q8 = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(q), __NV_SATFINITE, __NV_E4M3);
-    const __half2 back(__nv_cvt_fp8x2_to_halfraw2(q8, __NV_E4M3));
+    const uint32_t back = fp8x2_to_h2(q8);   // hi as fp16 (exact)
     hi = q8;
-    lo = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(__hsub2(q, back)), __NV_SATFINITE, __NV_E4M3);
+    lo = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(__hsub2(q, *reinterpret_cast<const __half2*>(&back))),
+                                    __NV_SATFINITE, __NV_E4M3);
   }
 };
 
@@ -751,23 +752,22 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 
 // S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
 // e4m3 terms (WsQuerySplit) against the same K columns. At twice fp16's rate on the tensor cores,
-// the two GEMMs take the time of one fp16 GEMM over the converted tile. Over the tile's first NB * 8
-// key positions (the first NB column groups of s). split: the item's first tile, whose query is
-// still unsplit (WsQuerySplit::load): each k-step is split just before its GEMMs are issued, under
-// the previous k-step's.
-template <typename T, int D, int BN, int NB>
+// the two GEMMs take the time of one fp16 GEMM over the converted tile. The whole tile (fp8 caches
+// keep whole last tiles, ws_last_groups). split: the item's first tile, whose query is still unsplit
+// (WsQuerySplit::load): each k-step is split just before its GEMMs are issued, under the previous
+// k-step's.
+template <typename T, int D, int BN>
 __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&qa)[D / 16][4], uint32_t k_tile,
                                              bool split, float2 up) {
   static_assert(BN == 128, "the e4m3 S GEMM is written for tiles of 128 positions");
   const uint64_t k_desc = gmma_desc(k_tile, 16, 1024);
-  auto& sn = reinterpret_cast<float (&)[NB][4]>(s);
 #pragma unroll
   for (int kk = 0; kk < D / 32; ++kk) {
     if (split) WsQuerySplit<T, D>::split_step(qa, kk, up);
     fence_regs(qa);
     wgmma_fence();
-    wgmma_rs_e4m3(sn, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
-    wgmma_rs_e4m3(sn, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
+    wgmma_rs_e4m3(s, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
+    wgmma_rs_e4m3(s, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
   }
 }
 
@@ -890,7 +890,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(qa);
       wgmma_fence();
       if constexpr (ws_raw_k<T, C>)
-        issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), j == 0, q_up);
+        issue_s_e4m3<T, D, BN>(s, qa, sm.k_tile(cur.stage), j == 0, q_up);   // NB: the whole tile
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
