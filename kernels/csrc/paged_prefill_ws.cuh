@@ -98,6 +98,15 @@ constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
 // emulation, 2026-11-27).
 template <typename T, typename C>
 constexpr bool ws_raw_k = sizeof(C) == 1 && std::is_same_v<T, __nv_bfloat16> && KVPAGER_PREFILL_WS_FP8_RAWK != 0;
+// KVPAGER_PREFILL_WS_Q_AHEAD=1 (default; with ws_raw_k): a consumer warp loads and splits the next
+// item's query while its item's last P V runs; 0: at the next item's start, each k-step just before
+// its first S GEMMs (the twelfth session's order). On the H100 1-2% faster on whole prompts, the same
+// on cached prefixes (docs/performance.md, "The next item's query split under the last P V").
+#ifndef KVPAGER_PREFILL_WS_Q_AHEAD
+#define KVPAGER_PREFILL_WS_Q_AHEAD 1
+#endif
+template <typename T, typename C>
+constexpr bool ws_q_ahead = ws_raw_k<T, C> && KVPAGER_PREFILL_WS_Q_AHEAD != 0;
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
@@ -285,11 +294,12 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
 // 8 significant bits, all of a bf16 value's (where lo is not below e4m3's normal range). f, one a
 // row, puts the row's largest |q| in [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of it lose bits
 // below 2^-17 of the largest (e4m3's subnormal step).
-// A consumer warp splits its own 16 rows as an item starts: load (the 16-bit values, in place in the
-// fragment registers, and each row's f: one pass over the tile, a quad's 2 shuffles, as a row's
-// values are its quad's), then split_step per k-step between the item's first S GEMMs
-// (issue_s_e4m3), so that most of the work runs under them. (Split before the first GEMM it held up
-// both warpgroups' GEMMs; split by the producer it slowed the producer more: docs/performance.md,
+// A consumer warp splits its own 16 rows: load (the 16-bit values, in place in the fragment
+// registers, and each row's f: one pass over the tile, a quad's 2 shuffles, as a row's values are
+// its quad's), then split_step per k-step. By default (ws_q_ahead) the whole query is split under
+// the previous item's last P V; with KVPAGER_PREFILL_WS_Q_AHEAD=0 as the item starts, each k-step
+// between the item's first S GEMMs (issue_s_e4m3). (Split before the first GEMM it held up both
+// warpgroups' GEMMs; split by the producer it slowed the producer more: docs/performance.md,
 // "fp8 prefill: K as e4m3".)
 // Fragment layout: qa[kk] and qa[D / 32 + kk] are k-step kk's hi and lo terms; each register holds 4
 // consecutive columns of a row (the 8-bit A layout: lane g, t4 holds row g's and row g + 8's columns
@@ -753,9 +763,9 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 // S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
 // e4m3 terms (WsQuerySplit) against the same K columns. At twice fp16's rate on the tensor cores,
 // the two GEMMs take the time of one fp16 GEMM over the converted tile. The whole tile (fp8 caches
-// keep whole last tiles, ws_last_groups). split: the item's first tile, whose query is still unsplit
-// (WsQuerySplit::load): each k-step is split just before its GEMMs are issued, under the previous
-// k-step's.
+// keep whole last tiles, ws_last_groups). split (KVPAGER_PREFILL_WS_Q_AHEAD=0): the item's first
+// tile, whose query is still unsplit (WsQuerySplit::load): each k-step is split just before its
+// GEMMs are issued, under the previous k-step's.
 template <typename T, int D, int BN>
 __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&qa)[D / 16][4], uint32_t k_tile,
                                              bool split, float2 up) {
@@ -828,15 +838,48 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   float o[D / 8][4];
   StageCursor<WsSmem<T, C, D>::S> prev;   // V_{j-1}'s stage
 
+  // ws_q_ahead: the next item's record, and its query loaded and split whole (the S GEMMs' A fragments,
+  // the scales of its scores), fetched before the first item and then under each item's last P V
+  // (whose GEMM reads neither; the last S GEMM, which read qa, is done). The producer has that Q
+  // buffer filled by then: it loads an item's Q once it has issued the item before's last tile.
+  constexpr bool kAhead = ws_q_ahead<T, C>;
+  uint32_t qa[D / 16][4];
+  float2 q_up;   // fp8 caches: the query's scales, for its split
+  float2 sl2;    // the softmax scale (log2 domain) of this thread's rows' raw scores (rows g and g + 8)
+  PrefillItem next_item;
+  int next_pair = -1;
+  auto fetch_ahead = [&]() {
+    if constexpr (kAhead) {
+      const int qb = qcur.stage;
+      mbar_wait(sm.q_full(qb), qcur.phase);
+      qcur.advance();
+      const WsRecord* rec = sm.record(qb);
+      next_pair = rec->pair;
+      if (next_pair >= 0) {
+        next_item = rec->item;
+        float2 down;
+        q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
+        sl2 = make_float2(a.scale_log2 * down.x, a.scale_log2 * down.y);
+        mbar_arrive(sm.q_empty(qb));
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) WsQuerySplit<T, D>::split_step(qa, kk, q_up);
+      }
+    }
+  };
+  fetch_ahead();
+
   for (;;) {
-    // The producer's next item: its Q tile and its record.
+    // The producer's next item: its Q tile and its record (ws_q_ahead: fetched already).
     const int qb = qcur.stage;
-    mbar_wait(sm.q_full(qb), qcur.phase);
-    qcur.advance();
     const WsRecord* rec = sm.record(qb);
-    const int pair = rec->pair;
+    if constexpr (!kAhead) {
+      mbar_wait(sm.q_full(qb), qcur.phase);
+      qcur.advance();
+      next_pair = rec->pair;
+    }
+    const int pair = next_pair;
     if (pair < 0) break;
-    Blk blk(a, smem_raw, rec->item, pair % a.num_kv_heads, 0);
+    Blk blk(a, smem_raw, kAhead ? next_item : rec->item, pair % a.num_kv_heads, 0);
     Softmax soft;
     const int r_a = blk.row0 + warp * 16 + g;
     soft.lim_a = blk.offset + min(r_a / blk.G, blk.q_len - 1);
@@ -849,26 +892,26 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
     // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
-    // (racecheck flags an order that runs through __syncwarp and one lane's arrival).
-    uint32_t qa[D / 16][4];
-    float2 q_up;   // fp8 caches: the query's scales, for its split in the item's first S GEMMs
-    // The softmax scale (log2 domain) of this thread's rows' raw scores (rows g and g + 8).
-    float2 sl2 = make_float2(a.scale_log2, a.scale_log2);
-    if constexpr (ws_raw_k<T, C>) {
-      float2 down;
-      q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
-      sl2.x *= down.x;
-      sl2.y *= down.y;
-      mbar_arrive(sm.q_empty(qb));
-    } else {
+    // (racecheck flags an order that runs through __syncwarp and one lane's arrival). (ws_q_ahead:
+    // done by fetch_ahead, under the previous item's last P V.)
+    if constexpr (!kAhead) {
+      sl2 = make_float2(a.scale_log2, a.scale_log2);
+      if constexpr (ws_raw_k<T, C>) {
+        float2 down;
+        q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
+        sl2.x *= down.x;
+        sl2.y *= down.y;
+        mbar_arrive(sm.q_empty(qb));
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-      mbar_arrive(sm.q_empty(qb));
-      if constexpr (!std::is_same_v<MT, T>) {
-        const float down = ws_query_to_half(qa);
-        sl2.x *= down;
-        sl2.y *= down;
+        for (int kk = 0; kk < D / 16; ++kk)
+          ldmatrix_x4(qa[kk], sm.q(qb) + 2 * tile_off<BM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        mbar_arrive(sm.q_empty(qb));
+        if constexpr (!std::is_same_v<MT, T>) {
+          const float down = ws_query_to_half(qa);
+          sl2.x *= down;
+          sl2.y *= down;
+        }
       }
     }
 #pragma unroll
@@ -890,7 +933,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(qa);
       wgmma_fence();
       if constexpr (ws_raw_k<T, C>)
-        issue_s_e4m3<T, D, BN>(s, qa, sm.k_tile(cur.stage), j == 0, q_up);   // NB: the whole tile
+        issue_s_e4m3<T, D, BN>(s, qa, sm.k_tile(cur.stage), !kAhead && j == 0, q_up);   // NB: the whole tile
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
@@ -942,9 +985,12 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
         wgmma_fence();
         issue_pv<MT, D, BN, decltype(n)::value>(o, pa, sm.v_tile(prev.stage));
         wgmma_commit();
+        fetch_ahead();   // (ws_q_ahead) under the last P V: qa is free since the last S GEMM
         wgmma_wait<0>();
       };
       ws_with_groups<C>(last_nb, last);
+    } else {
+      fetch_ahead();
     }
     // The last P V is done: its V stage is free; the item's rows out (no tiles: nothing visible,
     // zero rows).
