@@ -23,8 +23,8 @@ import torch
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("binding.cpp", "decode_stage_binding.cpp", "decode_stage.cpp", "launch.cu", "decode_plan.cu", "layer_ops.cu",
             "paged_prefill.cu")
-_HEADERS = ("launch.h", "decode_plan.h", "decode_stage.h", "paged_decode.cuh", "paged_decode_mma.cuh", "pdl.cuh",
-            "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh", "paged_prefill_ws.cuh",
+_HEADERS = ("launch.h", "decode_plan.h", "decode_stage.h", "paged_decode.cuh", "paged_decode_merge.cuh",
+            "paged_decode_mma.cuh", "pdl.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh", "paged_prefill_ws.cuh",
             "prefill_ws_shared.cuh", "prefill_ws_query.cuh", "prefill_ws_producer.cuh", "fp8_convert.cuh")
 
 _lock = threading.Lock()

@@ -13,6 +13,7 @@
 #include "cache_ops.cuh"
 #include "launch.h"
 #include "paged_decode.cuh"
+#include "paged_decode_merge.cuh"
 #include "paged_decode_mma.cuh"
 
 namespace kvpager {

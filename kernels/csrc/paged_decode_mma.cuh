@@ -407,7 +407,7 @@ template <typename T, int D, int CH>
 __global__ void __launch_bounds__(kDecodeWarps * 32, decode_mma_min_blocks<CH>())
 paged_decode_mma_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
-  allow_dependent_launch();   // the merge kernel may start early (paged_decode.cuh)
+  allow_dependent_launch();   // the merge kernel may start early (paged_decode_merge.cuh)
   const int longest = a.max_blocks_per_seq << a.log2_block_size;
   if (a.work == nullptr) {
     const int seq = blockIdx.y, split = blockIdx.z;
