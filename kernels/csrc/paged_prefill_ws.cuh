@@ -1,5 +1,6 @@
 // Paged prefill attention on Hopper, warp-specialized and persistent (sm_90a only; the wgmma
-// building blocks, the loads from the pages and the softmax are paged_prefill.cuh's).
+// building blocks are prefill_tensor_ops.cuh's, the loads from the pages and the softmax
+// paged_prefill.cuh's).
 //
 // Why: the two-warpgroup kernel of paged_prefill.cuh (every thread loads and computes, one block
 // barrier per K/V tile) keeps both warpgroups in lockstep, so their softmaxes run at the same

@@ -43,7 +43,7 @@ def test_kernel_sources_have_no_torch_includes():
     for name in ("launch.cu", "launch.h", "decode_plan.cu", "decode_plan.h", "paged_decode.cuh", "paged_decode_merge.cuh",
                  "paged_decode_mma.cuh", "cache_ops.cuh", "pdl.cuh", "decode_stage.h", "decode_stage.cpp",
                  "layer_ops.cu", "layer_ops.h", "paged_prefill.cu", "paged_prefill.cuh", "paged_prefill_ws.cuh",
-                 "prefill_ws_shared.cuh", "prefill_ws_query.cuh", "prefill_ws_producer.cuh",
+                 "prefill_tensor_ops.cuh", "prefill_ws_shared.cuh", "prefill_ws_query.cuh", "prefill_ws_producer.cuh",
                  "fp8_convert.cuh"):
         text = (CSRC / name).read_text()
         assert "#include <torch" not in text and "#include <ATen" not in text and "#include <c10" not in text, name
