@@ -182,9 +182,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       next_pair = rec->pair;
       if (next_pair >= 0) {
         next_item = rec->item;
-        float2 down;
-        q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
-        sl2 = make_float2(a.scale_log2 * down.x, a.scale_log2 * down.y);
+        q_up = WsQuerySplit<T, D>::load_scaled(qa, sm.q(qb), warp, lane, a.scale_log2, sl2);
         mbar_arrive(sm.q_empty(qb));
 #pragma unroll
         for (int kk = 0; kk < D / 32; ++kk) WsQuerySplit<T, D>::split_step(qa, kk, q_up);
@@ -222,10 +220,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     if constexpr (!kAhead) {
       sl2 = make_float2(a.scale_log2, a.scale_log2);
       if constexpr (ws_raw_k<T, C>) {
-        float2 down;
-        q_up = WsQuerySplit<T, D>::load(qa, sm.q(qb), warp, lane, down);
-        sl2.x *= down.x;
-        sl2.y *= down.y;
+        q_up = WsQuerySplit<T, D>::load_scaled(qa, sm.q(qb), warp, lane, a.scale_log2, sl2);
         mbar_arrive(sm.q_empty(qb));
       } else {
 #pragma unroll

@@ -100,6 +100,15 @@ struct WsQuerySplit {
     return make_float2(up[0], up[1]);
   }
 
+  // load, with this thread's rows' softmax scale (log2 domain) into sl2: scale_log2 times `down`.
+  static __device__ __forceinline__ float2 load_scaled(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int warp, int lane,
+                                                       float scale_log2, float2& sl2) {
+    float2 down;
+    const float2 up = load(qa, q_tile, warp, lane, down);
+    sl2 = make_float2(scale_log2 * down.x, scale_log2 * down.y);
+    return up;
+  }
+
   // k-step kk of qa split in place (load's layout -> the fragments').
   static __device__ __forceinline__ void split_step(uint32_t (&qa)[D / 16][4], int kk, float2 up) {
 #pragma unroll
