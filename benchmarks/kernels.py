@@ -1367,8 +1367,43 @@ def bench_prefill_fp8() -> None:
                   f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; fp8 / bf16 "
                   f"{min(a / b for a, b, _ in turns):.2f}-{max(a / b for a, b, _ in turns):.2f}; SDPA / fp8 "
                   f"{min(c / a for a, _, c in turns):.2f}-{max(c / a for a, _, c in turns):.2f}")
+            if cuda.supports_split_query(case.query, k8):
+                _split_query_turns(case, plan8, k8, v8, scale, best)
         del case, cache8, k8, v8, q4s, ks, vs, best
         torch.cuda.empty_cache()
+
+
+def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> None:
+    """fp8 prefill over the query split before the kernel (cuda.split_query: what the op that
+    writes Q, rope_split_query, hands it) against the kernel splitting the bf16 query itself and
+    SDPA, kernel times by turns; then what writing Q split costs that op: rope in place (q and k)
+    against rope_split_query (k in place, q written split), by turns."""
+    split = cuda.split_query(case.query, HKV)
+    fp8 = lambda: cuda.paged_prefill_run(plan8, case.query, k8, v8, case.tables, case.lens,  # noqa: E731
+                                         case.starts, scale, 4.0, 4.0)
+    fp8_split = lambda: cuda.paged_prefill_run(plan8, split, k8, v8, case.tables, case.lens,  # noqa: E731
+                                               case.starts, scale, 4.0, 4.0)
+    assert torch.equal(fp8(), fp8_split()), "the split query changed the result"
+    turns = [(kernel_time(fp8_split), kernel_time(fp8), kernel_time(best[2])) for _ in range(3)]
+    ks, k8s, ksd = zip(*turns)
+    print(f"{'':34} split before the kernel (ms): fp8 {min(ks) * 1e3:.3f}-{max(ks) * 1e3:.3f}, "
+          f"fp8 splitting itself {min(k8s) * 1e3:.3f}-{max(k8s) * 1e3:.3f}, {best[0]} (bf16) "
+          f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; SDPA / fp8 split "
+          f"{min(c / a for a, _, c in turns):.2f}-{max(c / a for a, _, c in turns):.2f}")
+    tokens = case.query.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = case.query.clone()
+    k = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
+    angles = torch.rand(tokens, D // 2, device="cuda", generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, -1).to(DTYPE)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DTYPE)
+    in_place = lambda: cuda.rope(q, k, cos, sin)  # noqa: E731
+    written_split = lambda: cuda.rope_split_query(q, k, cos, sin, HKV, out=split)  # noqa: E731
+    rope_turns = [(kernel_time(written_split), kernel_time(in_place)) for _ in range(3)]
+    rs, rp = zip(*rope_turns)
+    print(f"{'':34} rope (ms): q written split {min(rs) * 1e3:.4f}-{max(rs) * 1e3:.4f}, in place "
+          f"{min(rp) * 1e3:.4f}-{max(rp) * 1e3:.4f}; split / in place "
+          f"{min(a / b for a, b in rope_turns):.2f}-{max(a / b for a, b in rope_turns):.2f}")
 
 
 def smoke() -> None:
@@ -1429,6 +1464,13 @@ def smoke() -> None:
                                               warps=warps, wgmma=wg)
                 debug.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
                                               0.5, 0.25, warps=warps, wgmma=wg)
+        if cuda.supports_split_query(q, cache8[:, 1, 0]):   # bf16 over fp8 on Hopper: the query split before
+            k_new = torch.randn(171, 2, d, dtype=dtype, device="cuda", generator=gen)
+            angles = torch.rand(171, d // 2, device="cuda", generator=gen)
+            cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+            split = cuda.rope_split_query(q, k_new, cos, sin, 2)
+            debug.paged_prefill_attention(split, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
+                                          0.5, 0.25, warps=8, wgmma=True)
     torch.cuda.synchronize()
     print("smoke ok")
 

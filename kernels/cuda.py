@@ -41,11 +41,13 @@ import torch
 from . import decode_plan as work_plan
 from .extension import available, load, load_error
 from .prefill_plan import PREFILL_WARPS, check_schedule, prefill_schedule, prefill_work
+from .split_query import SplitQuery
 
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
            "paged_decode_grid_run", "paged_decode_attention", "supports_prefill", "prefill_work", "prefill_schedule",
-           "PrefillKernelPlan", "plan_prefill", "paged_prefill_run", "paged_prefill_attention", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
+           "PrefillKernelPlan", "plan_prefill", "paged_prefill_run", "paged_prefill_attention", "supports_split_query",
+           "split_query", "rope_split_query", "write_kv", "copy_blocks", "swap_blocks", "SWAP_MODES", "add_rms_norm", "rope",
            "silu_and_mul"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -342,14 +344,41 @@ def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bo
     return PrefillKernelPlan(work, warps, use_wgmma, counter)
 
 
-def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def supports_split_query(query_like: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_prefill_run` takes a :class:`SplitQuery` for bf16 queries like
+    ``query_like`` (its device) over ``k_cache``: a float8_e4m3fn cache of head_dim 64 or 128,
+    read by Hopper's warp-specialized kernel (built for sm_90a)."""
+    return (query_like.is_cuda and query_like.dtype == torch.bfloat16 and k_cache.dtype == FP8
+            and k_cache.dim() == 4 and bool(load().prefill_split_query_supported(query_like, k_cache)))
+
+
+def rope_split_query(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                     kv_heads: int, out: SplitQuery | None = None) -> SplitQuery:
+    """q ``[T, Hq, D]`` (bf16, D 64 or 128) rotated by cos/sin ``[T, D]`` (None: as it is) and
+    written split for the fp8 prefill kernel (``kernels/split_query.py``), q itself left as it is;
+    k ``[T, Hk, D]`` rotated in place as :func:`rope` does (None: no k). One launch."""
+    tokens, heads, head_dim = q.shape
+    if out is None:
+        out = SplitQuery.empty(tokens, heads, head_dim, kv_heads, q.device)
+    load().rope_split_query(q, k, cos, sin, out.data, out.down)
+    return out
+
+
+def split_query(q: torch.Tensor, kv_heads: int, out: SplitQuery | None = None) -> SplitQuery:
+    """q (bf16 ``[T, Hq, D]``) split for the fp8 prefill kernel as it is (no rotation)."""
+    return rope_split_query(q, None, None, None, kv_heads, out)
+
+
+def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       scale: float, k_scale: float = 1.0, v_scale: float = 1.0, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's prefill attention as the step's plan says: ``reference.paged_prefill_attention``
     on tensor cores, one launch for the whole ragged batch, K/V read straight from the pages.
 
-    query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous)
+    query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous), or
+                      a bf16 query split ahead (:class:`SplitQuery`, where
+                      :func:`supports_split_query`; the output is bf16)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
                       float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
     block_tables, context_lens, query_start_loc: int32 on the device, as in the reference (the
@@ -358,12 +387,19 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor, k_cache: tor
 
     No host work beyond the launcher's checks and the launch (no planning, no upload, no sync).
     """
+    down = None
+    if isinstance(query, SplitQuery):
+        down = query.down
+        if out is None:
+            out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+        query = query.data.view(torch.bfloat16)   # the kernel copies a row's 2 * head_dim bytes as they are
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.work.shape[0] == 0:
         return out
     load().paged_prefill(out, query, k_cache, v_cache, block_tables, context_lens, query_start_loc, plan.work,
-                          float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma, plan.counter)
+                          float(scale), float(k_scale), float(v_scale), int(plan.warps), plan.wgmma, plan.counter,
+                          down)
     return out
 
 

@@ -42,6 +42,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from kvpager.numeric import ceil_div
 from . import reference
+from .split_query import SplitQuery
 
 DecodeFn = Callable[..., torch.Tensor]
 Index = slice | torch.Tensor
@@ -121,6 +122,9 @@ class PrefillPlan:
     decodes: Optional[DecodeRows] = None
     kernel: Any = None              # cuda.PrefillKernelPlan: one launch for every multi-token sequence
     groups: tuple[SdpaGroup, ...] = ()
+    # run takes the query split before it (split_query.SplitQuery, e.g. from rope_split_query): the
+    # kernel runs every row (no one-token rows) and reads a split query (bf16 over fp8 on Hopper).
+    split_query: bool = False
 
 
 def host_lengths_of(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -182,7 +186,8 @@ def plan(query_like: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
         # One launch for every sequence of more than one new token, straight from the pages.
         kernel_plan = kernel.plan_prefill(query_like, k_cache, (starts, ctx),
                                           None if len(multi) == num_seqs else multi)
-        return replace(base, decodes=decodes, kernel=kernel_plan)
+        split = decodes is None and kernel_plan.wgmma and kernel.supports_split_query(query_like, k_cache)
+        return replace(base, decodes=decodes, kernel=kernel_plan, split_query=split)
 
     shapes: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in multi:
@@ -200,12 +205,23 @@ def plan(query_like: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
     return replace(base, decodes=decodes, groups=tuple(groups))
 
 
-def run(plan: PrefillPlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float = 1.0,
-        v_scale: float = 1.0) -> torch.Tensor:
+def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One layer's prefill attention as the step's plan says: query [num_tokens, num_q_heads,
-    head_dim], this layer's K/V views (the plan's layout), fp8 scales. Returns [num_tokens,
-    num_q_heads, head_dim] in query's dtype. No planning: shape checks, then the decode rows'
-    run, the kernel's launch or each group's gather + SDPA."""
+    head_dim] (or split before, where ``plan.split_query``), this layer's K/V views (the plan's
+    layout), fp8 scales. Returns [num_tokens, num_q_heads, head_dim] in query's dtype (bf16 for a
+    split query). No planning: shape checks, then the decode rows' run, the kernel's launch or each
+    group's gather + SDPA."""
+    if isinstance(query, SplitQuery):
+        if not plan.split_query:
+            raise ValueError("this step's prefill plan does not take a split query (it needs Hopper's kernel "
+                             "for every row, bf16 over an fp8 cache: PrefillPlan.split_query)")
+        if tuple(query.shape) != plan.query_shape:
+            raise ValueError(f"split query {tuple(query.shape)} does not match the plan's {plan.query_shape}")
+        from . import cuda
+        out = torch.empty(plan.query_shape, dtype=torch.bfloat16, device=query.device)
+        return cuda.paged_prefill_run(plan.kernel, query, k_cache, v_cache, plan.block_tables, plan.context_lens,
+                                      plan.query_start_loc, plan.scale, k_scale, v_scale, out=out)
     if plan.reference:
         return reference.paged_prefill_attention(query, k_cache, v_cache, plan.block_tables, plan.context_lens,
                                                  plan.query_start_loc, plan.scale, k_scale, v_scale)

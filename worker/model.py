@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from kvpager.kernels import ops
 from kvpager.kernels.reference import quantize_fp8
+from kvpager.kernels.split_query import SplitQuery
 from kvpager.step import StepInput
 
 if TYPE_CHECKING:
@@ -190,7 +191,16 @@ class Decoder:
         def attention(q, k_cache, v_cache):
             return ops.paged_prefill_run(prefill_plan, q, k_cache, v_cache, k_scale, v_scale)
 
-        hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention))
+        rope = None
+        if prefill_plan.split_query:
+            # bf16 over an fp8 cache on Hopper: RoPE writes q split for the kernel (kernels/split_query.py),
+            # into one buffer every layer reuses (each layer's attention reads it before the next writes).
+            split = SplitQuery.empty(n, self.q_heads, self.cfg.head_dim, self.kv_heads, self.device)
+
+            def rope(q, k, cos, sin):
+                return ops.rope_split_query(q, k, cos, sin, self.kv_heads, out=split)
+
+        hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention), rope)
         return self.logits(hidden.index_select(0, query_starts[1:].long() - 1))
 
     def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -283,10 +293,13 @@ class Decoder:
         return None if logits is None else logits[0]
 
     # ---- shared body ------------------------------------------------------------------------------
-    def _run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+    def _run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend,
+                    rope: Optional[Callable] = None) -> torch.Tensor:
         """The hidden states after the last layer. Each residual add is fused with the norm that
         follows it (``ops.add_rms_norm`` adds into ``x`` in place), so ``delta`` carries a
-        sub-layer's output to the next norm, and the last one is added at the end."""
+        sub-layer's output to the next norm, and the last one is added at the end. ``rope``: what
+        rotates q and k for ``attend`` (default ``ops.rope``; a prefill step may have q written split)."""
+        rotate = ops.rope if rope is None else rope
         d, hq, hkv, eps = self.cfg.head_dim, self.q_heads, self.kv_heads, self.cfg.rms_eps
         x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
@@ -297,7 +310,7 @@ class Decoder:
             q, k, v = q.view(-1, hq, d), k.view(-1, hkv, d), v.view(-1, hkv, d)
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-            q, k = ops.rope(q, k, cos, sin)
+            q, k = rotate(q, k, cos, sin)
             out = attend(index, q, k, v).reshape(-1, hq * d)
             delta = self._reduce(F.linear(out, layer.o), layer.o_bias)
             h = ops.add_rms_norm(x, delta, layer.mlp_norm, eps)

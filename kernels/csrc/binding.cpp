@@ -562,13 +562,42 @@ bool prefill_supported(Tensor query, Tensor k_cache, int64_t warps) {
                                           static_cast<int>(warps));
 }
 
+// A split query's factors (split_query.cuh; query: its bytes viewed as bf16 [tokens, heads,
+// head_dim]): float32 [num_kv_heads, tokens, G], [tokens, G] contiguous, for the kernel that reads
+// them. Sets a.query_down and its stride.
+void check_split_query_down(const Tensor& down, const Tensor& query, const Tensor& k_cache, const torch::Device& device,
+                            int64_t warps, bool wgmma, kvpager::PrefillArgs& a) {
+  check_cuda(down, "query_down", device);
+  const int64_t head_dim = query.size(2), kv_heads = k_cache.size(1), tokens = query.size(0);
+  KV_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kFloat8_e4m3fn &&
+               kvpager::paged_prefill_split_query_supported(kvpager::kBFloat16, kvpager::kFloat8E4M3,
+                                                            static_cast<int>(head_dim), device.index()),
+           "a split query is read by the Hopper warp-specialized prefill kernel alone (bf16 over a float8_e4m3fn "
+           "cache, head_dim 64 or 128, built for sm_90a); got a ", query.scalar_type(), " query over a ",
+           k_cache.scalar_type(), " cache, head_dim ", head_dim, ", on ", device);
+  KV_CHECK(wgmma && warps == 8, "a split query needs the 8-warp wgmma plan, got ", warps, " warps",
+           wgmma ? "" : " without wgmma");
+  KV_CHECK(kv_heads >= 1 && query.size(1) % kv_heads == 0, query.size(1),
+           " query heads are not a multiple of ", kv_heads, " KV heads (GQA)");
+  const int64_t group = query.size(1) / kv_heads;
+  KV_CHECK(down.scalar_type() == torch::kFloat32 && down.dim() == 3 && down.size(0) == kv_heads &&
+               down.size(1) == tokens && down.size(2) == group && (group == 1 || down.stride(2) == 1) &&
+               (tokens <= 1 || down.stride(1) == group),
+           "query_down must be float32 [", kv_heads, ", ", tokens, ", ", group,
+           "] with its last two dims contiguous, got ", down.scalar_type(), " ", dims(down.sizes()), " strides ",
+           dims(down.strides()));
+  a.query_down = down.data_ptr<float>();
+  a.query_down_stride = down.stride(0);
+}
+
 // Prefill attention of the work list's rows into out (rows of sequences not in the list are left
 // as they are). work: device int32 [num_items, 2] of (sequence, row tile of 16 * warps rows).
 // counter: optional device int32 [2], zero (the Hopper warp-specialized kernel then schedules
 // its blocks dynamically and leaves it zero; PrefillArgs::ws_counter); one launch at a time.
 void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                    Tensor context_lens, Tensor query_start_loc, Tensor work, double scale, double k_scale,
-                   double v_scale, int64_t warps, bool wgmma, c10::optional<Tensor> counter) {
+                   double v_scale, int64_t warps, bool wgmma, c10::optional<Tensor> counter,
+                   c10::optional<Tensor> query_down) {
   const torch::Device device = query.device();
   const c10::cuda::CUDAGuard guard(device);
   for (const auto& [t, what] : {std::pair<const Tensor*, const char*>{&out, "out"}, {&query, "query"},
@@ -621,6 +650,7 @@ void paged_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Ten
              "counter must be a contiguous int32 [2] tensor (zeros)");
   }
   kvpager::PrefillArgs a{};
+  if (query_down.has_value()) check_split_query_down(*query_down, query, k_cache, device, warps, wgmma, a);
   fill_cache_fields(a, query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   a.out = out.data_ptr();
   a.query_start_loc = query_start_loc.data_ptr<int32_t>();
@@ -721,6 +751,78 @@ void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   check_launch(kvpager::launch_rope(to_dtype(q, "q"), a, at::cuda::getCurrentCUDAStream()), "rope");
 }
 
+// q rotated (cos/sin given) and split into q_split / q_down (split_query.cuh) for the fp8 prefill
+// kernel, q left as it is; k (if given) rotated in place. bf16, head_dim 64 or 128.
+void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> cos, c10::optional<Tensor> sin,
+                      Tensor q_split, Tensor q_down) {
+  const torch::Device device = q.device();
+  const c10::cuda::CUDAGuard guard(device);
+  check_heads(q, "q", device, torch::kBFloat16);
+  const int64_t tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
+  KV_CHECK(head_dim == 64 || head_dim == 128, "a split query has head_dim 64 or 128, got ", head_dim);
+  KV_CHECK(cos.has_value() == sin.has_value(), "give cos and sin together, or neither");
+  KV_CHECK(!k.has_value() || cos.has_value(), "k is rotated by cos and sin: give them with it");
+  // 8-byte loads of 4 values: rows (and cos/sin rows) at 8-byte aligned addresses.
+  const auto aligned = [](const Tensor& t, int64_t bytes) {
+    bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+    for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.stride(d) * t.element_size()) % bytes == 0;
+    return ok;
+  };
+  KV_CHECK(aligned(q, 8), "q's rows must start at 8-byte aligned addresses, got strides ", dims(q.strides()));
+  kvpager::RopeSplitArgs s{};
+  kvpager::RopeArgs& a = s.rope;
+  a.q = q.data_ptr();
+  a.q_stride_tok = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.tokens = static_cast<int>(tokens);
+  a.q_heads = static_cast<int>(q_heads);
+  a.head_dim = static_cast<int>(head_dim);
+  if (k.has_value()) {
+    check_heads(*k, "k", device, torch::kBFloat16);
+    KV_CHECK(k->size(0) == tokens && k->size(2) == head_dim, "k must be [", tokens, ", *, ", head_dim, "], got ",
+             dims(k->sizes()));
+    a.k = k->data_ptr();
+    a.k_stride_tok = k->stride(0);
+    a.k_stride_head = k->stride(1);
+    a.k_heads = static_cast<int>(k->size(1));
+  }
+  if (cos.has_value()) {
+    check_rows(*cos, "cos", device, torch::kBFloat16);
+    check_rows(*sin, "sin", device, torch::kBFloat16);
+    KV_CHECK(cos->size(0) == tokens && cos->size(1) == head_dim && sin->sizes() == cos->sizes() &&
+             sin->stride(0) == cos->stride(0), "cos and sin must be [", tokens, ", ", head_dim,
+             "] with equal strides, got ", dims(cos->sizes()), " and ", dims(sin->sizes()));
+    KV_CHECK(aligned(*cos, 8) && aligned(*sin, 8), "cos and sin rows must start at 8-byte aligned addresses");
+    a.cos = cos->data_ptr();
+    a.sin = sin->data_ptr();
+    a.cos_stride = cos->stride(0);
+  }
+  check_cuda(q_split, "q_split", device);
+  KV_CHECK(q_split.scalar_type() == torch::kUInt8 && q_split.dim() == 3 && q_split.size(0) == tokens &&
+               q_split.size(1) == q_heads && q_split.size(2) == 2 * head_dim && q_split.stride(2) == 1 &&
+               aligned(q_split, 16),
+           "q_split must be uint8 [", tokens, ", ", q_heads, ", ", 2 * head_dim,
+           "], its rows contiguous and 16-byte aligned, got ", q_split.scalar_type(), " ", dims(q_split.sizes()),
+           " strides ", dims(q_split.strides()));
+  check_cuda(q_down, "q_down", device);
+  KV_CHECK(q_down.scalar_type() == torch::kFloat32 && q_down.dim() == 3 && q_down.size(0) >= 1 &&
+               q_heads % q_down.size(0) == 0, "q_down must be float32 [kv_heads, ", tokens,
+           ", q_heads / kv_heads], got ", q_down.scalar_type(), " ", dims(q_down.sizes()));
+  const int64_t group = q_heads / q_down.size(0);
+  KV_CHECK(q_down.size(1) == tokens && q_down.size(2) == group && (group == 1 || q_down.stride(2) == 1) &&
+               (tokens <= 1 || q_down.stride(1) == group),
+           "q_down must be float32 [", q_down.size(0), ", ", tokens, ", ", group,
+           "] with its last two dims contiguous, got ", dims(q_down.sizes()), " strides ", dims(q_down.strides()));
+  s.q_split = q_split.data_ptr();
+  s.q_down = q_down.data_ptr<float>();
+  s.split_stride_tok = q_split.stride(0);
+  s.split_stride_head = q_split.stride(1);
+  s.down_stride = q_down.stride(0);
+  s.group = static_cast<int>(group);
+  if (tokens == 0) return;
+  check_launch(kvpager::launch_rope_split_query(s, at::cuda::getCurrentCUDAStream()), "rope_split_query");
+}
+
 void silu_and_mul(Tensor out, Tensor gate_up) {
   const torch::Device device = gate_up.device();
   const c10::cuda::CUDAGuard guard(device);
@@ -774,7 +876,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a work list's rows into out", py::arg("out"),
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start_loc"), py::arg("work"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"),
-        py::arg("warps"), py::arg("wgmma"), py::arg("counter") = py::none());
+        py::arg("warps"), py::arg("wgmma"), py::arg("counter") = py::none(), py::arg("query_down") = py::none());
+  m.def("prefill_split_query_supported", [](Tensor query, Tensor k_cache) {
+          if (!query.is_cuda() || query.scalar_type() != torch::kBFloat16 ||
+              k_cache.scalar_type() != torch::kFloat8_e4m3fn || k_cache.dim() != 4)
+            return false;
+          const c10::cuda::CUDAGuard guard(query.device());
+          return kvpager::paged_prefill_split_query_supported(kvpager::kBFloat16, kvpager::kFloat8E4M3,
+                                                              static_cast<int>(k_cache.size(3)),
+                                                              query.device().index());
+        },
+        "whether paged_prefill takes a split query for these (bf16 over fp8, Hopper's warp-specialized kernel)",
+        py::arg("query"), py::arg("k_cache"));
   m.def("prefill_has_wgmma", [](int64_t device) {
           const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
           return kvpager::paged_prefill_has_wgmma(static_cast<int>(device));
@@ -794,6 +907,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"));
   m.def("rope", &rope, "rotate-half rotary embedding of q and k, in place", py::arg("q"), py::arg("k"),
         py::arg("cos"), py::arg("sin"));
+  m.def("rope_split_query", &rope_split_query,
+        "q rotated (cos/sin given) and split for the fp8 prefill kernel into q_split and q_down; k rotated in place",
+        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("q_split"), py::arg("q_down"));
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("out"),
         py::arg("gate_up"));
   bind_decode_stage(m);

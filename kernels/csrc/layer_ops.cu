@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "layer_ops.h"
+#include "split_query.cuh"
 
 namespace kvpager {
 namespace {
@@ -73,26 +74,102 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(RMSNormArgs 
   }
 }
 
-// One thread block per token; a thread per (head, i < half) pair rotates x[i] and x[i + half].
+// Column c of a rotated row x (head_dim 2 half): x[c] cos[c] - x[c + half] sin[c] below half,
+// x[c] cos[c] + x[c - half] sin[c] from it, each product rounded to T as torch rounds it.
 template <typename T>
-__global__ void rope_kernel(RopeArgs a) {
+__device__ __forceinline__ float rotated(float xc, float partner, float cos_c, float sin_c, bool low_half) {
+  using E = Elem<T>;
+  return __fadd_rn(E::rounded(__fmul_rn(xc, cos_c)), E::rounded(__fmul_rn(low_half ? -partner : partner, sin_c)));
+}
+
+// One thread block per token; a thread per (head, i < half) pair rotates x[i] and x[i + half].
+// Heads from `first_head` on (the split kernel rotates k alone here).
+template <typename T>
+__device__ __forceinline__ void rope_pairs(const RopeArgs& a, int first_head) {
   using E = Elem<T>;
   const int64_t t = blockIdx.x;
   const int half = a.head_dim / 2;
   const T* cos = static_cast<const T*>(a.cos) + t * a.cos_stride;
   const T* sin = static_cast<const T*>(a.sin) + t * a.cos_stride;
-  for (int idx = threadIdx.x; idx < (a.q_heads + a.k_heads) * half; idx += blockDim.x) {
+  for (int idx = threadIdx.x + first_head * half; idx < (a.q_heads + a.k_heads) * half; idx += blockDim.x) {
     const int h = idx / half, i = idx % half;
     T* x = h < a.q_heads ? static_cast<T*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head
                          : static_cast<T*>(a.k) + t * a.k_stride_tok + (h - a.q_heads) * a.k_stride_head;
     const float x1 = E::load(x[i]), x2 = E::load(x[i + half]);
-    const float lo = __fadd_rn(E::rounded(__fmul_rn(x1, E::load(cos[i]))),
-                               E::rounded(__fmul_rn(-x2, E::load(sin[i]))));
-    const float hi = __fadd_rn(E::rounded(__fmul_rn(x2, E::load(cos[i + half]))),
-                               E::rounded(__fmul_rn(x1, E::load(sin[i + half]))));
+    const float lo = rotated<T>(x1, x2, E::load(cos[i]), E::load(sin[i]), true);
+    const float hi = rotated<T>(x2, x1, E::load(cos[i + half]), E::load(sin[i + half]), false);
     x[i] = E::store(lo);
     x[i + half] = E::store(hi);
   }
+}
+
+template <typename T>
+__global__ void rope_kernel(RopeArgs a) {
+  rope_pairs<T>(a, 0);
+}
+
+// Four consecutive bf16 values at p (8-byte aligned) as two words, the first value lowest.
+__device__ __forceinline__ uint2 load_bf16x4(const __nv_bfloat16* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Columns c .. c + 3 of row x rotated (cos/sin rows given; none: as they are), as two bf16x2 words.
+template <int D>
+__device__ __forceinline__ uint2 rotated_bf16x4(const __nv_bfloat16* x, const __nv_bfloat16* cos,
+                                                const __nv_bfloat16* sin, int c) {
+  constexpr int half = D / 2;
+  const uint2 own = load_bf16x4(x + c);
+  if (cos == nullptr) return own;
+  const bool low = c < half;
+  const uint2 partner = load_bf16x4(x + (low ? c + half : c - half));
+  const uint2 cs = load_bf16x4(cos + c), sn = load_bf16x4(sin + c);
+  const uint32_t in[2] = {own.x, own.y}, pw[2] = {partner.x, partner.y}, cw[2] = {cs.x, cs.y}, sw[2] = {sn.x, sn.y};
+  uint32_t out[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const float r0 = rotated<__nv_bfloat16>(bf16_lo(in[w]), bf16_lo(pw[w]), bf16_lo(cw[w]), bf16_lo(sw[w]), low);
+    const float r1 = rotated<__nv_bfloat16>(bf16_hi(in[w]), bf16_hi(pw[w]), bf16_hi(cw[w]), bf16_hi(sw[w]), low);
+    const __nv_bfloat162 b = __floats2bfloat162_rn(r0, r1);
+    out[w] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return make_uint2(out[0], out[1]);
+}
+
+// One thread block per token. q: a group of D / 8 consecutive threads per row (a head of q), each
+// writing one 16-byte chunk of the split row (split_query_chunk's inverse gives its columns), the
+// row's largest |q| shared by shuffles within the group; then k's pairs rotated in place.
+template <int D>
+__global__ void rope_split_query_kernel(RopeSplitArgs s) {
+  constexpr int CPR = D / 8;   // chunks of a split row: threads per row
+  static_assert(CPR <= 32 && (CPR & (CPR - 1)) == 0, "a row's threads share a warp");
+  const RopeArgs& a = s.rope;
+  const int64_t t = blockIdx.x;
+  const __nv_bfloat16* cos = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.cos) + t * a.cos_stride;
+  const __nv_bfloat16* sin = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.sin) + t * a.cos_stride;
+  const int lane = threadIdx.x & 31;
+  const unsigned group = CPR == 32 ? 0xffffffffu : ((1u << CPR) - 1u) << (lane & ~(CPR - 1));
+  for (int idx = threadIdx.x; idx < a.q_heads * CPR; idx += blockDim.x) {
+    const int h = idx / CPR, chunk = idx % CPR;
+    const int kk = (chunk >> 3) * 2 + (chunk & 1), t4 = (chunk & 7) >> 1, c = kk * 32 + 4 * t4;
+    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
+    const uint2 first = rotated_bf16x4<D>(x, cos, sin, c), second = rotated_bf16x4<D>(x, cos, sin, c + 16);
+    const uint32_t w[4] = {first.x, first.y, second.x, second.y};
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m = __vmaxu2(m, w[i] & 0x7fff7fffu);
+    m = max(m & 0xffffu, m >> 16);
+#pragma unroll
+    for (int off = CPR / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(group, m, off));
+    const int f = split_query_exponent(m);
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split_query_pair(w[i], split_query_pow2(f), hi[i], lo[i]);
+    unsigned char* row = static_cast<unsigned char*>(s.q_split) + t * s.split_stride_tok + h * s.split_stride_head;
+    *reinterpret_cast<uint4*>(row + 16 * chunk) =
+        make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
+    if (chunk == 0) s.q_down[(h / s.group) * s.down_stride + t * s.group + h % s.group] = split_query_pow2(-f);
+  }
+  if (a.cos != nullptr) rope_pairs<__nv_bfloat16>(a, a.q_heads);
 }
 
 // Grid (column tiles, row groups; rows strided by gridDim.y): SiLU in float32 as torch computes
@@ -145,6 +222,20 @@ cudaError_t launch_rope(DType dtype, const RopeArgs& a, cudaStream_t stream) {
   const int pairs = (a.q_heads + a.k_heads) * (a.head_dim / 2);
   const int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
   return launch_typed<RopeLaunch>(dtype, dim3(a.tokens), dim3(threads), a, stream);
+}
+
+cudaError_t launch_rope_split_query(const RopeSplitArgs& s, cudaStream_t stream) {
+  const RopeArgs& a = s.rope;
+  if (a.tokens <= 0) return cudaSuccess;
+  if ((a.head_dim != 64 && a.head_dim != 128) || s.group < 1 || a.q_heads % s.group != 0)
+    return cudaErrorInvalidValue;
+  const int work = max(a.q_heads * (a.head_dim / 8), a.k_heads * (a.head_dim / 2));
+  const int threads = work >= 512 ? 512 : ((work + 31) / 32) * 32;
+  if (a.head_dim == 64)
+    rope_split_query_kernel<64><<<a.tokens, threads, 0, stream>>>(s);
+  else
+    rope_split_query_kernel<128><<<a.tokens, threads, 0, stream>>>(s);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_silu_and_mul(DType dtype, const SiluMulArgs& a, cudaStream_t stream) {

@@ -40,6 +40,20 @@ struct RopeArgs {
 };
 cudaError_t launch_rope(DType dtype, const RopeArgs& args, cudaStream_t stream);
 
+// The same rotation with q written split (split_query.cuh) for the fp8 prefill kernel, instead of
+// in place: bf16, head_dim 64 or 128. k (k_heads may be 0) is rotated in place as launch_rope does;
+// q's rows, rotated and rounded to bf16 as launch_rope would leave them, are split into q_split and
+// q_down, q left as it is. cos == nullptr: no rotation (q split as it is, k untouched).
+struct RopeSplitArgs {
+  RopeArgs rope;            // q, k, cos, sin and their strides, as for launch_rope
+  void* q_split;            // [tokens, q_heads, 2 * head_dim] bytes, inner dim contiguous
+  float* q_down;            // [q_heads / group, tokens, group]: [tokens, group] contiguous
+  int64_t split_stride_tok, split_stride_head;   // bytes
+  int64_t down_stride;      // floats between KV heads of q_down
+  int group;                // query heads per KV head
+};
+cudaError_t launch_rope_split_query(const RopeSplitArgs& args, cudaStream_t stream);
+
 // out = dtype(silu(gate)) * up, with gate_up = [gate | up] along the last dim.
 struct SiluMulArgs {
   void* out;                // [rows, width]

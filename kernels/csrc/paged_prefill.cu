@@ -87,6 +87,10 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
     constexpr bool fp8 = !std::is_same_v<typename Cfg::T, typename Cfg::C>;
     if constexpr (Cfg::WG && KVPAGER_PREFILL_WS != 0 && (!fp8 || KVPAGER_PREFILL_WS_FP8 != 0)) {
       if (paged_prefill_has_wgmma(device)) {
+        if (a.query_down != nullptr && !ws_q_ahead<typename Cfg::T, typename Cfg::C>) {
+          err = cudaErrorInvalidValue;   // a split query is read by this kernel's bf16-over-fp8 instances alone
+          return;
+        }
         // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
         auto ws = paged_prefill_ws_kernel<typename Cfg::T, typename Cfg::C, Cfg::D>;
         constexpr int ws_smem = prefill_ws_smem_bytes<typename Cfg::T, typename Cfg::C, Cfg::D>();
@@ -99,6 +103,10 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
         return;
       }
     }
+    if (a.query_down != nullptr) {
+      err = cudaErrorInvalidValue;   // the other kernels read 16-bit queries only
+      return;
+    }
     auto kernel = paged_prefill_kernel<typename Cfg::T, typename Cfg::C, Cfg::D, Cfg::W, Cfg::WG>;
     constexpr int smem = Cfg::WG ? prefill_wgmma_smem_bytes<Cfg::D, Cfg::W>() : prefill_smem_bytes<Cfg::D, Cfg::W>();
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -108,6 +116,13 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
     err = cudaGetLastError();
   });
   return ok ? err : cudaErrorInvalidValue;
+}
+
+bool paged_prefill_split_query_supported(DType dtype, DType cache_dtype, int head_dim, int device) {
+  if (dtype != kBFloat16 || cache_dtype != kFloat8E4M3 || (head_dim != 64 && head_dim != 128)) return false;
+  constexpr bool built = KVPAGER_PREFILL_WS != 0 && KVPAGER_PREFILL_WS_FP8 != 0 &&
+                         ws_q_ahead<__nv_bfloat16, __nv_fp8_e4m3>;
+  return built && paged_prefill_has_wgmma(device);
 }
 
 bool paged_prefill_has_wgmma(int device) {

@@ -87,22 +87,23 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 
 // S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
 // e4m3 terms (WsQuerySplit) against the same K columns. At twice fp16's rate on the tensor cores,
-// the two GEMMs take the time of one fp16 GEMM over the converted tile. The whole tile (fp8 caches
-// keep whole last tiles, ws_last_groups). split (KVPAGER_PREFILL_WS_Q_AHEAD=0): the item's first
+// the two GEMMs take the time of one fp16 GEMM over the converted tile. Over the first NB column
+// groups: 16 (the whole tile), or 8 (ws_fp8_narrow's last tiles). split (KVPAGER_PREFILL_WS_Q_AHEAD=0): the item's first
 // tile, whose query is still unsplit (WsQuerySplit::load): each k-step is split just before its
 // GEMMs are issued, under the previous k-step's.
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, int NB>
 __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&qa)[D / 16][4], uint32_t k_tile,
                                              bool split, float2 up) {
-  static_assert(BN == 128, "the e4m3 S GEMM is written for tiles of 128 positions");
+  static_assert(BN == 128 && (NB == 8 || NB == 16), "the e4m3 S GEMM is written for 64 or 128 of 128 positions");
   const uint64_t k_desc = gmma_desc(k_tile, 16, 1024);
+  auto& sn = reinterpret_cast<float (&)[NB][4]>(s);
 #pragma unroll
   for (int kk = 0; kk < D / 32; ++kk) {
     if (split) WsQuerySplit<T, D>::split_step(qa, kk, up);
     fence_regs(qa);
     wgmma_fence();
-    wgmma_rs_e4m3(s, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
-    wgmma_rs_e4m3(s, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
+    wgmma_rs_e4m3(sn, qa[kk], k_desc + ((kk * 32) >> 4), kk == 0 ? 0 : 1);
+    wgmma_rs_e4m3(sn, qa[D / 32 + kk], k_desc + ((kk * 32) >> 4));
   }
 }
 
@@ -116,31 +117,35 @@ __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&q
 // its rows see positions up to `last_visible` (its last row's), so columns past it are all masked.
 // Rounded up to 32 positions (N = 32, 64, 96 or 128 for the GEMMs): an item of 32 query positions
 // (128 rows at G = 4) ends a quarter, half, three quarters or all the way into its last tile, so
-// on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. 16-bit caches
-// only: over fp8, every arrangement tried left ptxas short of registers (the wgmmas serialized,
-// C7511, or the producer spilled), and the producer, not the consumers, sets fp8's pace.
-template <typename C>
+// on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. Over fp8 caches
+// with bf16 queries (ws_fp8_narrow: the query split ahead, K as e4m3) rounded up to 64 positions;
+// every narrower arrangement tried there left ptxas short of registers (the wgmmas serialized,
+// C7511). fp16 queries over fp8 keep whole last tiles (the same).
+template <typename T, typename C>
 __device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
-  if (KVPAGER_PREFILL_WS_NARROW == 0 || sizeof(C) == 1) return kWsBN / 8;
-  const int cols = (last_visible + 1 - last_kv0 + 31) & ~31;
+  if (KVPAGER_PREFILL_WS_NARROW == 0 || (sizeof(C) == 1 && !ws_fp8_narrow<T, C>)) return kWsBN / 8;
+  const int cols = ws_raw_k<T, C> ? (last_visible + 1 - last_kv0 + 63) & ~63 : (last_visible + 1 - last_kv0 + 31) & ~31;
   return min(max(cols, 32), kWsBN) / 8;
 }
 
 // f(std::integral_constant<int, NB>) for the NB column groups a tile's GEMMs and softmax cover:
-// the whole tile, or 4, 8 or 12 groups (ws_last_groups<C>). Warp-uniform. Over fp8 caches only
-// the whole tile is compiled.
-template <typename C, typename F>
+// the whole tile, or 4, 8 or 12 groups (ws_last_groups). Warp-uniform. Over fp8 caches only the
+// whole tile is compiled, or (ws_fp8_narrow) 8 or 16 groups.
+template <typename T, typename C, typename F>
 __device__ __forceinline__ void ws_with_groups(int nb, F&& f) {
   static_assert(kWsBN == 128, "narrowed tiles are written for tiles of 128 positions");
-  if constexpr (sizeof(C) == 1) {
+  if constexpr (sizeof(C) == 1 && !ws_fp8_narrow<T, C>) {
     f(std::integral_constant<int, kWsBN / 8>{});
-    return;
-  }
-  switch (nb) {
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 12: f(std::integral_constant<int, 12>{}); break;
-    default: f(std::integral_constant<int, 16>{}); break;
+  } else if constexpr (ws_fp8_narrow<T, C>) {
+    if (nb <= 8) f(std::integral_constant<int, 8>{});
+    else f(std::integral_constant<int, 16>{});
+  } else {
+    switch (nb) {
+      case 4: f(std::integral_constant<int, 4>{}); break;
+      case 8: f(std::integral_constant<int, 8>{}); break;
+      case 12: f(std::integral_constant<int, 12>{}); break;
+      default: f(std::integral_constant<int, 16>{}); break;
+    }
   }
 }
 
@@ -166,7 +171,8 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
   // ws_q_ahead: the next item's record, and its query loaded and split whole (the S GEMMs' A fragments,
   // the scales of its scores), fetched before the first item and then under each item's last P V
   // (whose GEMM reads neither; the last S GEMM, which read qa, is done). The producer has that Q
-  // buffer filled by then: it loads an item's Q once it has issued the item before's last tile.
+  // buffer filled by then: it loads an item's Q once it has issued the item before's last tile. A
+  // query split before the kernel (a.query_down) is only loaded, with its rows' factors.
   constexpr bool kAhead = ws_q_ahead<T, C>;
   uint32_t qa[D / 16][4];
   float2 q_up;   // fp8 caches: the query's scales, for its split
@@ -182,10 +188,17 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       next_pair = rec->pair;
       if (next_pair >= 0) {
         next_item = rec->item;
-        q_up = WsQuerySplit<T, D>::load_scaled(qa, sm.q(qb), warp, lane, a.scale_log2, sl2);
-        mbar_arrive(sm.q_empty(qb));
+        if (a.query_down != nullptr) {   // split before the kernel (split_query.cuh)
+          const float2 down = WsQuerySplit<T, D>::split_down(sm.down(qb), warp, lane);
+          WsQuerySplit<T, D>::load_split(qa, sm.q(qb), warp, lane);
+          mbar_arrive(sm.q_empty(qb));
+          sl2 = make_float2(a.scale_log2 * down.x, a.scale_log2 * down.y);
+        } else {
+          q_up = WsQuerySplit<T, D>::load_scaled(qa, sm.q(qb), warp, lane, a.scale_log2, sl2);
+          mbar_arrive(sm.q_empty(qb));
 #pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) WsQuerySplit<T, D>::split_step(qa, kk, q_up);
+          for (int kk = 0; kk < D / 32; ++kk) WsQuerySplit<T, D>::split_step(qa, kk, q_up);
+        }
       }
     }
   };
@@ -209,9 +222,9 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
     // The column groups of the item's last tile this warpgroup computes: as far as its last row
-    // (its row 63) sees. 16-bit caches only (ws_last_groups says why).
+    // (its row 63) sees (over fp8 caches with bf16 queries in steps of 64 positions, ws_last_groups).
     const int last_visible = blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1);
-    const int last_nb = ws_last_groups<C>(last_visible, (blk.n_tiles - 1) * BN);
+    const int last_nb = ws_last_groups<T, C>(last_visible, (blk.n_tiles - 1) * BN);
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread
     // has its fragments (and has read the record), the buffer is free (q_empty), and the producer
     // loads the next item's Q while this one runs. Each thread arrives itself, after its own reads
@@ -253,7 +266,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(qa);
       wgmma_fence();
       if constexpr (ws_raw_k<T, C>)
-        issue_s_e4m3<T, D, BN>(s, qa, sm.k_tile(cur.stage), !kAhead && j == 0, q_up);   // NB: the whole tile
+        issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), !kAhead && j == 0, q_up);   // NB: the whole tile
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();
@@ -308,7 +321,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
         fetch_ahead();   // (ws_q_ahead) under the last P V: qa is free since the last S GEMM
         wgmma_wait<0>();
       };
-      ws_with_groups<C>(last_nb, last);
+      ws_with_groups<T, C>(last_nb, last);
     } else {
       fetch_ahead();
     }

@@ -138,7 +138,9 @@ struct RowCopier {
 #pragma unroll
       for (int p = 0; p < NPG; ++p) {
         const int b = __shfl_sync(0xffffffffu, pages, p);
-        const C* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + my_row * D;
+        // (fp8: the row's offset recomputed a page, not held across the item: with narrowed last
+        // tiles ptxas spilled it, ws_fp8_narrow.)
+        const C* src = base + static_cast<int64_t>(b >= 0 ? b : 0) * stride + (kFp8 ? opaque(my_row) : my_row) * D;
 #pragma unroll
         for (int sub = 0; sub < SUBS; ++sub) {
           const int i = p * SUBS + sub;
@@ -316,6 +318,14 @@ __device__ __forceinline__ void ws_produce_lg(const PrefillArgs& a, unsigned cha
     if constexpr (RowCopier<C, D>::kFp8) {
       const int t = thread_index_here();
       load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), t / (D / 8), t % (D / 8));
+      if constexpr (ws_q_ahead<T, C>) {
+        // A split query: row t's factor (PrefillArgs::query_down), zeros past the last row.
+        if (a.query_down != nullptr) {
+          const int row = blk.row0 + t;
+          cp_async4(sm.down(qcur.stage) + 4 * t,
+                    a.query_down + blk.kvh * a.query_down_stride + blk.q_start * blk.G + row, row < blk.rows);
+        }
+      }
     } else {
       load_q_rows<T, D, kWsRows, 128>(blk, sm.q(qcur.stage), blk.my_row, blk.my_ch);
     }

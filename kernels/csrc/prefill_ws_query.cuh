@@ -5,6 +5,7 @@
 #pragma once
 
 #include "prefill_ws_shared.cuh"
+#include "split_query.cuh"
 
 namespace kvpager {
 namespace prefill_detail {
@@ -90,11 +91,9 @@ struct WsQuerySplit {
     float up[2], dn[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const uint32_t mx = (mab >> (16 * r)) & 0xffffu;
-      const int ex = mx == 0 ? 0 : static_cast<int>(mx >> 7) - 127;   // floor(log2) of the row's largest |q|
-      const int f = min(max(7 - ex, -126), 126);
-      up[r] = __uint_as_float(static_cast<uint32_t>(127 + f) << 23);
-      dn[r] = __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
+      const int f = split_query_exponent((mab >> (16 * r)) & 0xffffu);
+      up[r] = split_query_pow2(f);
+      dn[r] = split_query_pow2(-f);
     }
     down = make_float2(dn[0], dn[1]);
     return make_float2(up[0], up[1]);
@@ -115,25 +114,34 @@ struct WsQuerySplit {
     for (int e = 0; e < 4; ++e) {
       const float u = (e & 1) ? up.y : up.x;
       uint32_t h01, h23, l01, l23;
-      split_pair(qa[kk][e], u, h01, l01);
-      split_pair(qa[KS + kk][e], u, h23, l23);
+      split_query_pair(qa[kk][e], u, h01, l01);
+      split_query_pair(qa[KS + kk][e], u, h23, l23);
       qa[kk][e] = h01 | (h23 << 16);
       qa[KS + kk][e] = l01 | (l23 << 16);
     }
   }
 
-  // A word's two bf16 values (the low one first) times `up` (2^f) as fp16 (exact: 8 significant bits
-  // fit, the largest under 2^8; what falls under fp16's normal range is far below e4m3's subnormal
-  // step), then the two e4m3 terms of each: hi rounded, lo = e4m3(value - hi) (the difference exact
-  // in fp16). hi and lo: two bytes each, the low value's first.
-  static __device__ __forceinline__ void split_pair(uint32_t v, float up, uint32_t& hi, uint32_t& lo) {
-    const float a = __uint_as_float(v << 16), b = __uint_as_float(v & 0xffff0000u);
-    const __half2 q = __floats2half2_rn(a * up, b * up);
-    const __nv_fp8x2_storage_t q8 = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(q), __NV_SATFINITE, __NV_E4M3);
-    const uint32_t back = fp8x2_to_h2(q8);   // hi as fp16 (exact)
-    hi = q8;
-    lo = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(__hsub2(q, *reinterpret_cast<const __half2*>(&back))),
-                                    __NV_SATFINITE, __NV_E4M3);
+  // A query split before the kernel (split_query.cuh): this warp's rows of the Q tile at q_tile,
+  // in the fragments' layout already, one 16-byte load per (k-step, row).
+  static __device__ __forceinline__ void load_split(uint32_t (&qa)[D / 16][4], uint32_t q_tile, int warp, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(qa[kk][r]), "=r"(qa[kk][r + 2]), "=r"(qa[KS + kk][r]), "=r"(qa[KS + kk][r + 2])
+                     : "r"(q_tile + 2 * tile_off<kWsRows>(warp * 16 + g + 8 * r, split_query_chunk(kk, t4))));
+  }
+
+  // A split query's `down` factors of this thread's rows (g and g + 8 of the warp), copied by the
+  // producer with the Q tile (WsSmem::down; zeros for padding rows).
+  static __device__ __forceinline__ float2 split_down(uint32_t down, int warp, int lane) {
+    float2 dn;
+    const uint32_t at = down + 4 * (warp * 16 + (lane >> 2));
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(dn.x) : "r"(at));
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(dn.y) : "r"(at + 32));
+    return dn;
   }
 };
 

@@ -64,6 +64,16 @@ constexpr bool ws_raw_k = sizeof(C) == 1 && std::is_same_v<T, __nv_bfloat16> && 
 #endif
 template <typename T, typename C>
 constexpr bool ws_q_ahead = ws_raw_k<T, C> && KVPAGER_PREFILL_WS_Q_AHEAD != 0;
+// KVPAGER_PREFILL_WS_FP8_NARROW=1 (default; with ws_q_ahead): an item's last tile over an fp8 cache
+// computed over 64 or 128 positions, as far as the warpgroup's rows see (ws_last_groups), instead of
+// whole; 0: whole, for A/B timing. On the H100 4% off 32 x 512 prompts over a split query, 2-3% off
+// them splitting in the kernel, the same elsewhere (docs/performance.md, "A query split before the
+// kernel").
+#ifndef KVPAGER_PREFILL_WS_FP8_NARROW
+#define KVPAGER_PREFILL_WS_FP8_NARROW 1
+#endif
+template <typename T, typename C>
+constexpr bool ws_fp8_narrow = ws_q_ahead<T, C> && KVPAGER_PREFILL_WS_FP8_NARROW != 0;
 constexpr int kWsBN = KVPAGER_PREFILL_WS_BN;
 constexpr int kWsStages = KVPAGER_PREFILL_WS_STAGES;   // K and V stages (tiles of kWsBN positions)
 constexpr int kWsRows = 128;     // query rows per work item: 2 consumer warpgroups x 64
@@ -84,9 +94,12 @@ struct WsLayout {
   static_assert(D <= 128, "a raw fp8 K row fits 128 bytes");
   static constexpr int kKStage = kWsBN * (ws_raw_k<T, C> ? 128 : 2 * D);   // bytes of a K stage
   static constexpr int kVStage = kWsBN * D * 2;
+  // A split query's row factors (PrefillArgs::query_down), a float per row of each Q buffer, copied
+  // by the producer with the Q tile (ws_q_ahead instances only).
+  static constexpr int kDownBytes = ws_q_ahead<T, C> ? kWsQBufs * kWsRows * 4 : 0;
   static constexpr int bytes(int stages) {
     return kWsQBufs * kWsRows * D * 2 + stages * (kKStage + kVStage) + 1024 + kWsBarrierBytes +
-           kWsQBufs * kWsRecordBytes + kWsTicketBytes;
+           kWsQBufs * kWsRecordBytes + kWsTicketBytes + kDownBytes;
   }
   static constexpr int fit() {
     int s = kWsStages;
@@ -184,6 +197,10 @@ struct WsSmem {
   }
   __device__ __forceinline__ WsRecord* record(int qb) const { return reinterpret_cast<WsRecord*>(tail) + qb; }
   __device__ __forceinline__ int* ticket() const { return reinterpret_cast<int*>(tail + kWsQBufs * kWsRecordBytes); }
+  // Q buffer qb's row factors (L::kDownBytes): row r's at down(qb) + 4 r.
+  __device__ __forceinline__ uint32_t down(int qb) const {
+    return bars + kWsBarrierBytes + kWsQBufs * kWsRecordBytes + kWsTicketBytes + qb * kWsRows * 4;
+  }
   __device__ __forceinline__ uint32_t q(int qb) const { return q0 + qb * kWsRows * D * 2; }
   __device__ __forceinline__ uint32_t k_tile(int st) const { return tiles + st * (L::kKStage + L::kVStage); }
   __device__ __forceinline__ uint32_t v_tile(int st) const { return k_tile(st) + L::kKStage; }

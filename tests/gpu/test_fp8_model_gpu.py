@@ -1,14 +1,14 @@
-"""The model over an fp8 e4m3 KV cache on the GPU (our CUDA write_kv quantizing, SDPA prefill over
-the dequantized gather, our fp8 decode kernel) against the same model over a contiguous cache
-holding the same quantized-then-dequantized K/V: a prefill step of ragged prompts in shuffled
-blocks, then two decode steps, logits compared by relative error (a bf16 model)."""
+"""The model over an fp8 e4m3 KV cache on the GPU (our CUDA write_kv quantizing, our prefill kernel
+over the pages, on Hopper over a bf16 query RoPE wrote split, our fp8 decode kernel) against the
+same model over a contiguous cache holding the same quantized-then-dequantized K/V: a prefill step
+of ragged prompts in shuffled blocks, then two decode steps, logits compared by relative error."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpager.kernels import ops
+from kvpager.kernels import cuda, ops
 from kvpager.worker.kv_cache import CacheSpec, KVCache
 from kvpager.step import StepInput
 from kvpager.worker.model import Decoder, ModelConfig
@@ -22,7 +22,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype):
+def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype, monkeypatch):
     cfg = ModelConfig(num_layers=2, hidden_size=128, num_q_heads=8, num_kv_heads=2, head_dim=64,
                       intermediate_size=256, vocab_size=128, seed=4, dtype=dtype, kv_cache_dtype="fp8_e4m3",
                       kv_scale=0.5)
@@ -36,6 +36,16 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype):
     past = [[] for _ in prompts]
     lens = [0] * len(prompts)
     step_tokens = prompts
+    split_calls = []
+    rope_split_query = ops.rope_split_query
+
+    def counted(*args, **kwargs):
+        split_calls.append(args[0].shape)
+        return rope_split_query(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "rope_split_query", counted)
+    q_like = torch.empty(1, cfg.num_q_heads, cfg.head_dim, dtype=getattr(torch, dtype), device="cuda")
+    split_expected = cuda.supports_split_query(q_like, cache.layer(0)[0])   # bf16 on Hopper
     for step in range(3):
         token_ids, positions, slots = [], [], []
         for i, toks in enumerate(step_tokens):
@@ -48,6 +58,9 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype):
                         slot_mapping=slots, query_lens=[len(t) for t in step_tokens], context_lens=list(lens),
                         block_tables=[b for t in tables for b in t], max_blocks=4)
         paged = model.forward_paged(inp, cache.layer)
+        # The prefill step's layers rotate q into a split query where the kernel reads one; decode
+        # steps never do.
+        assert len(split_calls) == (cfg.num_layers if split_expected else 0), (step, split_calls)
         for i, toks in enumerate(step_tokens):
             contiguous = model.forward_contiguous(toks, lens[i] - len(toks), past[i])
             err = rel_err(paged[i], contiguous)

@@ -1,0 +1,137 @@
+"""A bf16 query split before the fp8 prefill kernel (``kernels/split_query.py``): the CUDA op that
+writes it (``cuda.rope_split_query``, ``cuda.split_query``) against the torch reference, bit for
+bit; the kernel reading it against the same kernel splitting the query itself (bit for bit) and
+against float64 attention over the dequantized cache; and the inputs it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpager.kernels import cuda, debug
+from kvpager.kernels.split_query import SplitQuery, joined_query, split_query_reference
+from tests.gpu.test_prefill_gpu import FP8_SCALES, _assert_each_sequence, _cases, _fp8_case, _kernel_case
+from tests.unit.test_reference_kernels import LAYER, NUM_KV_HEADS, TOL, reference_attention, seeded
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _needs_split_kernel(k_cache_like: torch.Tensor) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    probe = torch.empty(1, NUM_KV_HEADS, k_cache_like.shape[-1], dtype=torch.bfloat16, device=DEV)
+    if not cuda.supports_split_query(probe, k_cache_like.to(DEV)):
+        pytest.skip("a split query is read by Hopper's warp-specialized prefill kernel (sm_90a) alone")
+
+
+def _spread_queries(gen, tokens, heads, head_dim):
+    """bf16 rows of every magnitude (1e-30 to 1e30 by row), some all zero, some with zeros and
+    values far under their row's largest."""
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    q *= torch.logspace(-30, 30, tokens * heads)[torch.randperm(tokens * heads, generator=gen)].view(tokens, heads, 1)
+    q[0, 0] = 0
+    q[1, :, :7] = torch.tensor([0.0, 1e-3, -1e-6, 2e-9, -1e-12, 3e-39, 1.0])
+    return q.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_split_query_op_equals_the_reference_bit_for_bit(head_dim, group):
+    _needs_split_kernel(torch.empty(1, NUM_KV_HEADS, 16, head_dim, dtype=torch.float8_e4m3fn))
+    gen = seeded("split query op", head_dim, group)
+    q = _spread_queries(gen, 37, NUM_KV_HEADS * group, head_dim)
+    want = split_query_reference(q, NUM_KV_HEADS)
+    got = cuda.split_query(q.to(DEV), NUM_KV_HEADS)
+    assert torch.equal(got.data.cpu(), want.data)
+    assert torch.equal(got.down.cpu(), want.down)
+    joined, x = joined_query(want), q.float()
+    largest = x.abs().amax(-1, keepdim=True)
+    assert torch.equal(joined[x.abs() >= largest * 2 ** -9], x[x.abs() >= largest * 2 ** -9])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_split_query_equals_rope_then_split(head_dim):
+    """The rotation written split is rope's rotation (bf16, rounded as rope rounds), split; k is
+    rotated in place as rope rotates it; q is left as it was."""
+    _needs_split_kernel(torch.empty(1, NUM_KV_HEADS, 16, head_dim, dtype=torch.float8_e4m3fn))
+    gen = seeded("rope split", head_dim)
+    tokens, q_heads, kv_heads = 45, 4 * NUM_KV_HEADS, NUM_KV_HEADS
+    q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 1000
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    q_rot, k_rot = cuda.rope(q.clone(), k.clone(), cos, sin)
+    q_before = q.clone()
+    got = cuda.rope_split_query(q, k, cos, sin, kv_heads)
+    want = split_query_reference(q_rot.cpu(), kv_heads)
+    assert torch.equal(got.data.cpu(), want.data) and torch.equal(got.down.cpu(), want.down)
+    assert torch.equal(k, k_rot)
+    assert torch.equal(q, q_before)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64), (8, 128), (64, 64)])
+def test_prefill_over_a_split_query_equals_the_kernels_own_split(group, block_size, head_dim):
+    """The kernel loading a split query computes what it computes splitting the bf16 query itself
+    (the same terms, scales and order of operations: bit for bit), and float64 attention's result
+    within the 16-bit tolerance; padding rows of partial tiles read no factor."""
+    gen = seeded("prefill split query", group, block_size, head_dim)
+    cases = _cases(block_size, gen)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
+    _needs_split_kernel(paged.kv_cache[:, LAYER, 0])
+    k_scale, v_scale = FP8_SCALES
+    scale = head_dim ** -0.5
+    kv = paged.kv_cache.to(DEV)
+    k_cache, v_cache = kv[:, LAYER, 0], kv[:, LAYER, 1]
+    query = torch.cat(queries).to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    plan = debug.plan_prefill(query, k_cache, host, warps=8, wgmma=True)
+    args = (k_cache, v_cache, paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV), scale, k_scale,
+            v_scale)
+    own = cuda.paged_prefill_run(plan, query, *args, out=torch.full_like(query, float("nan")))
+    split = cuda.split_query(query, NUM_KV_HEADS)
+    got = cuda.paged_prefill_run(plan, split, *args, out=torch.full_like(query, float("nan")))
+    torch.cuda.synchronize()
+    assert torch.equal(got, own)
+    ref = reference_attention(queries, paged, scale)
+    _assert_each_sequence(got.cpu(), ref, starts, cases, TOL[torch.bfloat16])
+
+
+def test_split_query_refused_where_no_kernel_reads_it():
+    """A split query over a bf16 cache, on a plan without the wgmma instance, or with factors of
+    the wrong shape: ValueError naming what is wrong, nothing launched."""
+    _needs_split_kernel(torch.empty(1, NUM_KV_HEADS, 16, 128, dtype=torch.float8_e4m3fn))
+    gen = seeded("split query refused")
+    cases = [(40, 40), (70, 20)]
+    paged, queries, starts = _fp8_case(gen, 16, 128, 4, cases)
+    kv = paged.kv_cache.to(DEV)
+    k8, v8 = kv[:, LAYER, 0], kv[:, LAYER, 1]
+    query = torch.cat(queries).to(DEV)
+    host = (starts.tolist(), paged.context_lens.tolist())
+    tables, lens, starts_d = paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV)
+    split = cuda.split_query(query, NUM_KV_HEADS)
+
+    bf16_paged, _, _ = _kernel_case(gen, 16, 128, torch.bfloat16, 4, cases, share=False)
+    kv16 = bf16_paged.kv_cache.to(DEV)
+    plan16 = debug.plan_prefill(query, kv16[:, LAYER, 0], host, warps=8, wgmma=True)
+    with pytest.raises(ValueError, match="split query is read by the Hopper warp-specialized prefill kernel alone"):
+        cuda.paged_prefill_run(plan16, split, kv16[:, LAYER, 0], kv16[:, LAYER, 1], tables, lens, starts_d, 0.1)
+
+    mma_plan = debug.plan_prefill(query, k8, host, warps=8, wgmma=False)
+    with pytest.raises(ValueError, match="needs the 8-warp wgmma plan"):
+        cuda.paged_prefill_run(mma_plan, split, k8, v8, tables, lens, starts_d, 0.1)
+
+    plan = debug.plan_prefill(query, k8, host, warps=8, wgmma=True)
+    wrong = SplitQuery(split.data, split.down.transpose(0, 1).contiguous())   # [tokens, kv_heads, G]
+    with pytest.raises(ValueError, match="query_down must be float32"):
+        cuda.paged_prefill_run(plan, wrong, k8, v8, tables, lens, starts_d, 0.1)
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        cuda.split_query(torch.zeros(3, 8, 256, dtype=torch.bfloat16, device=DEV), NUM_KV_HEADS)
+    with pytest.raises(ValueError, match="q must be"):
+        cuda.split_query(query.half(), NUM_KV_HEADS)
+    out = cuda.paged_prefill_run(plan, split, k8, v8, tables, lens, starts_d, 0.1)   # still serving
+    assert torch.isfinite(out).all()
