@@ -353,15 +353,17 @@ def supports_split_query(query_like: torch.Tensor, k_cache: torch.Tensor) -> boo
 
 
 def rope_split_query(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                     kv_heads: int, out: SplitQuery | None = None) -> SplitQuery:
+                     kv_heads: int, out: SplitQuery | None = None, keep: torch.Tensor | None = None) -> SplitQuery:
     """q ``[T, Hq, D]`` (bf16, D 64 or 128) rotated by cos/sin ``[T, D]`` (None: as it is) and
-    written split for the fp8 prefill kernel (``kernels/split_query.py``), q itself left as it is;
-    k ``[T, Hk, D]`` rotated in place as :func:`rope` does (None: no k). One launch."""
+    written split for the fp8 prefill kernel (``kernels/split_query.py``), q itself left as it is
+    but at the tokens ``keep`` marks (int32 ``[T]``, nonzero: rotated in place too, and q returned
+    as the result's ``rows``); k ``[T, Hk, D]`` rotated in place as :func:`rope` does (None: no k).
+    One launch."""
     tokens, heads, head_dim = q.shape
     if out is None:
         out = SplitQuery.empty(tokens, heads, head_dim, kv_heads, q.device)
-    load().rope_split_query(q, k, cos, sin, out.data, out.down)
-    return out
+    load().rope_split_query(q, k, cos, sin, out.data, out.down, keep)
+    return out if keep is None else SplitQuery(out.data, out.down, q)
 
 
 def split_query(q: torch.Tensor, kv_heads: int, out: SplitQuery | None = None) -> SplitQuery:

@@ -234,14 +234,14 @@ def rope(q, k, cos, sin):
     return (impl or layer_reference).rope(q, k, cos, sin)
 
 
-def rope_split_query(q, k, cos, sin, kv_heads: int, out=None):
+def rope_split_query(q, k, cos, sin, kv_heads: int, out=None, keep=None):
     """q rotated and written split for a prefill plan that takes it (``plan.split_query``: Hopper,
-    bf16 over fp8; ``kernels/split_query.py``), q left as it is; k rotated in place. Returns
-    (the SplitQuery, k)."""
+    bf16 over fp8; ``kernels/split_query.py``), q left as it is but at the tokens ``keep`` marks
+    (``plan.keep_rows``: rotated in place too); k rotated in place. Returns (the SplitQuery, k)."""
     impl = _cuda(q)
     if impl is None:
         raise ValueError("a split query is written by the CUDA kernels only; this q is on " + str(q.device))
-    return impl.rope_split_query(q, k, cos, sin, kv_heads, out), k
+    return impl.rope_split_query(q, k, cos, sin, kv_heads, out, keep), k
 
 
 def silu_and_mul(gate_up):

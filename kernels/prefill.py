@@ -123,8 +123,11 @@ class PrefillPlan:
     kernel: Any = None              # cuda.PrefillKernelPlan: one launch for every multi-token sequence
     groups: tuple[SdpaGroup, ...] = ()
     # run takes the query split before it (split_query.SplitQuery, e.g. from rope_split_query): the
-    # kernel runs every row (no one-token rows) and reads a split query (bf16 over fp8 on Hopper).
+    # kernel runs every multi-token row and reads a split query (bf16 over fp8 on Hopper). With
+    # one-token rows, the split query carries the bf16 q as its `rows`, rotated at the tokens
+    # keep_rows marks (int32 [num_tokens], on the device: rope_split_query's `keep`).
     split_query: bool = False
+    keep_rows: Optional[torch.Tensor] = None
 
 
 def host_lengths_of(query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -186,8 +189,12 @@ def plan(query_like: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Te
         # One launch for every sequence of more than one new token, straight from the pages.
         kernel_plan = kernel.plan_prefill(query_like, k_cache, (starts, ctx),
                                           None if len(multi) == num_seqs else multi)
-        split = decodes is None and kernel_plan.wgmma and kernel.supports_split_query(query_like, k_cache)
-        return replace(base, decodes=decodes, kernel=kernel_plan, split_query=split)
+        split = kernel_plan.wgmma and kernel.supports_split_query(query_like, k_cache)
+        keep = None
+        if split and decodes is not None:
+            keep = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
+            keep[decodes.rows] = 1
+        return replace(base, decodes=decodes, kernel=kernel_plan, split_query=split, keep_rows=keep)
 
     shapes: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in multi:
@@ -220,6 +227,13 @@ def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tens
             raise ValueError(f"split query {tuple(query.shape)} does not match the plan's {plan.query_shape}")
         from . import cuda
         out = torch.empty(plan.query_shape, dtype=torch.bfloat16, device=query.device)
+        d = plan.decodes
+        if d is not None:
+            if query.rows is None:
+                raise ValueError("this step's one-token rows attend over bf16 queries: split it with its rows kept "
+                                 "(rope_split_query(..., keep=plan.keep_rows))")
+            out[d.rows] = d.decode(query.rows[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, plan.scale,
+                                   k_scale=k_scale, v_scale=v_scale)
         return cuda.paged_prefill_run(plan.kernel, query, k_cache, v_cache, plan.block_tables, plan.context_lens,
                                       plan.query_start_loc, plan.scale, k_scale, v_scale, out=out)
     if plan.reference:

@@ -13,6 +13,7 @@ torch (CPU or CUDA) and :func:`joined_query` the values they hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -29,10 +30,13 @@ class SplitQuery:
     data: uint8 ``[tokens, q_heads, 2 * head_dim]``, each row's e4m3 terms in the kernel's order
     down: float32 ``[kv_heads, tokens, q_heads // kv_heads]``, each row's factor ``2^-f`` (row
           ``(token, head)`` at ``[head // G, token, head % G]``)
+    rows: the bf16 queries themselves where some rows are read as such (a mixed step's one-token
+          rows, by decode attention: ``rope_split_query(keep=...)`` rotates those in place), or None
     """
 
     data: torch.Tensor
     down: torch.Tensor
+    rows: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> tuple[int, int, int]:

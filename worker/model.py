@@ -197,8 +197,8 @@ class Decoder:
             # into one buffer every layer reuses (each layer's attention reads it before the next writes).
             split = SplitQuery.empty(n, self.q_heads, self.cfg.head_dim, self.kv_heads, self.device)
 
-            def rope(q, k, cos, sin):
-                return ops.rope_split_query(q, k, cos, sin, self.kv_heads, out=split)
+            def rope(q, k, cos, sin):   # (a mixed step's one-token rows rotated in place too, keep_rows)
+                return ops.rope_split_query(q, k, cos, sin, self.kv_heads, out=split, keep=prefill_plan.keep_rows)
 
         hidden = self._run_layers(tokens, positions, self._paged_attend(layer_cache, slots, timer, attention), rope)
         return self.logits(hidden.index_select(0, query_starts[1:].long() - 1))

@@ -752,9 +752,10 @@ void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
 }
 
 // q rotated (cos/sin given) and split into q_split / q_down (split_query.cuh) for the fp8 prefill
-// kernel, q left as it is; k (if given) rotated in place. bf16, head_dim 64 or 128.
+// kernel, q left as it is but at the tokens `keep` marks (rotated in place there too); k (if given)
+// rotated in place. bf16, head_dim 64 or 128.
 void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> cos, c10::optional<Tensor> sin,
-                      Tensor q_split, Tensor q_down) {
+                      Tensor q_split, Tensor q_down, c10::optional<Tensor> keep) {
   const torch::Device device = q.device();
   const c10::cuda::CUDAGuard guard(device);
   check_heads(q, "q", device, torch::kBFloat16);
@@ -819,6 +820,15 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
   s.split_stride_head = q_split.stride(1);
   s.down_stride = q_down.stride(0);
   s.group = static_cast<int>(group);
+  if (keep.has_value()) {
+    check_cuda(*keep, "keep", device);
+    KV_CHECK(cos.has_value(), "keep marks tokens whose q is rotated in place: give cos and sin with it");
+    KV_CHECK(keep->scalar_type() == torch::kInt32 && keep->dim() == 1 && keep->size(0) == tokens &&
+                 keep->is_contiguous(),
+             "keep must be a contiguous int32 [", tokens, "] tensor, got ", keep->scalar_type(), " ",
+             dims(keep->sizes()));
+    s.keep = keep->data_ptr<int32_t>();
+  }
   if (tokens == 0) return;
   check_launch(kvpager::launch_rope_split_query(s, at::cuda::getCurrentCUDAStream()), "rope_split_query");
 }
@@ -909,7 +919,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin"));
   m.def("rope_split_query", &rope_split_query,
         "q rotated (cos/sin given) and split for the fp8 prefill kernel into q_split and q_down; k rotated in place",
-        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("q_split"), py::arg("q_down"));
+        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("q_split"), py::arg("q_down"),
+        py::arg("keep") = py::none());
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("out"),
         py::arg("gate_up"));
   bind_decode_stage(m);

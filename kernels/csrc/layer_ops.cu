@@ -136,8 +136,9 @@ __device__ __forceinline__ uint2 rotated_bf16x4(const __nv_bfloat16* x, const __
 }
 
 // One thread block per token. q: a group of D / 8 consecutive threads per row (a head of q), each
-// writing one 16-byte chunk of the split row (split_query_chunk's inverse gives its columns), the
-// row's largest |q| shared by shuffles within the group; then k's pairs rotated in place.
+// writing one 16-byte chunk of the split row (split_query_chunk's inverse gives its columns; a kept
+// token's rotated values in place too), the row's largest |q| shared by shuffles within the group;
+// then k's pairs rotated in place.
 template <int D>
 __global__ void rope_split_query_kernel(RopeSplitArgs s) {
   constexpr int CPR = D / 8;   // chunks of a split row: threads per row
@@ -148,11 +149,18 @@ __global__ void rope_split_query_kernel(RopeSplitArgs s) {
   const __nv_bfloat16* sin = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.sin) + t * a.cos_stride;
   const int lane = threadIdx.x & 31;
   const unsigned group = CPR == 32 ? 0xffffffffu : ((1u << CPR) - 1u) << (lane & ~(CPR - 1));
+  const bool keep_q = a.cos != nullptr && s.keep != nullptr && s.keep[t] != 0;   // block-uniform
   for (int idx = threadIdx.x; idx < a.q_heads * CPR; idx += blockDim.x) {
     const int h = idx / CPR, chunk = idx % CPR;
     const int kk = (chunk >> 3) * 2 + (chunk & 1), t4 = (chunk & 7) >> 1, c = kk * 32 + 4 * t4;
-    const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
+    __nv_bfloat16* x = static_cast<__nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
     const uint2 first = rotated_bf16x4<D>(x, cos, sin, c), second = rotated_bf16x4<D>(x, cos, sin, c + 16);
+    if (keep_q) {
+      // The row's other threads have read their partner columns (the row's threads share a warp).
+      __syncwarp(group);
+      *reinterpret_cast<uint2*>(x + c) = first;
+      *reinterpret_cast<uint2*>(x + c + 16) = second;
+    }
     const uint32_t w[4] = {first.x, first.y, second.x, second.y};
     uint32_t m = 0;
 #pragma unroll

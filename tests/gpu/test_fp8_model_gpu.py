@@ -1,7 +1,8 @@
 """The model over an fp8 e4m3 KV cache on the GPU (our CUDA write_kv quantizing, our prefill kernel
 over the pages, on Hopper over a bf16 query RoPE wrote split, our fp8 decode kernel) against the
 same model over a contiguous cache holding the same quantized-then-dequantized K/V: a prefill step
-of ragged prompts in shuffled blocks, then two decode steps, logits compared by relative error."""
+of ragged prompts in shuffled blocks, a mixed step (a 3-token chunk beside one-token rows), then a
+decode step, logits compared by relative error."""
 
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype, m
                         slot_mapping=slots, query_lens=[len(t) for t in step_tokens], context_lens=list(lens),
                         block_tables=[b for t in tables for b in t], max_blocks=4)
         paged = model.forward_paged(inp, cache.layer)
-        # The prefill step's layers rotate q into a split query where the kernel reads one; decode
-        # steps never do.
-        assert len(split_calls) == (cfg.num_layers if split_expected else 0), (step, split_calls)
+        # The prefill step's and the mixed step's layers rotate q into a split query where the kernel
+        # reads one (the mixed step's one-token rows rotated in place too); the decode step never does.
+        assert len(split_calls) == (cfg.num_layers * min(step + 1, 2) if split_expected else 0), (step, split_calls)
         for i, toks in enumerate(step_tokens):
             contiguous = model.forward_contiguous(toks, lens[i] - len(toks), past[i])
             err = rel_err(paged[i], contiguous)
             assert err < 2e-2, (step, i, err)
         step_tokens = [[int(paged[i].argmax())] for i in range(len(prompts))]      # decode steps next
+        if step == 0:   # a mixed step next: a chunk of 3 tokens for the first sequence, one for the others
+            step_tokens[0] += [7, 11]

@@ -101,6 +101,42 @@ def test_prefill_over_a_split_query_equals_the_kernels_own_split(group, block_si
     _assert_each_sequence(got.cpu(), ref, starts, cases, TOL[torch.bfloat16])
 
 
+def test_a_mixed_step_over_a_split_query_equals_the_plain_one():
+    """A step with one-token rows (decode attention reads them as bf16): RoPE writes q split and
+    rotates the kept tokens' rows in place too (plan.keep_rows); the step's attention equals the
+    plain path's (rope in place, the kernel splitting), bit for bit; k equals rope's; q is left as
+    it was at every other token; a split query without its bf16 rows is refused."""
+    from kvpager.kernels import ops, prefill
+
+    gen = seeded("mixed split query")
+    cases = [(300, 300), (77, 1), (500, 120), (40, 1), (129, 128), (16, 1)]
+    paged, queries, starts = _fp8_case(gen, 16, 128, 4, cases)
+    _needs_split_kernel(paged.kv_cache[:, LAYER, 0])
+    kv = paged.kv_cache.to(DEV)
+    k8, v8 = kv[:, LAYER, 0], kv[:, LAYER, 1]
+    query = torch.cat(queries).to(DEV)
+    tokens = query.shape[0]
+    k_new = torch.randn(tokens, NUM_KV_HEADS, 128, generator=gen).to(torch.bfloat16).to(DEV)
+    angles = torch.rand(tokens, 64, generator=gen) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    plan = prefill.plan(query, k8, paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV),
+                        128 ** -0.5, host_lengths=(starts.tolist(), paged.context_lens.tolist()))
+    assert plan.split_query and plan.keep_rows is not None and int(plan.keep_rows.sum()) == 3
+    q_plain, k_plain = ops.rope(query.clone(), k_new.clone(), cos, sin)
+    want = prefill.run(plan, q_plain, k8, v8, *FP8_SCALES)
+    q_split, k_split = query.clone(), k_new.clone()
+    split, _ = ops.rope_split_query(q_split, k_split, cos, sin, NUM_KV_HEADS, keep=plan.keep_rows)
+    got = prefill.run(plan, split, k8, v8, *FP8_SCALES)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert torch.equal(k_split, k_plain)
+    kept = plan.keep_rows.bool()
+    assert torch.equal(q_split[kept], q_plain[kept]) and torch.equal(q_split[~kept], query[~kept])
+    with pytest.raises(ValueError, match="one-token rows attend over bf16 queries"):
+        prefill.run(plan, SplitQuery(split.data, split.down), k8, v8, *FP8_SCALES)
+
+
 def test_split_query_refused_where_no_kernel_reads_it():
     """A split query over a bf16 cache, on a plan without the wgmma instance, or with factors of
     the wrong shape: ValueError naming what is wrong, nothing launched."""
