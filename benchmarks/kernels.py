@@ -1406,6 +1406,30 @@ def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> 
           f"{min(a / b for a, b in rope_turns):.2f}-{max(a / b for a, b in rope_turns):.2f}")
 
 
+def bench_rope(ceiling: float) -> None:
+    """RoPE over q and k (32 q and 8 KV heads, d128, bf16, rows of a fused qkv projection): in place
+    (cuda.rope) and with q written split (cuda.rope_split_query), kernel times (median of 15, L2
+    flushed), and the bytes each moves over the copy ceiling (q and k read and written, cos and sin
+    read; the split one writes q's split bytes and factors instead of q)."""
+    print(f"\nrope (bf16, {HQ}q/{HKV}kv, d{D}; q and k views of a fused qkv; kernel time, L2 flushed):")
+    print(f"{'tokens':>7} {'in place us':>11} {'% ceiling':>9} {'q split us':>10} {'% ceiling':>9}")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for tokens in (256, 4096, 16384):
+        qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, dtype=DTYPE, device="cuda", generator=gen)
+        q = qkv[:, :HQ * D].view(tokens, HQ, D)
+        k = qkv[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D)
+        angles = torch.rand(tokens, D // 2, device="cuda", generator=gen) * 100
+        cos = torch.cat([angles.cos()] * 2, -1).to(DTYPE)
+        sin = torch.cat([angles.sin()] * 2, -1).to(DTYPE)
+        split = cuda.split_query(q, HKV)
+        t_place = kernel_time(lambda: cuda.rope(q, k, cos, sin))
+        t_split = kernel_time(lambda: cuda.rope_split_query(q, k, cos, sin, HKV, out=split))
+        moved = 2 * tokens * (HQ + HKV) * D * 2 + 2 * tokens * D * 2   # read + write q and k, read cos and sin
+        split_moved = moved + tokens * HQ * 4                          # plus the row factors
+        print(f"{tokens:7d} {t_place * 1e6:11.1f} {moved / t_place / ceiling * 100:8.1f}% "
+              f"{t_split * 1e6:10.1f} {split_moved / t_split / ceiling * 100:8.1f}%")
+
+
 def smoke() -> None:
     """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
     fp8 decode on tensor cores and FMAs, grid and work list, write_kv, copy_blocks, swaps in every
@@ -1511,7 +1535,8 @@ def main() -> None:
              ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
-             ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel), ("prefill_fp8", bench_prefill_fp8)]
+             ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel), ("prefill_fp8", bench_prefill_fp8),
+             ("rope", lambda: bench_rope(ceiling))]
     for name, fn in steps:
         if name in parts:
             try:

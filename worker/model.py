@@ -70,6 +70,13 @@ def feed_tokens(tokens: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor
 
 
 class Decoder:
+    # Prefill over fp8 caches on Hopper: RoPE writes q split for the attention kernel
+    # (ops.rope_split_query) instead of rotating it in place, where the step's plan takes it. Off:
+    # measured on the H100 (docs/performance.md, "A query split before the kernel"), the split
+    # writer takes 175 us for 16K tokens against 136 us for RoPE in place (four pairs a thread),
+    # more than the 21 us the kernel saves not splitting q itself (32 x 512 prompts).
+    write_split_query = False
+
     def __init__(self, cfg: ModelConfig, rank: int = 0, tp_size: int = 1, device: torch.device | str = "cpu",
                  group: Optional["torch.distributed.ProcessGroup"] = None) -> None:
         """Rank ``rank`` of ``tp_size``'s shard of ``cfg``'s model on ``device``. With
@@ -192,7 +199,7 @@ class Decoder:
             return ops.paged_prefill_run(prefill_plan, q, k_cache, v_cache, k_scale, v_scale)
 
         rope = None
-        if prefill_plan.split_query:
+        if prefill_plan.split_query and self.write_split_query:
             # bf16 over an fp8 cache on Hopper: RoPE writes q split for the kernel (kernels/split_query.py),
             # into one buffer every layer reuses (each layer's attention reads it before the next writes).
             split = SplitQuery.empty(n, self.q_heads, self.cfg.head_dim, self.kv_heads, self.device)

@@ -718,6 +718,14 @@ void check_heads(const Tensor& t, const char* what, const torch::Device& device,
            dims(t.strides()));
 }
 
+// Whether every row (the last dim) of t starts at a multiple of `bytes`: its pointer and its other
+// dims' strides.
+bool rows_aligned(const Tensor& t, int64_t bytes) {
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.stride(d) * t.element_size()) % bytes == 0;
+  return ok;
+}
+
 void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   const torch::Device device = q.device();
   const c10::cuda::CUDAGuard guard(device);
@@ -747,6 +755,9 @@ void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
   a.q_heads = static_cast<int>(q.size(1));
   a.k_heads = static_cast<int>(k.size(1));
   a.head_dim = static_cast<int>(head_dim);
+  const int64_t quad = 4 * q.element_size();   // four elements a thread where every row allows it
+  a.quads = (head_dim / 2) % 4 == 0 && rows_aligned(q, quad) && rows_aligned(k, quad) && rows_aligned(cos, quad) &&
+            rows_aligned(sin, quad);
   if (tokens == 0) return;
   check_launch(kvpager::launch_rope(to_dtype(q, "q"), a, at::cuda::getCurrentCUDAStream()), "rope");
 }
@@ -764,12 +775,7 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
   KV_CHECK(cos.has_value() == sin.has_value(), "give cos and sin together, or neither");
   KV_CHECK(!k.has_value() || cos.has_value(), "k is rotated by cos and sin: give them with it");
   // 8-byte loads of 4 values: rows (and cos/sin rows) at 8-byte aligned addresses.
-  const auto aligned = [](const Tensor& t, int64_t bytes) {
-    bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
-    for (int64_t d = 0; d + 1 < t.dim(); ++d) ok = ok && (t.stride(d) * t.element_size()) % bytes == 0;
-    return ok;
-  };
-  KV_CHECK(aligned(q, 8), "q's rows must start at 8-byte aligned addresses, got strides ", dims(q.strides()));
+  KV_CHECK(rows_aligned(q, 8), "q's rows must start at 8-byte aligned addresses, got strides ", dims(q.strides()));
   kvpager::RopeSplitArgs s{};
   kvpager::RopeArgs& a = s.rope;
   a.q = q.data_ptr();
@@ -793,7 +799,7 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
     KV_CHECK(cos->size(0) == tokens && cos->size(1) == head_dim && sin->sizes() == cos->sizes() &&
              sin->stride(0) == cos->stride(0), "cos and sin must be [", tokens, ", ", head_dim,
              "] with equal strides, got ", dims(cos->sizes()), " and ", dims(sin->sizes()));
-    KV_CHECK(aligned(*cos, 8) && aligned(*sin, 8), "cos and sin rows must start at 8-byte aligned addresses");
+    KV_CHECK(rows_aligned(*cos, 8) && rows_aligned(*sin, 8), "cos and sin rows must start at 8-byte aligned addresses");
     a.cos = cos->data_ptr();
     a.sin = sin->data_ptr();
     a.cos_stride = cos->stride(0);
@@ -801,7 +807,7 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
   check_cuda(q_split, "q_split", device);
   KV_CHECK(q_split.scalar_type() == torch::kUInt8 && q_split.dim() == 3 && q_split.size(0) == tokens &&
                q_split.size(1) == q_heads && q_split.size(2) == 2 * head_dim && q_split.stride(2) == 1 &&
-               aligned(q_split, 16),
+               rows_aligned(q_split, 16),
            "q_split must be uint8 [", tokens, ", ", q_heads, ", ", 2 * head_dim,
            "], its rows contiguous and 16-byte aligned, got ", q_split.scalar_type(), " ", dims(q_split.sizes()),
            " strides ", dims(q_split.strides()));

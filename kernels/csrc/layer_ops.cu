@@ -103,9 +103,47 @@ __device__ __forceinline__ void rope_pairs(const RopeArgs& a, int first_head) {
   }
 }
 
+// Four consecutive elements, as one aligned access.
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[4];
+};
+
+// rope_pairs with a thread per four consecutive pairs (RopeArgs::quads): pairs i .. i + 3 and
+// their partners i + half .. i + half + 3, each loaded and stored as one access.
+template <typename T>
+__device__ __forceinline__ void rope_quads(const RopeArgs& a, int first_head) {
+  using E = Elem<T>;
+  const int64_t t = blockIdx.x;
+  const int half = a.head_dim / 2, quads = half / 4;
+  const T* cos = static_cast<const T*>(a.cos) + t * a.cos_stride;
+  const T* sin = static_cast<const T*>(a.sin) + t * a.cos_stride;
+  for (int idx = threadIdx.x + first_head * quads; idx < (a.q_heads + a.k_heads) * quads; idx += blockDim.x) {
+    const int h = idx / quads, i = (idx % quads) * 4;
+    T* x = h < a.q_heads ? static_cast<T*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head
+                         : static_cast<T*>(a.k) + t * a.k_stride_tok + (h - a.q_heads) * a.k_stride_head;
+    const Quad<T> x1 = *reinterpret_cast<const Quad<T>*>(x + i), x2 = *reinterpret_cast<const Quad<T>*>(x + i + half);
+    const Quad<T> c1 = *reinterpret_cast<const Quad<T>*>(cos + i), s1 = *reinterpret_cast<const Quad<T>*>(sin + i);
+    const Quad<T> c2 = *reinterpret_cast<const Quad<T>*>(cos + i + half);
+    const Quad<T> s2 = *reinterpret_cast<const Quad<T>*>(sin + i + half);
+    Quad<T> lo, hi;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float v1 = E::load(x1.v[j]), v2 = E::load(x2.v[j]);
+      lo.v[j] = E::store(rotated<T>(v1, v2, E::load(c1.v[j]), E::load(s1.v[j]), true));
+      hi.v[j] = E::store(rotated<T>(v2, v1, E::load(c2.v[j]), E::load(s2.v[j]), false));
+    }
+    *reinterpret_cast<Quad<T>*>(x + i) = lo;
+    *reinterpret_cast<Quad<T>*>(x + i + half) = hi;
+  }
+}
+
 template <typename T>
 __global__ void rope_kernel(RopeArgs a) {
-  rope_pairs<T>(a, 0);
+  if (a.quads)
+    rope_quads<T>(a, 0);
+  else
+    rope_pairs<T>(a, 0);
 }
 
 // Four consecutive bf16 values at p (8-byte aligned) as two words, the first value lowest.
@@ -177,6 +215,8 @@ __global__ void rope_split_query_kernel(RopeSplitArgs s) {
         make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
     if (chunk == 0) s.q_down[(h / s.group) * s.down_stride + t * s.group + h % s.group] = split_query_pow2(-f);
   }
+  // (A pair a thread: with rope_quads here too the kernel took more registers and 17% more time,
+  // H100, .gpu/run101.sh.)
   if (a.cos != nullptr) rope_pairs<__nv_bfloat16>(a, a.q_heads);
 }
 
@@ -227,8 +267,9 @@ cudaError_t launch_add_rms_norm(DType dtype, const RMSNormArgs& a, cudaStream_t 
 cudaError_t launch_rope(DType dtype, const RopeArgs& a, cudaStream_t stream) {
   if (a.tokens <= 0) return cudaSuccess;
   if (a.head_dim <= 0 || a.head_dim % 2) return cudaErrorInvalidValue;
-  const int pairs = (a.q_heads + a.k_heads) * (a.head_dim / 2);
-  const int threads = pairs >= 512 ? 512 : ((pairs + 31) / 32) * 32;
+  if (a.quads && (a.head_dim / 2) % 4 != 0) return cudaErrorInvalidValue;
+  const int work = (a.q_heads + a.k_heads) * (a.head_dim / 2) / (a.quads ? 4 : 1);   // threads' items
+  const int threads = work >= 512 ? 512 : ((work + 31) / 32) * 32;
   return launch_typed<RopeLaunch>(dtype, dim3(a.tokens), dim3(threads), a, stream);
 }
 

@@ -37,6 +37,10 @@ struct RopeArgs {
   const void* sin;
   int64_t q_stride_tok, q_stride_head, k_stride_tok, k_stride_head, cos_stride;
   int tokens, q_heads, k_heads, head_dim;
+  // 1: four pairs a thread, by loads and stores of 4 elements: every row of q, k, cos and sin
+  // starts at an address aligned to 4 elements and head_dim / 2 is a multiple of 4 (the caller
+  // checks); 0: a pair a thread, any alignment. The same arithmetic either way.
+  int quads;
 };
 cudaError_t launch_rope(DType dtype, const RopeArgs& args, cudaStream_t stream);
 

@@ -67,6 +67,23 @@ def test_rope_on_views_of_a_fused_qkv(dtype, tokens, hq, hk, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset,d", [(1, 64), (0, 6), (2, 128)])
+def test_rope_on_rows_four_elements_do_not_align(dtype, offset, d):
+    """Rows that start off a 4-element boundary (a view `offset` elements into its storage) or a
+    head_dim whose half is not a multiple of 4: a pair a thread instead of four, the same values."""
+    g = torch.Generator(device="cuda").manual_seed(offset * 1000 + d)
+    tokens, hq, hk = 9, 4, 2
+    flat = torch.randn(tokens, offset + (hq + hk) * d, device="cuda", generator=g).to(dtype)[:, offset:]
+    q, k = flat[:, :hq * d].view(tokens, hq, d), flat[:, hq * d:].view(tokens, hk, d)
+    angles = torch.rand(tokens, d // 2, device="cuda", generator=g).double() * 1000
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = layer_reference.rope(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = cuda.rope(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 8192), (45, 1000), (513, 256), (0, 64)])
 def test_silu_and_mul(dtype, rows, width):
     g = torch.Generator(device="cuda").manual_seed(rows + width)
