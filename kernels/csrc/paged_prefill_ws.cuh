@@ -120,7 +120,7 @@ __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&q
 // on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. Over fp8 caches
 // with bf16 queries (ws_fp8_narrow: the query split ahead, K as e4m3) rounded up to 64 positions;
 // every narrower arrangement tried there left ptxas short of registers (the wgmmas serialized,
-// C7511). fp16 queries over fp8 keep whole last tiles (the same).
+// C7511). fp16 queries over fp8 keep whole last tiles.
 template <typename T, typename C>
 __device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
   if (KVPAGER_PREFILL_WS_NARROW == 0 || (sizeof(C) == 1 && !ws_fp8_narrow<T, C>)) return kWsBN / 8;
