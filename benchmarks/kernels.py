@@ -1373,6 +1373,12 @@ def bench_prefill_fp8() -> None:
         torch.cuda.empty_cache()
 
 
+def rope_tables(tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[tokens, dim]`` (rotate-half layout) of random angles, for RoPE timings."""
+    angles = torch.rand(tokens, dim // 2, device="cuda", generator=gen) * 100
+    return torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+
+
 def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> None:
     """fp8 prefill over the query split before the kernel (cuda.split_query: what the op that
     writes Q, rope_split_query, hands it) against the kernel splitting the bf16 query itself and
@@ -1394,9 +1400,7 @@ def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> 
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = case.query.clone()
     k = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
-    angles = torch.rand(tokens, D // 2, device="cuda", generator=gen) * 100
-    cos = torch.cat([angles.cos()] * 2, -1).to(DTYPE)
-    sin = torch.cat([angles.sin()] * 2, -1).to(DTYPE)
+    cos, sin = rope_tables(tokens, D, DTYPE, gen)
     in_place = lambda: cuda.rope(q, k, cos, sin)  # noqa: E731
     written_split = lambda: cuda.rope_split_query(q, k, cos, sin, HKV, out=split)  # noqa: E731
     rope_turns = [(kernel_time(written_split), kernel_time(in_place)) for _ in range(3)]
@@ -1418,9 +1422,7 @@ def bench_rope(ceiling: float) -> None:
         qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, dtype=DTYPE, device="cuda", generator=gen)
         q = qkv[:, :HQ * D].view(tokens, HQ, D)
         k = qkv[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D)
-        angles = torch.rand(tokens, D // 2, device="cuda", generator=gen) * 100
-        cos = torch.cat([angles.cos()] * 2, -1).to(DTYPE)
-        sin = torch.cat([angles.sin()] * 2, -1).to(DTYPE)
+        cos, sin = rope_tables(tokens, D, DTYPE, gen)
         split = cuda.split_query(q, HKV)
         t_place = kernel_time(lambda: cuda.rope(q, k, cos, sin))
         t_split = kernel_time(lambda: cuda.rope_split_query(q, k, cos, sin, HKV, out=split))
@@ -1490,8 +1492,7 @@ def smoke() -> None:
                                               0.5, 0.25, warps=warps, wgmma=wg)
         if cuda.supports_split_query(q, cache8[:, 1, 0]):   # bf16 over fp8 on Hopper: the query split before
             k_new = torch.randn(171, 2, d, dtype=dtype, device="cuda", generator=gen)
-            angles = torch.rand(171, d // 2, device="cuda", generator=gen)
-            cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+            cos, sin = rope_tables(171, d, dtype, gen)
             split = cuda.rope_split_query(q, k_new, cos, sin, 2)
             debug.paged_prefill_attention(split, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
                                           0.5, 0.25, warps=8, wgmma=True)

@@ -219,24 +219,15 @@ def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tens
     layout), fp8 scales. Returns [num_tokens, num_q_heads, head_dim] in query's dtype (bf16 for a
     split query). No planning: shape checks, then the decode rows' run, the kernel's launch or each
     group's gather + SDPA."""
-    if isinstance(query, SplitQuery):
+    split = isinstance(query, SplitQuery)
+    if split:
         if not plan.split_query:
             raise ValueError("this step's prefill plan does not take a split query (it needs Hopper's kernel "
-                             "for every row, bf16 over an fp8 cache: PrefillPlan.split_query)")
-        if tuple(query.shape) != plan.query_shape:
-            raise ValueError(f"split query {tuple(query.shape)} does not match the plan's {plan.query_shape}")
-        from . import cuda
-        out = torch.empty(plan.query_shape, dtype=torch.bfloat16, device=query.device)
-        d = plan.decodes
-        if d is not None:
-            if query.rows is None:
-                raise ValueError("this step's one-token rows attend over bf16 queries: split it with its rows kept "
-                                 "(rope_split_query(..., keep=plan.keep_rows))")
-            out[d.rows] = d.decode(query.rows[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, plan.scale,
-                                   k_scale=k_scale, v_scale=v_scale)
-        return cuda.paged_prefill_run(plan.kernel, query, k_cache, v_cache, plan.block_tables, plan.context_lens,
-                                      plan.query_start_loc, plan.scale, k_scale, v_scale, out=out)
-    if plan.reference:
+                             "for every multi-token row, bf16 over an fp8 cache: PrefillPlan.split_query)")
+        if plan.decodes is not None and query.rows is None:
+            raise ValueError("this step's one-token rows attend over bf16 queries: split it with its rows kept "
+                             "(rope_split_query(..., keep=plan.keep_rows))")
+    elif plan.reference:
         return reference.paged_prefill_attention(query, k_cache, v_cache, plan.block_tables, plan.context_lens,
                                                  plan.query_start_loc, plan.scale, k_scale, v_scale)
     if tuple(query.shape) != plan.query_shape or tuple(k_cache.shape[1:]) != plan.cache_shape \
@@ -244,10 +235,11 @@ def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tens
         raise ValueError(f"query {tuple(query.shape)} and caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
                          f"do not match the plan's [{plan.query_shape}] over [*, {plan.cache_shape}]")
     reference._check_scales(k_cache, k_scale, v_scale)
-    out = torch.empty_like(query)
+    rows = query.rows if split else query   # what one-token rows attend with (bf16 for a split query)
+    out = torch.empty(plan.query_shape, dtype=torch.bfloat16 if split else query.dtype, device=query.device)
     d = plan.decodes
     if d is not None:
-        out[d.rows] = d.decode(query[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, plan.scale,
+        out[d.rows] = d.decode(rows[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, plan.scale,
                                k_scale=k_scale, v_scale=v_scale)
     if plan.kernel is not None:
         from . import cuda

@@ -13,6 +13,7 @@ torch (CPU or CUDA) and :func:`joined_query` the values they hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -67,6 +68,7 @@ def split_query_chunk(kk: int, t4: int) -> int:
     return (kk >> 1) * 8 + 2 * t4 + (kk & 1)
 
 
+@lru_cache(maxsize=None)
 def _byte_order(head_dim: int) -> torch.Tensor:
     """Index into ``cat(hi bytes, lo bytes)`` (2 * head_dim) of each byte of a split row."""
     order = torch.empty(2 * head_dim, dtype=torch.long)

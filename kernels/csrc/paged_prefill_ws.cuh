@@ -88,9 +88,10 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 8][4], const uint32_t (&
 // S = Q K^T over a raw fp8 K tile (ws_raw_k), issued: per k-step of 32 columns, the query's two
 // e4m3 terms (WsQuerySplit) against the same K columns. At twice fp16's rate on the tensor cores,
 // the two GEMMs take the time of one fp16 GEMM over the converted tile. Over the first NB column
-// groups: 16 (the whole tile), or 8 (ws_fp8_narrow's last tiles). split (KVPAGER_PREFILL_WS_Q_AHEAD=0): the item's first
-// tile, whose query is still unsplit (WsQuerySplit::load): each k-step is split just before its
-// GEMMs are issued, under the previous k-step's.
+// groups: 16 (the whole tile), or 8 (ws_fp8_narrow's last tiles). split
+// (KVPAGER_PREFILL_WS_Q_AHEAD=0): the item's first tile, whose query is still unsplit
+// (WsQuerySplit::load): each k-step is split just before its GEMMs are issued, under the previous
+// k-step's.
 template <typename T, int D, int BN, int NB>
 __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&qa)[D / 16][4], uint32_t k_tile,
                                              bool split, float2 up) {
@@ -266,7 +267,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
       fence_regs(qa);
       wgmma_fence();
       if constexpr (ws_raw_k<T, C>)
-        issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), !kAhead && j == 0, q_up);   // NB: the whole tile
+        issue_s_e4m3<T, D, BN, NB>(s, qa, sm.k_tile(cur.stage), !kAhead && j == 0, q_up);
       else
         issue_s<MT, D, BN, NB>(s, qa, sm.k_tile(cur.stage));
       wgmma_commit();

@@ -27,6 +27,13 @@ def _needs_split_kernel(k_cache_like: torch.Tensor) -> None:
         pytest.skip("a split query is read by Hopper's warp-specialized prefill kernel (sm_90a) alone")
 
 
+def _rope_tables(gen, tokens, head_dim):
+    """bf16 cos and sin [tokens, head_dim] (rotate-half layout) of random angles, on the device."""
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 1000
+    return (torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16).to(DEV),
+            torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16).to(DEV))
+
+
 def _spread_queries(gen, tokens, heads, head_dim):
     """bf16 rows of every magnitude (1e-30 to 1e30 by row), some all zero, some with zeros and
     values far under their row's largest."""
@@ -61,9 +68,7 @@ def test_rope_split_query_equals_rope_then_split(head_dim):
     tokens, q_heads, kv_heads = 45, 4 * NUM_KV_HEADS, NUM_KV_HEADS
     q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
-    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 1000
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    cos, sin = _rope_tables(gen, tokens, head_dim)
     q_rot, k_rot = cuda.rope(q.clone(), k.clone(), cos, sin)
     q_before = q.clone()
     got = cuda.rope_split_query(q, k, cos, sin, kv_heads)
@@ -117,9 +122,7 @@ def test_a_mixed_step_over_a_split_query_equals_the_plain_one():
     query = torch.cat(queries).to(DEV)
     tokens = query.shape[0]
     k_new = torch.randn(tokens, NUM_KV_HEADS, 128, generator=gen).to(torch.bfloat16).to(DEV)
-    angles = torch.rand(tokens, 64, generator=gen) * 100
-    cos = torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
-    sin = torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16).to(DEV)
+    cos, sin = _rope_tables(gen, tokens, 128)
     plan = prefill.plan(query, k8, paged.block_tables.to(DEV), paged.context_lens.to(DEV), starts.to(DEV),
                         128 ** -0.5, host_lengths=(starts.tolist(), paged.context_lens.tolist()))
     assert plan.split_query and plan.keep_rows is not None and int(plan.keep_rows.sum()) == 3
