@@ -1408,6 +1408,13 @@ def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> 
     print(f"{'':34} rope (ms): q written split {min(rs) * 1e3:.4f}-{max(rs) * 1e3:.4f}, in place "
           f"{min(rp) * 1e3:.4f}-{max(rp) * 1e3:.4f}; split / in place "
           f"{min(a / b for a, b in rope_turns):.2f}-{max(a / b for a, b in rope_turns):.2f}")
+    # What the model's layer pays beyond SDPA's RoPE in place: the kernel over the split query plus
+    # what writing it split adds to RoPE, against the kernel splitting q itself after RoPE in place.
+    extra = statistics.median(rs) - statistics.median(rp)
+    sdpa = statistics.median(ksd)
+    print(f"{'':34} SDPA / (fp8 split + its RoPE's extra {extra * 1e3:+.4f}) "
+          f"{sdpa / (statistics.median(ks) + extra):.2f}; SDPA / fp8 splitting itself "
+          f"{sdpa / statistics.median(k8s):.2f}")
 
 
 def bench_rope(ceiling: float) -> None:

@@ -71,11 +71,12 @@ def feed_tokens(tokens: torch.Tensor, rows: torch.Tensor, previous: torch.Tensor
 
 class Decoder:
     # Prefill over fp8 caches on Hopper: RoPE writes q split for the attention kernel
-    # (ops.rope_split_query) instead of rotating it in place, where the step's plan takes it. Off:
-    # measured on the H100 (docs/performance.md, "A query split before the kernel"), the split
-    # writer takes 175 us for 16K tokens against 136 us for RoPE in place (four pairs a thread),
-    # more than the 21 us the kernel saves not splitting q itself (32 x 512 prompts).
-    write_split_query = False
+    # (ops.rope_split_query) instead of rotating it in place, where the step's plan takes it.
+    # Measured on the H100 (docs/performance.md, "The split writer at RoPE's cost"): writing q
+    # split takes 128 us for 16K tokens against 135 us for RoPE in place, and the kernel over it
+    # saves what splitting q itself costs (32 x 512 prompts: 0.95x SDPA end to end, from 0.83x).
+    # False: RoPE in place, the kernel splitting q (kept for A/B timing and tests).
+    write_split_query = True
 
     def __init__(self, cfg: ModelConfig, rank: int = 0, tp_size: int = 1, device: torch.device | str = "cpu",
                  group: Optional["torch.distributed.ProcessGroup"] = None) -> None:

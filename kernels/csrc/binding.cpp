@@ -792,6 +792,7 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
     a.k_stride_tok = k->stride(0);
     a.k_stride_head = k->stride(1);
     a.k_heads = static_cast<int>(k->size(1));
+    a.quads = rows_aligned(*k, 8);   // (cos and sin: 8-byte aligned rows, checked below; head_dim / 2: 32 or 64)
   }
   if (cos.has_value()) {
     check_rows(*cos, "cos", device, torch::kBFloat16);

@@ -109,32 +109,39 @@ struct alignas(4 * sizeof(T)) Quad {
   T v[4];
 };
 
-// rope_pairs with a thread per four consecutive pairs (RopeArgs::quads): pairs i .. i + 3 and
-// their partners i + half .. i + half + 3, each loaded and stored as one access.
+// Pairs i .. i + 3 of row x and their partners i + half .. i + half + 3 rotated in place, each
+// four loaded and stored as one access (cos, sin: the token's rows).
+template <typename T>
+__device__ __forceinline__ void rope_quad(T* x, const T* cos, const T* sin, int half, int i) {
+  using E = Elem<T>;
+  const Quad<T> x1 = *reinterpret_cast<const Quad<T>*>(x + i), x2 = *reinterpret_cast<const Quad<T>*>(x + i + half);
+  const Quad<T> c1 = *reinterpret_cast<const Quad<T>*>(cos + i), s1 = *reinterpret_cast<const Quad<T>*>(sin + i);
+  const Quad<T> c2 = *reinterpret_cast<const Quad<T>*>(cos + i + half);
+  const Quad<T> s2 = *reinterpret_cast<const Quad<T>*>(sin + i + half);
+  Quad<T> lo, hi;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float v1 = E::load(x1.v[j]), v2 = E::load(x2.v[j]);
+    lo.v[j] = E::store(rotated<T>(v1, v2, E::load(c1.v[j]), E::load(s1.v[j]), true));
+    hi.v[j] = E::store(rotated<T>(v2, v1, E::load(c2.v[j]), E::load(s2.v[j]), false));
+  }
+  *reinterpret_cast<Quad<T>*>(x + i) = lo;
+  *reinterpret_cast<Quad<T>*>(x + i + half) = hi;
+}
+
+// rope_pairs with a thread per four consecutive pairs (RopeArgs::quads): every row of q, k, cos
+// and sin aligned to 4 elements.
 template <typename T>
 __device__ __forceinline__ void rope_quads(const RopeArgs& a, int first_head) {
-  using E = Elem<T>;
   const int64_t t = blockIdx.x;
   const int half = a.head_dim / 2, quads = half / 4;
   const T* cos = static_cast<const T*>(a.cos) + t * a.cos_stride;
   const T* sin = static_cast<const T*>(a.sin) + t * a.cos_stride;
   for (int idx = threadIdx.x + first_head * quads; idx < (a.q_heads + a.k_heads) * quads; idx += blockDim.x) {
-    const int h = idx / quads, i = (idx % quads) * 4;
+    const int h = idx / quads;
     T* x = h < a.q_heads ? static_cast<T*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head
                          : static_cast<T*>(a.k) + t * a.k_stride_tok + (h - a.q_heads) * a.k_stride_head;
-    const Quad<T> x1 = *reinterpret_cast<const Quad<T>*>(x + i), x2 = *reinterpret_cast<const Quad<T>*>(x + i + half);
-    const Quad<T> c1 = *reinterpret_cast<const Quad<T>*>(cos + i), s1 = *reinterpret_cast<const Quad<T>*>(sin + i);
-    const Quad<T> c2 = *reinterpret_cast<const Quad<T>*>(cos + i + half);
-    const Quad<T> s2 = *reinterpret_cast<const Quad<T>*>(sin + i + half);
-    Quad<T> lo, hi;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float v1 = E::load(x1.v[j]), v2 = E::load(x2.v[j]);
-      lo.v[j] = E::store(rotated<T>(v1, v2, E::load(c1.v[j]), E::load(s1.v[j]), true));
-      hi.v[j] = E::store(rotated<T>(v2, v1, E::load(c2.v[j]), E::load(s2.v[j]), false));
-    }
-    *reinterpret_cast<Quad<T>*>(x + i) = lo;
-    *reinterpret_cast<Quad<T>*>(x + i + half) = hi;
+    rope_quad<T>(x, cos, sin, half, (idx % quads) * 4);
   }
 }
 
@@ -151,73 +158,130 @@ __device__ __forceinline__ uint2 load_bf16x4(const __nv_bfloat16* p) { return *r
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
-// Columns c .. c + 3 of row x rotated (cos/sin rows given; none: as they are), as two bf16x2 words.
+// How rope_split_query rotates k, for A/B timing: 2 (default, where rows align) four pairs a
+// thread in the same pass as q's split, a block's threads taking q's rows, then k's quads; 1 four
+// pairs a thread after q; 0 a pair a thread after q (as where rows do not align).
+#ifndef KVPAGER_ROPE_SPLIT_K
+#define KVPAGER_ROPE_SPLIT_K 2
+#endif
+
+// Four columns c .. c + 3 below half and their partners c + half .. c + half + 3 of row x rotated
+// (cos/sin rows given; none: as they are): low and high, two bf16x2 words each.
 template <int D>
-__device__ __forceinline__ uint2 rotated_bf16x4(const __nv_bfloat16* x, const __nv_bfloat16* cos,
-                                                const __nv_bfloat16* sin, int c) {
+__device__ __forceinline__ void rotated_bf16x4_pair(const __nv_bfloat16* x, const __nv_bfloat16* cos,
+                                                    const __nv_bfloat16* sin, int c, uint2& low, uint2& high) {
   constexpr int half = D / 2;
-  const uint2 own = load_bf16x4(x + c);
-  if (cos == nullptr) return own;
-  const bool low = c < half;
-  const uint2 partner = load_bf16x4(x + (low ? c + half : c - half));
-  const uint2 cs = load_bf16x4(cos + c), sn = load_bf16x4(sin + c);
-  const uint32_t in[2] = {own.x, own.y}, pw[2] = {partner.x, partner.y}, cw[2] = {cs.x, cs.y}, sw[2] = {sn.x, sn.y};
-  uint32_t out[2];
+  low = load_bf16x4(x + c);
+  high = load_bf16x4(x + c + half);
+  if (cos == nullptr) return;
+  const uint2 c1 = load_bf16x4(cos + c), s1 = load_bf16x4(sin + c);
+  const uint2 c2 = load_bf16x4(cos + c + half), s2 = load_bf16x4(sin + c + half);
+  const uint32_t x1[2] = {low.x, low.y}, x2[2] = {high.x, high.y};
+  const uint32_t cw1[2] = {c1.x, c1.y}, sw1[2] = {s1.x, s1.y}, cw2[2] = {c2.x, c2.y}, sw2[2] = {s2.x, s2.y};
+  uint32_t lo[2], hi[2];
 #pragma unroll
   for (int w = 0; w < 2; ++w) {
-    const float r0 = rotated<__nv_bfloat16>(bf16_lo(in[w]), bf16_lo(pw[w]), bf16_lo(cw[w]), bf16_lo(sw[w]), low);
-    const float r1 = rotated<__nv_bfloat16>(bf16_hi(in[w]), bf16_hi(pw[w]), bf16_hi(cw[w]), bf16_hi(sw[w]), low);
-    const __nv_bfloat162 b = __floats2bfloat162_rn(r0, r1);
-    out[w] = *reinterpret_cast<const uint32_t*>(&b);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(
+        rotated<__nv_bfloat16>(bf16_lo(x1[w]), bf16_lo(x2[w]), bf16_lo(cw1[w]), bf16_lo(sw1[w]), true),
+        rotated<__nv_bfloat16>(bf16_hi(x1[w]), bf16_hi(x2[w]), bf16_hi(cw1[w]), bf16_hi(sw1[w]), true));
+    const __nv_bfloat162 h = __floats2bfloat162_rn(
+        rotated<__nv_bfloat16>(bf16_lo(x2[w]), bf16_lo(x1[w]), bf16_lo(cw2[w]), bf16_lo(sw2[w]), false),
+        rotated<__nv_bfloat16>(bf16_hi(x2[w]), bf16_hi(x1[w]), bf16_hi(cw2[w]), bf16_hi(sw2[w]), false));
+    lo[w] = *reinterpret_cast<const uint32_t*>(&l);
+    hi[w] = *reinterpret_cast<const uint32_t*>(&h);
   }
-  return make_uint2(out[0], out[1]);
+  low = make_uint2(lo[0], lo[1]);
+  high = make_uint2(hi[0], hi[1]);
 }
 
-// One thread block per token. q: a group of D / 8 consecutive threads per row (a head of q), each
-// writing one 16-byte chunk of the split row (split_query_chunk's inverse gives its columns; a kept
-// token's rotated values in place too), the row's largest |q| shared by shuffles within the group;
-// then k's pairs rotated in place.
+// Four words (8 bf16 values: columns c .. c + 3 and c + 16 .. c + 19) split under `up` (2^f) into
+// their 16-byte chunk of a split row (split_query.cuh): hi terms, then lo terms.
+__device__ __forceinline__ uint4 split_chunk(const uint32_t (&w)[4], float up) {
+  uint32_t hi[4], lo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) split_query_pair(w[i], up, hi[i], lo[i]);
+  return make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
+}
+
+// A row of q (head h of token t) rotated and split: D / 16 consecutive threads per row, this one
+// its j-th. It rotates columns c .. c + 3 and c + 16 .. c + 19 of k-step kk (< D / 64) with their
+// partners half a row on (k-step kk + D / 64), so that it reads only its own columns, and writes
+// those two k-steps' 16-byte chunks of the split row (a kept token's rotated values in place too);
+// the row's largest |q| is shared by shuffles among the row's threads (`group`, within a warp).
 template <int D>
-__global__ void rope_split_query_kernel(RopeSplitArgs s) {
-  constexpr int CPR = D / 8;   // chunks of a split row: threads per row
-  static_assert(CPR <= 32 && (CPR & (CPR - 1)) == 0, "a row's threads share a warp");
+__device__ __forceinline__ void split_query_part(const RopeSplitArgs& s, const __nv_bfloat16* cos,
+                                                 const __nv_bfloat16* sin, int64_t t, int h, int j, bool keep_q,
+                                                 unsigned group) {
+  constexpr int TPR = D / 16, KS = D / 32;   // threads per row; k-steps of 32 columns
+  const RopeArgs& a = s.rope;
+  const int kk = j >> 2, t4 = j & 3, c = kk * 32 + 4 * t4;   // kk < KS / 2: c and c + 16 below half
+  __nv_bfloat16* x = static_cast<__nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
+  uint2 lo_a, hi_a, lo_b, hi_b;   // columns c (a) and c + 16 (b), below half (lo) and half on (hi)
+  rotated_bf16x4_pair<D>(x, cos, sin, c, lo_a, hi_a);
+  rotated_bf16x4_pair<D>(x, cos, sin, c + 16, lo_b, hi_b);
+  if (keep_q) {
+    *reinterpret_cast<uint2*>(x + c) = lo_a;
+    *reinterpret_cast<uint2*>(x + c + 16) = lo_b;
+    *reinterpret_cast<uint2*>(x + c + D / 2) = hi_a;
+    *reinterpret_cast<uint2*>(x + c + D / 2 + 16) = hi_b;
+  }
+  const uint32_t low[4] = {lo_a.x, lo_a.y, lo_b.x, lo_b.y}, high[4] = {hi_a.x, hi_a.y, hi_b.x, hi_b.y};
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m = __vmaxu2(m, __vmaxu2(low[i] & 0x7fff7fffu, high[i] & 0x7fff7fffu));
+  m = max(m & 0xffffu, m >> 16);
+#pragma unroll
+  for (int off = TPR / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(group, m, off));
+  const int f = split_query_exponent(m);
+  const float up = split_query_pow2(f);
+  unsigned char* row = static_cast<unsigned char*>(s.q_split) + t * s.split_stride_tok + h * s.split_stride_head;
+  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk, t4)) = split_chunk(low, up);
+  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk + KS / 2, t4)) = split_chunk(high, up);
+  if (j == 0) s.q_down[(h / s.group) * s.down_stride + t * s.group + h % s.group] = split_query_pow2(-f);
+}
+
+// Whether rope_split_query rotates k in the same pass as q's split (four pairs a thread).
+__host__ __device__ __forceinline__ bool rope_split_k_in_pass(const RopeArgs& a) {
+  return KVPAGER_ROPE_SPLIT_K == 2 && a.quads && a.cos != nullptr;
+}
+
+// The pass's work items of a token: head_dim / 16 threads per row of q, then (k in the pass)
+// head_dim / 8 quads per row of k.
+__host__ __device__ __forceinline__ int rope_split_pass_items(const RopeArgs& a, bool k_in_pass) {
+  return a.q_heads * (a.head_dim / 16) + (k_in_pass ? a.k_heads * (a.head_dim / 8) : 0);
+}
+
+// One thread block per token: q's rows split (split_query_part), k rotated in place, in the same
+// pass as quads (rope_quad) where rows align, else after.
+template <int D>
+__global__ void __launch_bounds__(512, 3) rope_split_query_kernel(RopeSplitArgs s) {
+  constexpr int TPR = D / 16;
+  static_assert(TPR <= 32 && (TPR & (TPR - 1)) == 0, "a row's threads share a warp");
   const RopeArgs& a = s.rope;
   const int64_t t = blockIdx.x;
   const __nv_bfloat16* cos = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.cos) + t * a.cos_stride;
   const __nv_bfloat16* sin = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.sin) + t * a.cos_stride;
   const int lane = threadIdx.x & 31;
-  const unsigned group = CPR == 32 ? 0xffffffffu : ((1u << CPR) - 1u) << (lane & ~(CPR - 1));
+  const unsigned group = TPR == 32 ? 0xffffffffu : ((1u << TPR) - 1u) << (lane & ~(TPR - 1));
   const bool keep_q = a.cos != nullptr && s.keep != nullptr && s.keep[t] != 0;   // block-uniform
-  for (int idx = threadIdx.x; idx < a.q_heads * CPR; idx += blockDim.x) {
-    const int h = idx / CPR, chunk = idx % CPR;
-    const int kk = (chunk >> 3) * 2 + (chunk & 1), t4 = (chunk & 7) >> 1, c = kk * 32 + 4 * t4;
-    __nv_bfloat16* x = static_cast<__nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
-    const uint2 first = rotated_bf16x4<D>(x, cos, sin, c), second = rotated_bf16x4<D>(x, cos, sin, c + 16);
-    if (keep_q) {
-      // The row's other threads have read their partner columns (the row's threads share a warp).
-      __syncwarp(group);
-      *reinterpret_cast<uint2*>(x + c) = first;
-      *reinterpret_cast<uint2*>(x + c + 16) = second;
+  const bool k_in_pass = rope_split_k_in_pass(a);
+  const int q_items = a.q_heads * TPR, items = rope_split_pass_items(a, k_in_pass);
+  // q_items is a multiple of TPR: a row's threads all take the q branch (their shuffles' group).
+  for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
+    if (idx < q_items) {
+      split_query_part<D>(s, cos, sin, t, idx / TPR, idx % TPR, keep_q, group);
+    } else {
+      const int kq = idx - q_items, h = kq / (D / 8);
+      rope_quad<__nv_bfloat16>(static_cast<__nv_bfloat16*>(a.k) + t * a.k_stride_tok + h * a.k_stride_head, cos, sin,
+                               D / 2, (kq % (D / 8)) * 4);
     }
-    const uint32_t w[4] = {first.x, first.y, second.x, second.y};
-    uint32_t m = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) m = __vmaxu2(m, w[i] & 0x7fff7fffu);
-    m = max(m & 0xffffu, m >> 16);
-#pragma unroll
-    for (int off = CPR / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(group, m, off));
-    const int f = split_query_exponent(m);
-    uint32_t hi[4], lo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) split_query_pair(w[i], split_query_pow2(f), hi[i], lo[i]);
-    unsigned char* row = static_cast<unsigned char*>(s.q_split) + t * s.split_stride_tok + h * s.split_stride_head;
-    *reinterpret_cast<uint4*>(row + 16 * chunk) =
-        make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
-    if (chunk == 0) s.q_down[(h / s.group) * s.down_stride + t * s.group + h % s.group] = split_query_pow2(-f);
   }
-  // (A pair a thread: with rope_quads here too the kernel took more registers and 17% more time,
-  // H100, .gpu/run101.sh.)
-  if (a.cos != nullptr) rope_pairs<__nv_bfloat16>(a, a.q_heads);
+  if (a.cos != nullptr && !k_in_pass) {
+    if (KVPAGER_ROPE_SPLIT_K == 1 && a.quads)
+      rope_quads<__nv_bfloat16>(a, a.q_heads);
+    else
+      rope_pairs<__nv_bfloat16>(a, a.q_heads);
+  }
 }
 
 // Grid (column tiles, row groups; rows strided by gridDim.y): SiLU in float32 as torch computes
@@ -278,7 +342,9 @@ cudaError_t launch_rope_split_query(const RopeSplitArgs& s, cudaStream_t stream)
   if (a.tokens <= 0) return cudaSuccess;
   if ((a.head_dim != 64 && a.head_dim != 128) || s.group < 1 || a.q_heads % s.group != 0)
     return cudaErrorInvalidValue;
-  const int work = max(a.q_heads * (a.head_dim / 8), a.k_heads * (a.head_dim / 2));
+  const bool k_in_pass = rope_split_k_in_pass(a), k_after = a.cos != nullptr && !k_in_pass;
+  const int k_after_items = k_after ? a.k_heads * (a.head_dim / 2) / (KVPAGER_ROPE_SPLIT_K == 1 && a.quads ? 4 : 1) : 0;
+  const int work = max(rope_split_pass_items(a, k_in_pass), k_after_items);
   const int threads = work >= 512 ? 512 : ((work + 31) / 32) * 32;
   if (a.head_dim == 64)
     rope_split_query_kernel<64><<<a.tokens, threads, 0, stream>>>(s);

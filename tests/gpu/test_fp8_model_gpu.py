@@ -28,7 +28,7 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype, w
                       intermediate_size=256, vocab_size=128, seed=4, dtype=dtype, kv_cache_dtype="fp8_e4m3",
                       kv_scale=0.5)
     model = Decoder(cfg, device="cuda")
-    model.write_split_query = write_split   # RoPE writing q split for the prefill kernel (off by default)
+    model.write_split_query = write_split   # RoPE writing q split for the prefill kernel (on by default)
     cache = KVCache(CacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, cfg.cache_dtype), 64, 4, "cuda")
     assert ops.backend(cache.layer(0)[0]) == "cuda"
     gen = torch.Generator().manual_seed(0)

@@ -59,15 +59,31 @@ def test_split_query_op_equals_the_reference_bit_for_bit(head_dim, group):
     assert torch.equal(joined[x.abs() >= largest * 2 ** -9], x[x.abs() >= largest * 2 ** -9])
 
 
+def _k_rows(gen, tokens, kv_heads, head_dim, layout):
+    """bf16 k [tokens, kv_heads, head_dim] on the device: contiguous, a view of a fused qkv row,
+    or at an address that is not 8-byte aligned (the writer's pair-a-thread path for k)."""
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    if layout == "contiguous":
+        return k.to(DEV)
+    pad = 3 * head_dim if layout == "fused" else 1
+    rows = torch.zeros(tokens, kv_heads * head_dim + pad, dtype=torch.bfloat16)
+    rows[:, pad:] = k.view(tokens, -1)
+    return rows.to(DEV)[:, pad:].view(tokens, kv_heads, head_dim)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope_split_query_equals_rope_then_split(head_dim):
+@pytest.mark.parametrize("kv_heads,group", [(NUM_KV_HEADS, 4), (7, 1), (3, 5)])
+@pytest.mark.parametrize("k_layout", ["contiguous", "fused", "unaligned"])
+def test_rope_split_query_equals_rope_then_split(head_dim, kv_heads, group, k_layout):
     """The rotation written split is rope's rotation (bf16, rounded as rope rounds), split; k is
-    rotated in place as rope rotates it; q is left as it was."""
+    rotated in place as rope rotates it, aligned or not; q is left as it was. (7 and 15 heads of q
+    put a row's threads and k's across a warp's middle.)"""
     _needs_split_kernel(torch.empty(1, NUM_KV_HEADS, 16, head_dim, dtype=torch.float8_e4m3fn))
-    gen = seeded("rope split", head_dim)
-    tokens, q_heads, kv_heads = 45, 4 * NUM_KV_HEADS, NUM_KV_HEADS
+    gen = seeded("rope split", head_dim, kv_heads, group, k_layout)
+    tokens, q_heads = 45, group * kv_heads
     q = torch.randn(tokens, q_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
-    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16).to(DEV)
+    k = _k_rows(gen, tokens, kv_heads, head_dim, k_layout)
+    assert (k.data_ptr() % 8 != 0) == (k_layout == "unaligned")
     cos, sin = _rope_tables(gen, tokens, head_dim)
     q_rot, k_rot = cuda.rope(q.clone(), k.clone(), cos, sin)
     q_before = q.clone()
