@@ -1327,9 +1327,10 @@ def bench_prefill_fp8() -> None:
     from kvpager.kernels.reference import FP8
 
     scale = D ** -0.5
-    print(f"\nprefill over an fp8 cache (bf16 queries, {HQ}q/{HKV}kv, d{D}, block {B}; L2 flushed; median of 15; "
+    w = "fp16" if DTYPE == torch.float16 else "bf16"   # the queries' and the 16-bit cache's dtype
+    print(f"\nprefill over an fp8 cache ({DTYPE} queries, {HQ}q/{HKV}kv, d{D}, block {B}; L2 flushed; median of 15; "
           "k_scale = v_scale = 4):")
-    print(f"{'shape':34} {'bf16 cache ms':>13} {'fp8 cache ms':>12} {'fp8 / bf16':>10} {'g+S fp8 ms':>10} "
+    print(f"{'shape':34} {w + ' cache ms':>13} {'fp8 cache ms':>12} {'fp8 / ' + w:>10} {'g+S fp8 ms':>10} "
           f"{'g+S / fp8':>9} {'fp8 err':>8}")
     for name, seqs in PREFILL_SHAPES:
         case = prefill_case(seqs, torch.Generator(device="cuda").manual_seed(len(seqs)))
@@ -1363,8 +1364,8 @@ def bench_prefill_fp8() -> None:
             turns = [(kernel_time(fp8), kernel_time(bf16), kernel_time(best[2])) for _ in range(3)]
             k8s, k16s, ksd = zip(*turns)
             print(f"{'':34} kernel time, alternately (ms): fp8 {min(k8s) * 1e3:.3f}-{max(k8s) * 1e3:.3f}, "
-                  f"bf16 {min(k16s) * 1e3:.3f}-{max(k16s) * 1e3:.3f}, {best[0]} (bf16) "
-                  f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; fp8 / bf16 "
+                  f"{w} {min(k16s) * 1e3:.3f}-{max(k16s) * 1e3:.3f}, {best[0]} ({w}) "
+                  f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; fp8 / {w} "
                   f"{min(a / b for a, b, _ in turns):.2f}-{max(a / b for a, b, _ in turns):.2f}; SDPA / fp8 "
                   f"{min(c / a for a, _, c in turns):.2f}-{max(c / a for a, _, c in turns):.2f}")
             if cuda.supports_split_query(case.query, k8):
@@ -1517,12 +1518,15 @@ def main() -> None:
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                    help="queries, caches and their SDPA comparisons (fp8 caches: the queries' dtype)")
     ap.add_argument("--flush", choices=("write", "clean"), default="write",
                     help="L2 flush before each timing: a 256 MiB write (dirty L2), or that write then a 256 MiB "
                          "read of another buffer (clean L2); see flush_l2")
     args = ap.parse_args()
-    global FLUSH_MODE
+    global FLUSH_MODE, DTYPE
     FLUSH_MODE = args.flush
+    DTYPE = getattr(torch, args.dtype)
     if args.variants:
         run_variants(args.variants, args.only or "quick", args.flush)
         return
@@ -1531,7 +1535,7 @@ def main() -> None:
     if args.smoke:
         smoke()
         return
-    print(torch.cuda.get_device_name(), torch.__version__, f"L2 flush: {FLUSH_MODE}")
+    print(torch.cuda.get_device_name(), torch.__version__, f"L2 flush: {FLUSH_MODE}, {DTYPE}")
     parts = set(filter(None, args.only.split(","))) or {"plan", "prefill_plan", "ragged", "fp8", "decode", "gqa", "copy", "swap", "write_kv", "flex",
                                                            "prefill", "prefill_kernel"}
     ceiling = copy_ceiling()
