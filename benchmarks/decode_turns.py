@@ -5,38 +5,61 @@ at its power cap and its clock follows what ran before (docs/performance.md, eig
 the decode's merge is a programmatic dependent launch, so kernels.kernel_time does not apply.
 
     python3 benchmarks/decode_turns.py
+    python3 benchmarks/decode_turns.py --mma --shapes 8x4096,1x32768,32x2048,64x4096,32x16384
+
+``--mma`` adds, in the same turns, the tensor-core instance over the bf16 cache (its work list
+planned for that instance's geometry) beside the FMA one the planner picks by default.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import kernels as bench  # benchmarks/kernels.py (this script's folder): shapes, flush and timers
 import torch
 
-SHAPES = [(8, 4096), (1, 32768), (32, 2048)]
+from kvpager.kernels import cuda, debug
+
+SHAPES = "8x4096,1x32768,32x2048"
 TURNS = 4
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma-separated")
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core instance over the bf16 cache")
+    args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
-    for batch, ctx in SHAPES:
+    for spec in args.shapes.split(","):
+        batch, ctx = (int(x) for x in spec.split("x"))
         c = bench.decode_layer(batch, ctx, gen)
-        ours, sdpa = c.decode, c.sdpa
+        runs = {"ours": c.decode, "SDPA": c.sdpa}
+        if args.mma:
+            geometry = debug.decode_work_geometry(c.q, c.k, mma=True)
+            step = bench.work_step(c.lens.tolist(), geometry)
+            mma_out = torch.empty_like(c.out)
+            scale = c.q.shape[-1] ** -0.5
+            runs["ours, tensor cores"] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale,
+                                                                       out=mma_out)
+            err = float(((runs["ours, tensor cores"]().float() - c.decode().float()).norm(dim=-1)
+                         / c.decode().float().norm(dim=-1)).max())
+            print(f"{batch} x {ctx}: tensor cores against the FMA instance, largest row error {err:.1e}")
 
         def pct(t):
             return 100 * c.nbytes / t / ceiling
 
         for mode in ("write", "clean"):
-            mine, theirs = [], []
+            times = {name: [] for name in runs}
             for _ in range(TURNS):
-                bench.warm_up(ours, 0.1)
-                mine.append(bench.timed(ours, flush=mode))
-                bench.warm_up(sdpa, 0.1)
-                theirs.append(bench.timed(sdpa, flush=mode))
-            ratios = [b / a for a, b in zip(mine, theirs)]
-            print(f"{batch} x {ctx} {mode}: ours {min(map(pct, mine)):.1f}-{max(map(pct, mine)):.1f}%, "
-                  f"SDPA {min(map(pct, theirs)):.1f}-{max(map(pct, theirs)):.1f}%, "
-                  f"SDPA time / ours {min(ratios):.3f}-{max(ratios):.3f}", flush=True)
+                for name, fn in runs.items():
+                    bench.warm_up(fn, 0.1)
+                    times[name].append(bench.timed(fn, flush=mode))
+            cells = [f"{name} {min(map(pct, t)):.1f}-{max(map(pct, t)):.1f}%" for name, t in times.items()]
+            ratios = [f"SDPA time / {name} {min(b / a for a, b in zip(t, times['SDPA'])):.3f}-"
+                      f"{max(b / a for a, b in zip(t, times['SDPA'])):.3f}"
+                      for name, t in times.items() if name != "SDPA"]
+            print(f"{batch} x {ctx} {mode}: {', '.join(cells)}; {'; '.join(ratios)}", flush=True)
         del c
         torch.cuda.empty_cache()
 

@@ -82,7 +82,7 @@ int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_m
   const bool built = decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 1);
   if (requested_mma == 0) return 0;
   if (requested_mma > 0) return built ? 1 : -1;
-  return kDecodeMmaDefault && built ? 1 : 0;
+  return (cache_dtype == kFloat8E4M3 ? kDecodeMmaDefault : kDecodeMma16Default) && built ? 1 : 0;
 }
 
 int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group, int mma) {
@@ -107,6 +107,11 @@ cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& 
   plan->mma = mma;
   plan->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
   if (plan->head_tile == 0) return cudaErrorInvalidValue;
+  // The tensor-core instance over 16-bit caches has loads 2 only.
+  if (!decode_instance_built(dtype, cache_dtype, z.head_dim, plan->head_tile, 4, mma)) {
+    if (requested_loads == 4) return cudaErrorInvalidValue;
+    requested_loads = 2;
+  }
   const int head_chunks = ceil_div(group, plan->head_tile);
   const int64_t max_ctx = static_cast<int64_t>(z.max_blocks_per_seq) * z.block_size;
   const int64_t max_partition = static_cast<int64_t>(kMaxTableEntries) * z.block_size;
@@ -162,6 +167,8 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
   g->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
   if (g->head_tile == 0) return cudaErrorInvalidValue;
   g->loads = requested_loads != 0 ? requested_loads : kWorkDefaultLoads;
+  if (!decode_instance_built(dtype, cache_dtype, z.head_dim, g->head_tile, g->loads, mma))
+    return cudaErrorInvalidValue;   // (loads 4 of the tensor-core instance over a 16-bit cache)
   if (requested_loads == 0 && cache_dtype == dtype && device_memory_bandwidth(device) >= kFourLoadsBandwidth &&
       decode_instance_built(dtype, cache_dtype, z.head_dim, g->head_tile, 4, mma))
     g->loads = 4;

@@ -30,6 +30,12 @@ constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-
 // Whether plans over fp8 e4m3 caches take the tensor-core instance (paged_decode_mma.cuh) where it
 // is built (head_dim 64/128); requested_mma overrides it (kernels/debug.py: side-by-side runs).
 constexpr bool kDecodeMmaDefault = true;
+// The same over 16-bit caches (the query's dtype, head_dim 64/128): KVPAGER_DECODE_MMA16=1 builds
+// plans that take it by default, for A/B timing against the FMA instance.
+#ifndef KVPAGER_DECODE_MMA16
+#define KVPAGER_DECODE_MMA16 0
+#endif
+constexpr bool kDecodeMma16Default = KVPAGER_DECODE_MMA16 != 0;
 
 // The launch sizes a plan is made for (the run's DecodeArgs must carry the same).
 struct DecodeSizes {

@@ -3,11 +3,12 @@
 // Instantiates the decode kernel for fp32/fp16/bf16 x head_dim 64/128/256 x head tile 1/2/4/8 x
 // 2/4 loads in flight, and the tensor-core decode kernel (paged_decode_mma.cuh) for fp16/bf16
 // queries over fp8 e4m3 caches x head_dim 64/128 x 16 or 32 tokens per warp iteration (the plan's
-// loads 2 or 4), any head tile up to 8.
+// loads 2 or 4), and over caches of their own dtype x 16 tokens (loads 2), any head tile up to 8.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cache_ops.cuh"
@@ -27,13 +28,14 @@ struct DecodeCfg {
   static constexpr auto kernel() { return paged_decode_kernel<T_, C_, D_, HT_, LOADS_>; }
 };
 
-// The tensor-core instance (fp8 e4m3 cache): CH 16-token chunks per warp iteration.
-template <typename T_, int D_, int CH_>
+// The tensor-core instance (an fp8 e4m3 cache, or a 16-bit one of the query's dtype): CH
+// 16-token chunks per warp iteration.
+template <typename T_, typename C_, int D_, int CH_>
 struct MmaCfg {
   using T = T_;
   static constexpr int MERGE_SMEM = decode_merge_smem_bytes<D_, kMmaHeads>();
   static constexpr int EXTRA_SMEM = decode_mma_q_bytes<D_>();   // the query fragments
-  static constexpr auto kernel() { return paged_decode_mma_kernel<T_, D_, CH_>; }
+  static constexpr auto kernel() { return paged_decode_mma_kernel<T_, C_, D_, CH_>; }
 };
 
 // Build-time switch of the tensor-core instances (0: not built, so never planned).
@@ -41,14 +43,27 @@ struct MmaCfg {
 #define KVPAGER_DECODE_MMA 1
 #endif
 
-template <typename T, typename F>
+// 16 tokens a warp iteration for loads 2, 32 for loads 4. Over a 16-bit cache only 16 are built:
+// 32 would double the K and V registers of a lane that already holds twice the fp8 instance's.
+template <typename T, typename C, int D, typename F>
+void dispatch_mma_chunks(int loads, F&& f) {
+  if constexpr (std::is_same_v<C, __nv_fp8_e4m3>) {
+    if (loads == 4) {
+      f(MmaCfg<T, C, D, 2>{});
+      return;
+    }
+  }
+  f(MmaCfg<T, C, D, 1>{});
+}
+
+template <typename T, typename C, typename F>
 bool dispatch_mma(int head_dim, int head_tile, int loads, F&& f) {
 #if KVPAGER_DECODE_MMA
   if (head_tile != 1 && head_tile != 2 && head_tile != 4 && head_tile != 8) return false;
-  if (loads != 2 && loads != 4) return false;
+  if (loads != 2 && (loads != 4 || !std::is_same_v<C, __nv_fp8_e4m3>)) return false;
   switch (head_dim) {
-    case 64: loads == 2 ? f(MmaCfg<T, 64, 1>{}) : f(MmaCfg<T, 64, 2>{}); return true;
-    case 128: loads == 2 ? f(MmaCfg<T, 128, 1>{}) : f(MmaCfg<T, 128, 2>{}); return true;
+    case 64: dispatch_mma_chunks<T, C, 64>(loads, f); return true;
+    case 128: dispatch_mma_chunks<T, C, 128>(loads, f); return true;
     default: return false;
   }
 #else
@@ -104,10 +119,17 @@ bool dispatch_dim(int head_dim, int head_tile, int loads, F&& f) {
 template <typename F>
 bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma, F&& f) {
   if (mma != 0) {
-    if (cache_dtype != kFloat8E4M3) return false;
+    if (cache_dtype == kFloat8E4M3) {
+      switch (dtype) {
+        case kFloat16: return dispatch_mma<__half, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
+        case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
+        default: return false;
+      }
+    }
+    if (cache_dtype != dtype) return false;
     switch (dtype) {
-      case kFloat16: return dispatch_mma<__half>(head_dim, head_tile, loads, f);
-      case kBFloat16: return dispatch_mma<__nv_bfloat16>(head_dim, head_tile, loads, f);
+      case kFloat16: return dispatch_mma<__half, __half>(head_dim, head_tile, loads, f);
+      case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_bfloat16>(head_dim, head_tile, loads, f);
       default: return false;
     }
   }

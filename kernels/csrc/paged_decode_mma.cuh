@@ -1,4 +1,5 @@
-// Paged decode attention over an fp8 (e4m3) cache on tensor cores (issue 13): the same work items,
+// Paged decode attention on tensor cores (issue 13), over an fp8 (e4m3) cache or a 16-bit one of
+// the query's dtype (C == T, below the fp8 description): the same work items,
 // DecodeArgs, grid and work-list modes and outputs as paged_decode_kernel (paged_decode.cuh), with
 // the GQA group's dot products done by mma.sync m16n8k16 (f16 inputs, fp32 accumulators) instead
 // of per-element FMAs. The FMA path converts every fp8 byte to fp32 and spends one FMA per head
@@ -40,6 +41,17 @@
 //   tiny scales, so each warp converts it with a power-of-two factor 2^e putting the tile's max
 //   |q| in [2^13, 2^14), and the scores are multiplied by 2^-e after the mma (exact).
 //
+// A 16-bit cache (C == T, f16 or bf16; mma.sync in T): the same fragments without conversions.
+// Lane (g, c)'s K slice of token g is D/4 elements (D/2 bytes); k-step s takes its words 2s and
+// 2s + 1 as b0b1 and b2b3 as they are. The query's fragments are its own 16-bit values, unscaled
+// (exact), and the scores are multiplied by scale_log2 in fp32 after the mma. V: lane (g, c)
+// reads D/8 elements (from element g * D/8) of each token row; word w of rows (t0, t1) gives, by
+// two 16-bit permutes, (t0[2w], t1[2w]) -> a0a1 and (t0[2w+1], t1[2w+1]) -> a2a3 of m-tile w,
+// whose rows g, g + 8 are dims g * D/8 + 2w, + 1: the fp8 path's dims (4 (m/2) + 2 (m%2) = 2m).
+// P goes to the mma as T pairs. Against the FMA instance it issues far fewer instructions per
+// byte (ncu, H100, 8 x 4K: the FMA kernel 27.2 M instructions and 59% of issue slots, cuDNN's
+// tensor-core decode 5.4 M and 14%).
+//
 // Loads are pipelined as in paged_decode_kernel: the next iteration's K is issued right after the
 // S mma, its V right after P V (the registers double as buffers), block slabs can be prefetched into
 // L2 a.prefetch_steps iterations ahead (0 by default for this instance, kDefaultPrefetchStepsMma:
@@ -48,6 +60,8 @@
 // memory at the end, as in decode_item.
 #pragma once
 
+#include <type_traits>
+
 #include "fp8_convert.cuh"
 #include "paged_decode.cuh"
 
@@ -55,15 +69,17 @@ namespace kvpager {
 
 constexpr int kMmaHeads = 8;   // query heads of one tensor-core tile (the N of O^T = V^T P^T)
 
-template <int D, int CH>
+template <typename C, int D, int CH>
 struct MmaShape {
   static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
+  static constexpr int ES = sizeof(C);          // bytes of a cache element: 1 (fp8) or 2
   static constexpr int TOK = 16 * CH;           // tokens per warp iteration
   static constexpr int NT = 2 * CH;             // n-tiles of 8 tokens per warp iteration
-  static constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T (one K word each)
-  static constexpr int KVECS = D / 4 / 16;      // 16-byte K loads per lane and n-tile (D/4 bytes)
-  static constexpr int VBYTES = D / 8;          // bytes of a V row one lane reads
-  static constexpr int VWORDS = VBYTES / 4;
+  static constexpr int KSTEPS = D / 16;         // k-steps of S = Q K^T (one K word each, fp8; two, 16-bit)
+  static constexpr int KVEC = 16 / ES;          // elements of a 16-byte load
+  static constexpr int KVECS = D / 4 / KVEC;    // 16-byte K loads per lane and n-tile (D/4 elements)
+  static constexpr int VELEMS = D / 8;          // elements of a V row one lane reads
+  static constexpr int VWORDS = VELEMS * ES / 4;
   static constexpr int MT = D / 16;             // m-tiles of O^T
   static constexpr int QVECS = D / 4 * 2 / 16;  // 16-byte loads of the lane's D/4 query elements (16-bit)
   static constexpr int STEP = kDecodeWarps * TOK;   // tokens per block iteration
@@ -92,6 +108,16 @@ __device__ __forceinline__ uint2 load_kv8(const void* ptr, bool pred) {
   return v;
 }
 
+// A lane's VWORDS (a multiple of 4) words of a V row at p by 16-byte loads (zeros where !pred).
+template <typename C, int VWORDS>
+__device__ __forceinline__ void load_v_row(uint32_t (&dst)[VWORDS], const C* p, bool pred) {
+#pragma unroll
+  for (int j = 0; j < VWORDS / 4; ++j) {
+    const uint4 u = load_kv16(p + j * (16 / sizeof(C)), pred);
+    dst[4 * j] = u.x; dst[4 * j + 1] = u.y; dst[4 * j + 2] = u.z; dst[4 * j + 3] = u.w;
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   uint32_t r;
@@ -108,6 +134,32 @@ __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// d += A B, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma16816_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The mma of T's inputs: f16 (also the fp8 cache's path, which converts to f16) or bf16.
+template <typename T>
+__device__ __forceinline__ void mma16816_of(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    mma16816_bf16(d, a0, a1, a2, a3, b0, b1);
+  else
+    mma16816(d, a0, a1, a2, a3, b0, b1);
+}
+
+__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
 
 }  // namespace mma_detail
@@ -115,15 +167,16 @@ __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) 
 // One work item (decode_item's contract): tokens [start, end) of sequence seq for the block's (KV
 // head, head chunk) of up to kMmaHeads heads; writes the output rows, or its partial row (o / l *
 // v_scale, and (m, l) in the log2 domain) for paged_decode_merge_kernel (item_destination).
-template <typename T, int D, int CH>
+template <typename T, typename C, int D, int CH>
 __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned char* smem, const WorkItem& it) {
   const int seq = it.seq, start = it.start, end = it.end;
   using namespace mma_detail;
-  using S = MmaShape<D, CH>;
-  constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, VBYTES = S::VBYTES, VWORDS = S::VWORDS,
-                MT = S::MT, HT = kMmaHeads;
+  using S = MmaShape<C, D, CH>;
+  constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, KVEC = S::KVEC, VELEMS = S::VELEMS,
+                VWORDS = S::VWORDS, MT = S::MT, HT = kMmaHeads;
   constexpr int NTHREADS = kDecodeWarps * 32;
-  using C = __nv_fp8_e4m3;
+  constexpr bool kFp8 = std::is_same_v<C, __nv_fp8_e4m3>;
+  static_assert(kFp8 || std::is_same_v<C, T>, "a 16-bit cache holds the query's dtype");
   int* s_table = reinterpret_cast<int*>(smem + decode_mma_q_bytes<D>());   // after the query fragments
 
   // Laundered through empty asm: nothing derived from them is hoisted out of the work-list loop
@@ -154,7 +207,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   {   // The first iteration's K and V right away, their block ids straight from the block table
       // (the same loads as locate(0), load_k() and load_v() below).
     wait_for_prerequisite_grids();
-    const int k_lane = g * D + c * (D / 4), v_lane = 2 * c * D + g * VBYTES;
+    const int k_lane = g * D + c * (D / 4), v_lane = 2 * c * D + g * VELEMS;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int t = start + warp * S::TOK + 8 * n;
@@ -166,7 +219,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const bool ok = blk[n] >= 0 && tb[n] + g < end;
       const C* p = kslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) + k_lane;
 #pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + 16 * j, ok);
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + KVEC * j, ok);
     }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -178,9 +231,11 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
         if constexpr (VWORDS == 4) {
           const uint4 u = load_kv16(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
-        } else {
+        } else if constexpr (VWORDS == 2) {
           const uint2 u = load_kv8(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y;
+        } else {
+          load_v_row<C, VWORDS>(vr[n][r], p, ok);
         }
       }
   }
@@ -206,8 +261,15 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   tbl.template stage<NTHREADS>(a, s_table, tid);
 
   uint2* s_q = reinterpret_cast<uint2*>(smem) + warp * KSTEPS * 32 + lane;
-  float inv_qscale;
-  {
+  float inv_qscale;   // what the mma's sums are multiplied by: 2^-e (fp8), scale_log2 (16-bit)
+  if constexpr (!kFp8) {   // the query's own values: k-step s, its words 2s and 2s + 1
+    inv_qscale = a.scale_log2;
+#pragma unroll
+    for (int i = 0; i < S::QVECS; ++i) {
+      s_q[(2 * i) * 32] = make_uint2(qraw[i].x, qraw[i].y);
+      s_q[(2 * i + 1) * 32] = make_uint2(qraw[i].z, qraw[i].w);
+    }
+  } else {
     float qf[D / 4];
 #pragma unroll
     for (int i = 0; i < S::QVECS; ++i) Elem<T>::unpack(qraw[i], &qf[i * 8]);
@@ -238,8 +300,8 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     for (int e = 0; e < 4; ++e) acc[m][e] = 0.f;
   float m_run = -INFINITY, l_run = 0.f;   // head g's running max (quad-uniform) and this lane's part of its sum
 
-  const int k_lane = g * D + c * (D / 4);               // lane's K bytes of token g of an n-tile
-  const int v_lane = 2 * c * D + g * VBYTES;            // lane's V bytes of token 2c of an n-tile
+  const int k_lane = g * D + c * (D / 4);               // lane's K elements of token g of an n-tile
+  const int v_lane = 2 * c * D + g * VELEMS;            // lane's V elements of token 2c of an n-tile
   const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
   const int warp_tok0 = start + warp * S::TOK;
 
@@ -260,7 +322,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const bool ok = blk[n] >= 0 && tb[n] + g < end;
       const C* p = kslab + row_off(n, ok) + k_lane;
 #pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + 16 * j, ok);
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + KVEC * j, ok);
     }
   };
   auto load_v = [&]() {
@@ -273,9 +335,11 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
         if constexpr (VWORDS == 4) {
           const uint4 u = load_kv16(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
-        } else {
+        } else if constexpr (VWORDS == 2) {
           const uint2 u = load_kv8(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y;
+        } else {
+          load_v_row<C, VWORDS>(vr[n][r], p, ok);
         }
       }
   };
@@ -300,10 +364,15 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const uint2 q = s_q[s * 32];
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        const uint4& v = kr[n][s / 4];
-        const uint32_t w = (s % 4 == 0) ? v.x : (s % 4 == 1) ? v.y : (s % 4 == 2) ? v.z : v.w;
-        const uint2 kb = fp8x4_to_h2x2(w);
-        mma16816(d[n], q.x, 0u, q.y, 0u, kb.x, kb.y);
+        if constexpr (kFp8) {
+          const uint4& v = kr[n][s / 4];
+          const uint32_t w = (s % 4 == 0) ? v.x : (s % 4 == 1) ? v.y : (s % 4 == 2) ? v.z : v.w;
+          const uint2 kb = fp8x4_to_h2x2(w);
+          mma16816(d[n], q.x, 0u, q.y, 0u, kb.x, kb.y);
+        } else {
+          const uint4& v = kr[n][s / 2];
+          mma16816_of<T>(d[n], q.x, 0u, q.y, 0u, s % 2 ? v.z : v.x, s % 2 ? v.w : v.y);
+        }
       }
     }
 #pragma unroll
@@ -328,12 +397,15 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
     const float alpha = exp2_diff(m_run, mx);
     float psum = 0.f;
-    uint32_t pb[NT];   // P of head g, tokens 2c, 2c+1 of n-tile n, as f16x2
+    uint32_t pb[NT];   // P of head g, tokens 2c, 2c+1 of n-tile n, as f16x2 (bf16x2: a bf16 cache)
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const float p0 = exp2_diff(sc[n][0], mx), p1 = exp2_diff(sc[n][1], mx);
       psum += p0 + p1;
-      pb[n] = pack_h2(p0, p1);
+      if constexpr (!kFp8 && std::is_same_v<T, __nv_bfloat16>)
+        pb[n] = pack_bf2(p0, p1);
+      else
+        pb[n] = pack_h2(p0, p1);
     }
     l_run = l_run * alpha + psum;
     m_run = mx;
@@ -352,13 +424,19 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const uint32_t b0 = pb[2 * h], b1 = pb[2 * h + 1];
 #pragma unroll
       for (int w = 0; w < VWORDS; ++w) {
+        if constexpr (kFp8) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t sel = half ? 0x7362u : 0x5140u;
-          const uint32_t x01 = __byte_perm(vr[2 * h][0][w], vr[2 * h][1][w], sel);
-          const uint32_t x23 = __byte_perm(vr[2 * h + 1][0][w], vr[2 * h + 1][1][w], sel);
-          const uint2 a01 = fp8x4_to_h2x2(x01), a23 = fp8x4_to_h2x2(x23);
-          mma16816(acc[2 * w + half], a01.x, a01.y, a23.x, a23.y, b0, b1);
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t sel = half ? 0x7362u : 0x5140u;
+            const uint32_t x01 = __byte_perm(vr[2 * h][0][w], vr[2 * h][1][w], sel);
+            const uint32_t x23 = __byte_perm(vr[2 * h + 1][0][w], vr[2 * h + 1][1][w], sel);
+            const uint2 a01 = fp8x4_to_h2x2(x01), a23 = fp8x4_to_h2x2(x23);
+            mma16816(acc[2 * w + half], a01.x, a01.y, a23.x, a23.y, b0, b1);
+          }
+        } else {   // m-tile w: rows g, g + 8 = the word's low and high elements
+          const uint32_t t0 = vr[2 * h][0][w], t1 = vr[2 * h][1][w], t8 = vr[2 * h + 1][0][w], t9 = vr[2 * h + 1][1][w];
+          mma16816_of<T>(acc[w], __byte_perm(t0, t1, 0x5410u), __byte_perm(t0, t1, 0x7632u),
+                         __byte_perm(t8, t9, 0x5410u), __byte_perm(t8, t9, 0x7632u), b0, b1);
         }
       }
     }
@@ -373,7 +451,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   float* s_ml = s_acc + kDecodeWarps * HT * D;              // [kDecodeWarps][HT][2]
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    const int dim = g * VBYTES + 4 * (m / 2) + 2 * (m % 2);   // row g of m-tile m; row g + 8 is dim + 1
+    const int dim = g * VELEMS + 2 * m;   // row g of m-tile m; row g + 8 is dim + 1
     float* lo = s_acc + (warp * HT + 2 * c) * D + dim;       // head 2c
     float* hi = lo + D;                                      // head 2c + 1
     lo[0] = acc[m][0];
@@ -392,19 +470,23 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
 
 // Resident blocks per SM asked of the register allocator: 16 tokens a warp iteration fit 128
 // registers (4 blocks of 4 warps); 32 tokens ask for 3.
-template <int CH>
+// A 16-bit cache's K and V registers are twice the fp8 ones: 16 tokens a warp iteration ask for 3.
+template <typename C, int CH>
 constexpr int decode_mma_min_blocks() {
 #ifdef KVPAGER_DECODE_MMA_MIN_BLOCKS
   return KVPAGER_DECODE_MMA_MIN_BLOCKS;
 #else
-  return kDecodeWarps == 4 ? (CH == 1 ? 4 : 3) : 1;
+  if constexpr (sizeof(C) == 1)
+    return kDecodeWarps == 4 ? (CH == 1 ? 4 : 3) : 1;
+  else
+    return kDecodeWarps == 4 ? (CH == 1 ? 3 : 2) : 1;
 #endif
 }
 
 // grid and block as paged_decode_kernel; dynamic smem: decode_mma_q_bytes<D>() + max(table slice,
 // decode_merge_smem_bytes<D, kMmaHeads>()).
-template <typename T, int D, int CH>
-__global__ void __launch_bounds__(kDecodeWarps * 32, decode_mma_min_blocks<CH>())
+template <typename T, typename C, int D, int CH>
+__global__ void __launch_bounds__(kDecodeWarps * 32, decode_mma_min_blocks<C, CH>())
 paged_decode_mma_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   allow_dependent_launch();   // the merge kernel may start early (paged_decode_merge.cuh)
@@ -415,13 +497,13 @@ paged_decode_mma_kernel(const DecodeArgs a) {
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;
     const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
-    decode_item_mma<T, D, CH>(a, smem, it);
+    decode_item_mma<T, C, D, CH>(a, smem, it);
     return;
   }
   for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item)
     WorkItem it;
     if (!work_item(a, r, longest, &it)) break;
-    decode_item_mma<T, D, CH>(a, smem, it);
+    decode_item_mma<T, C, D, CH>(a, smem, it);
     __syncthreads();
   }
 }

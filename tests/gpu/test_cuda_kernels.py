@@ -147,8 +147,37 @@ def test_fp8_decode_planner_takes_tensor_cores():
             assert debug.decode_work_geometry(case[0], case[1], loads=2).workers == 4 * sms // 8
     bf16 = _case(torch.bfloat16, 128, 16, 2, 4, [70], 32)
     assert not debug.plan_decode_grid(*bf16[:5]).mma
+    assert not cuda.decode_work_geometry(bf16[0], bf16[1]).mma
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_tensor_core_decode_over_16bit_cache_matches_float64(dtype, head_dim, block_size, group, num_splits):
+    """The tensor-core instance over a cache of the query's dtype (mma.sync in that dtype, P
+    rounded to it): against float64, head dims 64/128, 16 tokens a warp iteration (loads 2; 4 is
+    refused, as is head_dim 256)."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 333, 2100]
+    seed = zlib.crc32(repr(("mma16", dtype, head_dim, block_size, group, num_splits)).encode())
+    case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
+    if head_dim not in MMA_DIMS:
+        with pytest.raises(ValueError, match="mma"):
+            debug.plan_decode_grid(*case[:5], mma=True)
+        return
+    plan = debug.plan_decode_grid(*case[:5], num_splits=num_splits, mma=True)
+    assert plan.mma and plan.loads == 2 and plan.head_tile == min(group, 8)
     with pytest.raises(ValueError, match="mma"):
-        debug.plan_decode_grid(*bf16[:5], mma=True)
+        debug.plan_decode_grid(*case[:5], num_splits=num_splits, loads=4, mma=True)
+    _check_decode(*case, num_splits, TOL[dtype], mma=True)
+
+
+@pytest.mark.parametrize("group", [2, 3, 6, 16])
+def test_tensor_core_decode_over_16bit_cache_other_gqa_ratios(group):
+    case = _case(torch.bfloat16, 128, 16, 2, group, [1, 15, 16, 17, 1000], 100 + group)
+    for splits in (1, 3):
+        _check_decode(*case, splits, TOL[torch.bfloat16], mma=True)
 
 
 @pytest.mark.parametrize("group", [2, 3, 6, 16])
@@ -465,6 +494,23 @@ def test_work_list_decode_fp8_cache(dtype, head_dim, loads, mma):
             debug.decode_work_geometry(case[0], case[1], mma=True)
         return
     _check_work(*case, TOL[dtype], k_scale, v_scale, loads=loads, mma=mma)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", list(MMA_DIMS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_work_list_decode_16bit_tensor_cores(dtype, head_dim, block_size, group):
+    """The tensor-core instance over a 16-bit cache on ragged work lists; loads 4 refused."""
+    seed = zlib.crc32(repr(("work-mma16", dtype, head_dim, block_size, group)).encode())
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, block_size - 1, block_size, block_size + 1] + torch.randint(1, 3000, (8,), generator=gen).tolist()
+    lens.append(9000)
+    case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
+    assert debug.decode_work_geometry(case[0], case[1], mma=True).loads == 2
+    with pytest.raises(ValueError, match="mma"):
+        debug.decode_work_geometry(case[0], case[1], loads=4, mma=True)
+    _check_work(*case, TOL[dtype], mma=True)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
