@@ -21,7 +21,9 @@ layer through the views ``k_cache = kv_cache[:, layer, 0]`` and ``v_cache = kv_c
 Supported: float32, float16 and bfloat16, and float8_e4m3fn caches (per-tensor k_scale and
 v_scale) with float16/bfloat16 queries and K/V; head_dim 64, 128, 256; block_size 8, 16, 32;
 any GQA ratio (query heads a multiple of KV heads). Decode over float8_e4m3fn caches of head_dim
-64/128 runs on tensor cores (``mma`` in the plans; ``kernels/debug.py`` forces the FMA instance). Prefill (``paged_prefill_attention``, one
+64/128 runs on tensor cores (``mma`` in the plans; ``kernels/debug.py`` forces the FMA instance,
+or the tensor-core one over 16-bit caches, which plans take only when built with
+``-DKVPAGER_DECODE_MMA16=1``: docs/performance.md). Prefill (``paged_prefill_attention``, one
 launch per ragged batch, tensor cores: wgmma on Hopper, mma.sync elsewhere): float16/bfloat16
 queries over caches of their dtype or float8_e4m3fn, head_dim 64/128, block_size 8-64; the rest
 falls back to ``kernels/prefill.py``'s gather + SDPA. Inputs are checked (device, dtype, shape, strides,
@@ -78,7 +80,7 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 class DecodeGeometry:
     """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
     blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: the tensor-core
-    instance of fp8 caches), query heads per block, and the most tokens one item may hold."""
+    instance), query heads per block, and the most tokens one item may hold."""
     workers: int
     loads: int
     head_tile: int
@@ -117,7 +119,7 @@ class DecodeGridPlan:
     partition_tokens: int       # tokens per split
     head_tile: int              # query heads per thread block
     loads: int                  # kernel instance: 16-byte K (and V) loads in flight per lane
-    mma: bool                   # the tensor-core instance (fp8 e4m3 caches, head_dim 64/128)
+    mma: bool                   # the tensor-core instance (head_dim 64/128; fp8 caches by default)
     num_seqs: int
     table_width: int            # block-table width (entries) the plan covers
     workspace: Workspace | None   # [num_seqs * num_splits, ...] rows when num_splits > 1

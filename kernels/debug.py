@@ -2,7 +2,8 @@
 turns, kept off the serving signatures of ``kernels/cuda.py``.
 
 - decode: a forced split count and kernel instance (2 or 4 16-byte loads in flight per lane;
-  ``mma``: over fp8 caches, the tensor-core instance (True) or the FMA one (False)),
+  ``mma``: the tensor-core instance (True; over fp8 caches the default, over 16-bit ones an
+  option) or the FMA one (False)),
   the L2 prefetch distance, the split-KV workspace filled with NaN before the launch (a merge
   that reads a partial no split wrote then shows up as NaN), the work-list planner's knobs;
 - prefill: the kernel instance (4 or 8 warps, mma.sync or wgmma);
@@ -48,8 +49,8 @@ def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      mma: bool | None = None) -> cuda.DecodeGridPlan:
     """``cuda.plan_decode_grid`` with a forced split count (about ``num_splits`` partitions:
     fewer when the table is too narrow to give each one) and/or kernel instance (``loads``;
-    ``mma``: True, the tensor-core instance of fp8 caches, ValueError where not built; False,
-    the FMA one)."""
+    ``mma``: True, the tensor-core instance (fp8 or 16-bit caches, head_dim 64/128; over a 16-bit
+    cache loads 2 only), ValueError where not built; False, the FMA one)."""
     return cuda._plan_grid(query, k_cache, v_cache, block_tables, context_lens, _count("num_splits", num_splits),
                            _count("loads", loads, (2, 4)), _mma(mma))
 
