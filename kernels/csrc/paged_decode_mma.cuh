@@ -125,32 +125,26 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   return r;
 }
 
-// d += A B, m16n8k16, f16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// d += A B, m16n8k16, bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma16816_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                              uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The mma of T's inputs: f16 (also the fp8 cache's path, which converts to f16) or bf16.
+// d += A B, m16n8k16, fp32 accumulators, inputs of T (f16: also the fp8 cache's path, which
+// converts to f16; or bf16).
+#define KVPAGER_MMA16816(TYPE)                                                                   \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, " \
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                               \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                 \
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma16816_of(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                             uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    mma16816_bf16(d, a0, a1, a2, a3, b0, b1);
+    KVPAGER_MMA16816("bf16");
   else
-    mma16816(d, a0, a1, a2, a3, b0, b1);
+    KVPAGER_MMA16816("f16");
+}
+#undef KVPAGER_MMA16816
+
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  mma16816_of<__half>(d, a0, a1, a2, a3, b0, b1);
 }
 
 __device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
