@@ -63,6 +63,7 @@
 #include <type_traits>
 
 #include "fp8_convert.cuh"
+#include "mma_sync.cuh"
 #include "paged_decode.cuh"
 
 namespace kvpager {
@@ -116,42 +117,6 @@ __device__ __forceinline__ void load_v_row(uint32_t (&dst)[VWORDS], const C* p, 
     const uint4 u = load_kv16(p + j * (16 / sizeof(C)), pred);
     dst[4 * j] = u.x; dst[4 * j + 1] = u.y; dst[4 * j + 2] = u.z; dst[4 * j + 3] = u.w;
   }
-}
-
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, sizeof(r));
-  return r;
-}
-
-// d += A B, m16n8k16, fp32 accumulators, inputs of T (f16: also the fp8 cache's path, which
-// converts to f16; or bf16).
-#define KVPAGER_MMA16816(TYPE)                                                                   \
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, " \
-               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                               \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                 \
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
-template <typename T>
-__device__ __forceinline__ void mma16816_of(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    KVPAGER_MMA16816("bf16");
-  else
-    KVPAGER_MMA16816("f16");
-}
-#undef KVPAGER_MMA16816
-
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  mma16816_of<__half>(d, a0, a1, a2, a3, b0, b1);
-}
-
-__device__ __forceinline__ uint32_t pack_bf2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, sizeof(r));
-  return r;
 }
 
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((127 + e) << 23); }   // e in [-126, 127]
@@ -282,8 +247,8 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     inv_qscale = pow2f(-shift);
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s)
-      s_q[s * 32] = make_uint2(pack_h2(qf[4 * s] * qscale, qf[4 * s + 1] * qscale),
-                               pack_h2(qf[4 * s + 2] * qscale, qf[4 * s + 3] * qscale));
+      s_q[s * 32] = make_uint2(Mma<__half>::pack(qf[4 * s] * qscale, qf[4 * s + 1] * qscale),
+                               Mma<__half>::pack(qf[4 * s + 2] * qscale, qf[4 * s + 3] * qscale));
   }
   __syncthreads();   // s_table ready
 
@@ -362,10 +327,10 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
           const uint4& v = kr[n][s / 4];
           const uint32_t w = (s % 4 == 0) ? v.x : (s % 4 == 1) ? v.y : (s % 4 == 2) ? v.z : v.w;
           const uint2 kb = fp8x4_to_h2x2(w);
-          mma16816(d[n], q.x, 0u, q.y, 0u, kb.x, kb.y);
+          Mma<__half>::run(d[n], {q.x, 0u, q.y, 0u}, kb.x, kb.y);
         } else {
           const uint4& v = kr[n][s / 2];
-          mma16816_of<T>(d[n], q.x, 0u, q.y, 0u, s % 2 ? v.z : v.x, s % 2 ? v.w : v.y);
+          Mma<T>::run(d[n], {q.x, 0u, q.y, 0u}, s % 2 ? v.z : v.x, s % 2 ? v.w : v.y);
         }
       }
     }
@@ -396,10 +361,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     for (int n = 0; n < NT; ++n) {
       const float p0 = exp2_diff(sc[n][0], mx), p1 = exp2_diff(sc[n][1], mx);
       psum += p0 + p1;
-      if constexpr (!kFp8 && std::is_same_v<T, __nv_bfloat16>)
-        pb[n] = pack_bf2(p0, p1);
-      else
-        pb[n] = pack_h2(p0, p1);
+      pb[n] = Mma<std::conditional_t<kFp8, __half, T>>::pack(p0, p1);
     }
     l_run = l_run * alpha + psum;
     m_run = mx;
@@ -425,12 +387,12 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
             const uint32_t x01 = __byte_perm(vr[2 * h][0][w], vr[2 * h][1][w], sel);
             const uint32_t x23 = __byte_perm(vr[2 * h + 1][0][w], vr[2 * h + 1][1][w], sel);
             const uint2 a01 = fp8x4_to_h2x2(x01), a23 = fp8x4_to_h2x2(x23);
-            mma16816(acc[2 * w + half], a01.x, a01.y, a23.x, a23.y, b0, b1);
+            Mma<__half>::run(acc[2 * w + half], {a01.x, a01.y, a23.x, a23.y}, b0, b1);
           }
         } else {   // m-tile w: rows g, g + 8 = the word's low and high elements
           const uint32_t t0 = vr[2 * h][0][w], t1 = vr[2 * h][1][w], t8 = vr[2 * h + 1][0][w], t9 = vr[2 * h + 1][1][w];
-          mma16816_of<T>(acc[w], __byte_perm(t0, t1, 0x5410u), __byte_perm(t0, t1, 0x7632u),
-                         __byte_perm(t8, t9, 0x5410u), __byte_perm(t8, t9, 0x7632u), b0, b1);
+          Mma<T>::run(acc[w], {__byte_perm(t0, t1, 0x5410u), __byte_perm(t0, t1, 0x7632u),
+                               __byte_perm(t8, t9, 0x5410u), __byte_perm(t8, t9, 0x7632u)}, b0, b1);
         }
       }
     }

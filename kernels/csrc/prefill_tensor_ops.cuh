@@ -1,5 +1,5 @@
 // The prefill kernels' building blocks (paged_prefill.cuh, paged_prefill_ws.cuh): shared-memory
-// addresses, cp.async, ldmatrix, the mma.sync m16n8k16 fragments (Mma<T>), fp8 -> 16-bit
+// addresses, cp.async, ldmatrix (the mma.sync m16n8k16 itself: mma_sync.cuh, Mma<T>), fp8 -> 16-bit
 // conversion of 16 values, the XOR swizzle of a tile's 16-byte chunks (tile_off), and on sm_90a
 // (KVPAGER_PREFILL_WGMMA) the wgmma wrappers, shared-memory matrix descriptors and fences.
 #pragma once
@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "fp8_convert.cuh"
+#include "mma_sync.cuh"
 
 namespace kvpager {
 namespace prefill_detail {
@@ -42,48 +43,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
-
-template <typename T>
-struct Mma;
-
-template <>
-struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  // Two fp8 e4m3 values (low byte first) -> two bf16, exactly.
-  static __device__ __forceinline__ uint32_t from_fp8x2(uint16_t w) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3);
-    __half2 hh;
-    memcpy(&hh, &h, sizeof(hh));
-    const float2 f = __half22float2(hh);
-    return pack(f.x, f.y);
-  }
-};
-
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ uint32_t from_fp8x2(uint16_t w) { return fp8x2_to_h2(w); }
-};
 
 // 16 fp8 e4m3 values (16 bytes, the lowest first) -> 16 values of T, exactly: lo the first 8, hi the
 // last 8. fp16 by fp8x4_to_h2x2 (on sm_89+ a shift fewer per word than through from_fp8x2) unless
