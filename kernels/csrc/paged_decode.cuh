@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include "launch.h"
+#include "decode_timeline.cuh"
 #include "pdl.cuh"
 
 namespace kvpager {
@@ -589,6 +590,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
       s[u] = group_sum_scatter<HT, LPT>(part, lane);
       if (!valid[u]) s[u] = -INFINITY;
     }
+    timeline_first_data(it);
 
     // Next iteration's K, into the registers just consumed (valid/off move on to it + 1; this
     // iteration's V is already in registers).
@@ -699,6 +701,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<C, HT, LO
 paged_decode_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   allow_dependent_launch();
+  timeline_block_entry();   // decode_timeline.cuh: nothing unless built with KVPAGER_DECODE_TIMELINE
   const int longest = a.max_blocks_per_seq << a.log2_block_size;   // tokens a table row can hold
   if (a.work == nullptr) {
     const int seq = blockIdx.y, split = blockIdx.z;
@@ -706,7 +709,9 @@ paged_decode_kernel(const DecodeArgs a) {
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;   // whole block: nothing of this sequence here
     const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
+    timeline_item_start(0);
     decode_item<T, C, D, HT, LOADS>(a, smem, it);
+    timeline_item_end(0, it.end - it.start);
     return;
   }
   // Worker y's items, round by round at computed indices (launch.h): its first record loads with
@@ -714,7 +719,9 @@ paged_decode_kernel(const DecodeArgs a) {
   for (int r = 0;; ++r) {
     WorkItem it;
     if (!work_item(a, r, longest, &it)) break;
+    timeline_item_start(r);
     decode_item<T, C, D, HT, LOADS>(a, smem, it);
+    timeline_item_end(r, it.end - it.start);
     __syncthreads();   // the next item rewrites the shared memory
   }
 }

@@ -69,8 +69,10 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   __shared__ float s_w[kMaxSplits];
   __shared__ float s_red[kMergeWarps];
   __shared__ __align__(16) float s_sum[kMergeWarps][kMaxMergeDim];
+  MergeTimeline tl;   // decode_timeline.cuh: empty unless built with KVPAGER_DECODE_TIMELINE
 #if !KVPAGER_MERGE_META_FIRST
   wait_for_prerequisite_grids();   // every partial row written (PDL: this grid may start early)
+  tl.mark_waited();
 #endif
   const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
   int64_t first;
@@ -87,6 +89,7 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   }
 #if KVPAGER_MERGE_META_FIRST
   wait_for_prerequisite_grids();   // every partial row written (PDL: this grid may start early)
+  tl.mark_waited();
 #endif
   // Partial i of this (sequence, head) is row (first + i) * num_q_heads + h.
   const int64_t stride = a.num_q_heads;

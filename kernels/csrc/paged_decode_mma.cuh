@@ -340,6 +340,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       sc[n][0] = blk_ok && tb[n] + 2 * c < end ? d[n][0] * inv_qscale : -INFINITY;
       sc[n][1] = blk_ok && tb[n] + 2 * c + 1 < end ? d[n][1] * inv_qscale : -INFINITY;
     }
+    timeline_first_data(it);
 
     // Next iteration's K into the registers just consumed (off / tb move on to it + 1).
     const bool more = it + 1 < n_iter;
@@ -446,6 +447,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_mma_min_blocks<C, CH
 paged_decode_mma_kernel(const DecodeArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
   allow_dependent_launch();   // the merge kernel may start early (paged_decode_merge.cuh)
+  timeline_block_entry();   // decode_timeline.cuh
   const int longest = a.max_blocks_per_seq << a.log2_block_size;
   if (a.work == nullptr) {
     const int seq = blockIdx.y, split = blockIdx.z;
@@ -453,13 +455,17 @@ paged_decode_mma_kernel(const DecodeArgs a) {
     const int start = split * a.partition_tokens;
     if (split > 0 && start >= ctx) return;
     const WorkItem it{seq, split, start, min(ctx, start + a.partition_tokens), a.table_stride};
+    timeline_item_start(0);
     decode_item_mma<T, C, D, CH>(a, smem, it);
+    timeline_item_end(0, it.end - it.start);
     return;
   }
   for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item)
     WorkItem it;
     if (!work_item(a, r, longest, &it)) break;
+    timeline_item_start(r);
     decode_item_mma<T, C, D, CH>(a, smem, it);
+    timeline_item_end(r, it.end - it.start);
     __syncthreads();
   }
 }

@@ -40,6 +40,28 @@ def test_kernel_source_compiles_for_sm80_and_sm90a(tmp_path, source):
     assert "Performance Loss" not in proc.stderr, proc.stderr
 
 
+# One instance of each decode kernel (FMA, tensor cores) and the merge, with the timeline marks
+# compiled in (decode_timeline.cuh; benchmarks/decode_timeline.py builds the whole extension so).
+_TIMELINE_UNIT = """#include "paged_decode_merge.cuh"
+#include "paged_decode_mma.cuh"
+namespace kvpager {
+template __global__ void paged_decode_kernel<__nv_bfloat16, __nv_bfloat16, 128, 4, 2>(DecodeArgs);
+template __global__ void paged_decode_mma_kernel<__nv_bfloat16, __nv_fp8_e4m3, 128, 1>(DecodeArgs);
+template __global__ void paged_decode_merge_kernel<__nv_bfloat16>(DecodeArgs);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_decode_timeline_build_compiles(tmp_path):
+    unit = tmp_path / "timeline.cu"
+    unit.write_text(_TIMELINE_UNIT)
+    cmd = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "-DKVPAGER_DECODE_TIMELINE=1",
+           "-I", str(CSRC), "-c", str(unit), "-o", str(tmp_path / "timeline.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.nice(19))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_kernel_sources_have_no_torch_includes():
     # Only the torch bindings include torch; every kernel, launcher and planner source compiles with nvcc alone.
     def binding(name: str) -> bool:
