@@ -65,16 +65,6 @@ namespace kvpager {
 #define KVPAGER_DECODE_QUERY_FENCE 1
 #endif
 
-// KVPAGER_DECODE_CLAIM=1 (an experiment, off by default): a work list's worker takes its first
-// item as dealt (item blockIdx.y) and each later one by claiming the next unclaimed item of its
-// (KV head, head chunk), blockIdx.x (an atomic counter per blockIdx.x, g_work_claims below, which
-// the merge kernel sets back to 0), so workers whose blocks stream faster take more items instead
-// of following the planner's snake. 0: the snake. The counters are a static device array, shared
-// by every launch of the process: fine for timing one stream, not for serving.
-#ifndef KVPAGER_DECODE_CLAIM
-#define KVPAGER_DECODE_CLAIM 0
-#endif
-
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kDecodeWarps = KVPAGER_DECODE_WARPS;
 
@@ -276,32 +266,6 @@ __device__ __forceinline__ const int32_t* work_spans(const DecodeArgs& a) {
   return a.work + kWorkHeader + 2 * static_cast<int64_t>(a.work_capacity);
 }
 
-// The index of worker blockIdx.y's item of round r: work_item_index (the planner's snake) or, with
-// KVPAGER_DECODE_CLAIM, after round 0 the one thread 0 claimed at the end of the round before
-// (claim_work_item; the block synced since).
-__device__ __forceinline__ int64_t worker_item_index(const DecodeArgs& a, int r, const int* s_claim) {
-#if KVPAGER_DECODE_CLAIM
-  return r == 0 ? static_cast<int64_t>(blockIdx.y) : static_cast<int64_t>(a.work_workers) + *s_claim;
-#else
-  (void)s_claim;
-  return work_item_index(r, blockIdx.y, a.work_workers);
-#endif
-}
-
-#if KVPAGER_DECODE_CLAIM
-constexpr int kMaxClaimCounters = 1024;   // blockIdx.x of a work-list grid (KV heads x head chunks)
-static __device__ int g_work_claims[kMaxClaimCounters];
-#endif
-
-__device__ __forceinline__ void claim_work_item(const DecodeArgs& a, int* s_claim) {
-#if KVPAGER_DECODE_CLAIM
-  if (threadIdx.x == 0) *s_claim = atomicAdd(&g_work_claims[blockIdx.x], 1);
-#else
-  (void)a;
-  (void)s_claim;
-#endif
-}
-
 // Worker blockIdx.y's item of round r, its end clamped to `longest` (the tokens a table row holds);
 // false past the worker's last item. The header (one 16-byte load) and the record are read
 // together (the index is below capacity, so the read is in bounds), afresh per item, through a
@@ -309,10 +273,10 @@ __device__ __forceinline__ void claim_work_item(const DecodeArgs& a, int* s_clai
 // The sequence's span, which only the item's output needs, is read at its end (item_destination).
 // (An L1 prefetch of it here, prefetch.global.L1 = CCTL.E.PF1, cost the work list 6-10 points of
 // the copy ceiling on split sequences, H100: measured and dropped.)
-__device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longest, WorkItem* it, const int* s_claim) {
+__device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longest, WorkItem* it) {
   const int32_t* work = a.work;
   asm volatile("" : "+l"(work));
-  const int64_t k = worker_item_index(a, r, s_claim);
+  const int64_t k = work_item_index(r, blockIdx.y, a.work_workers);
   if (k >= a.work_capacity) return false;
   const int4 header = *reinterpret_cast<const int4*>(work);   // n, partition, table stride, 0
   const int2 rec = reinterpret_cast<const int2*>(work + kWorkHeader)[k];
@@ -325,7 +289,6 @@ __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longes
   it->table_stride = header.z > 0 ? header.z : a.table_stride;
   return true;
 }
-
 
 // Where an item's result goes: the output rows when `direct` (its sequence is one piece or one
 // split), else partial row `row`. Read at the item's end, where it is needed, so nothing of it is
@@ -753,14 +716,12 @@ paged_decode_kernel(const DecodeArgs a) {
   }
   // Worker y's items, round by round at computed indices (launch.h): its first record loads with
   // the header, so the first K load waits on that record and then the table, as in grid mode.
-  __shared__ int s_claim;   // (KVPAGER_DECODE_CLAIM only)
   for (int r = 0;; ++r) {
     WorkItem it;
-    if (!work_item(a, r, longest, &it, &s_claim)) break;
+    if (!work_item(a, r, longest, &it)) break;
     timeline_item_start(r);
     decode_item<T, C, D, HT, LOADS>(a, smem, it);
     timeline_item_end(r, it.end - it.start);
-    claim_work_item(a, &s_claim);
     __syncthreads();   // the next item rewrites the shared memory
   }
 }

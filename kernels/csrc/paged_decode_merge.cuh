@@ -75,12 +75,6 @@ paged_decode_merge_kernel(const DecodeArgs a) {
   tl.mark_waited();
 #endif
   const int h = blockIdx.x, seq = blockIdx.y, D = a.head_dim;
-#if KVPAGER_DECODE_CLAIM
-  if (a.work != nullptr && h == 0 && seq == 0 && threadIdx.x == 0) {   // the claim counters back to 0
-    wait_for_prerequisite_grids();
-    for (int x = 0; x < a.num_kv_heads * a.head_chunks && x < kMaxClaimCounters; ++x) g_work_claims[x] = 0;
-  }
-#endif
   int64_t first;
   int nvalid;
   if (a.work == nullptr) {

@@ -460,14 +460,12 @@ paged_decode_mma_kernel(const DecodeArgs a) {
     timeline_item_end(0, it.end - it.start);
     return;
   }
-  __shared__ int s_claim;
-  for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item, worker_item_index)
+  for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item)
     WorkItem it;
-    if (!work_item(a, r, longest, &it, &s_claim)) break;
+    if (!work_item(a, r, longest, &it)) break;
     timeline_item_start(r);
     decode_item_mma<T, C, D, CH>(a, smem, it);
     timeline_item_end(r, it.end - it.start);
-    claim_work_item(a, &s_claim);
     __syncthreads();
   }
 }
