@@ -7,8 +7,9 @@ each shape and kernel instance it prints, in microseconds from the first block's
 - first:  how long after its item's start warp 0 first had K/V to use (prologue + load latency);
 - end:    when items end (10th/50th/90th percentile and last), and the last item end per SM;
 - merge:  when the merge kernel's blocks got past their wait and when the last one ended;
-- the whole span against the time the K/V bytes take at the copy ceiling, and the items' own
-  rates (an item's bytes over its end minus its first data) summed: the rate while all stream.
+- the whole span against the time the K/V bytes take at the copy ceiling, the items' own rates
+  (an item's bytes over its end minus its first data) summed, and the read rate over the launch in
+  2 us bins (from each item's first, middle and end marks).
 
 One launch per (shape, instance, flush), after a warm-up; its merge kernel prints the records once
 the decode grid is done (decode_timeline.cuh), so the decode kernel runs without device printf,
@@ -96,7 +97,7 @@ def summarize(lines: list[str], nbytes: int, ceiling: float, event_us: float) ->
     items, merges = [], []
     for line in lines:
         f = line.split()
-        if len(f) >= 12 and f[:2] == ["KVTL", "d"]:
+        if len(f) >= 13 and f[:2] == ["KVTL", "d"]:
             items.append([int(x) for x in f[2:]])
         elif len(f) >= 8 and f[:2] == ["KVTL", "m"]:
             merges.append([int(x) for x in f[2:]])
@@ -144,13 +145,33 @@ def summarize(lines: list[str], nbytes: int, ceiling: float, event_us: float) ->
         out.append(f"  merge  {len(merges)} blocks ({len(live)} waited): entry first {min(us(m[3]) for m in merges):5.1f}, "
                    f"past the wait {min(m_wait):5.1f}-{max(m_wait):5.1f}, last end {m_end:5.1f}")
         span_end = max(span_end, m_end)
-    busy = [0] * int(span_end + 2)
-    for it in items:
-        for t in range(int(us(it[6])), int(us(it[8])) + 1):
-            busy[t] += 1
-    out.append(f"  span   {span_end:5.1f} us: {100 * nbytes / (span_end * 1e-6) / ceiling:4.1f}% of the ceiling; "
-               f"items live per us: " + " ".join(str(b) for b in busy[:: max(1, len(busy) // 16)]))
+    out.append(f"  span   {span_end:5.1f} us: {100 * nbytes / (span_end * 1e-6) / ceiling:4.1f}% of the ceiling")
+    out.append("  rate   % of the ceiling per 2 us from the first entry: " +
+               " ".join(f"{r:.0f}" for r in rate_profile(items, nbytes, ceiling, t0, 2.0)))
     return "\n".join(out)
+
+
+def rate_profile(items: list[list[int]], nbytes: int, ceiling: float, t0: int, width_us: float) -> list[float]:
+    """The K/V read rate over the launch, in bins of width_us, as % of the ceiling: each item's
+    bytes spread evenly, half between its first data and its middle mark, half from there to its end
+    (what arrived before its first data, one iteration's, is left out)."""
+    total_tokens = sum(it[9] for it in items)
+    bins = [0.0] * (int(max((it[8] - t0) / 1e3 for it in items) / width_us) + 2)
+    for it in items:
+        first, mid, end = it[7], it[10], it[8]
+        if not first or not mid or not first <= mid <= end:
+            continue
+        half = nbytes * it[9] / total_tokens / 2
+        for a, b in ((first, mid), (mid, end)):
+            lo, hi = (a - t0) / 1e3 / width_us, (b - t0) / 1e3 / width_us
+            if hi <= lo:
+                bins[int(lo)] += half
+                continue
+            for k in range(int(lo), int(hi) + 1):
+                overlap = min(hi, k + 1) - max(lo, k)
+                if overlap > 0:
+                    bins[k] += half * overlap / (hi - lo)
+    return [100 * b / (width_us * 1e-6) / ceiling for b in bins]
 
 
 def main() -> None:

@@ -1,11 +1,12 @@
 // A per-block timeline of the decode kernels, for benchmarks/decode_timeline.py: compiled in only
 // with -DKVPAGER_DECODE_TIMELINE=1 (a variant build, never the default). Thread 0 of each decode
 // block reads %globaltimer (nanoseconds, one clock for the whole GPU) at the block's entry and at
-// each work item's start, first use of K/V (after warp 0's first scores) and end, into a device
+// each work item's start, first use of K/V (after warp 0's first scores), halfway (warp 0's scores
+// of the item's middle iteration) and end, into a device
 // buffer. The merge kernel of the same launch prints them once the decode grid is done (past its
 // griddepcontrol.wait), with its own block's entry, wait and end, one line each:
 //
-//   KVTL d <sm> <block x> <block y> <block z> <round> <entry> <start> <first> <end> <tokens>
+//   KVTL d <sm> <block x> <block y> <block z> <round> <entry> <start> <first> <end> <tokens> <mid>
 //   KVTL m <sm> <block x> <block y> <entry> <waited> <end>
 //
 // so the decode kernel itself never calls printf (which would change its registers and slow the
@@ -40,15 +41,18 @@ __device__ __forceinline__ unsigned timeline_sm() {
   return s;
 }
 
-// When warp 0 of this block first had its K/V (the current item's first iteration), set by
-// timeline_first_data.
-__shared__ unsigned long long timeline_first_ns;
+// When warp 0 of this block first had its K/V (the current item's first iteration) and reached
+// its middle iteration, set by timeline_progress.
+__shared__ unsigned long long timeline_first_ns, timeline_mid_ns;
 #endif
 
-// In a decode item's loop, after warp 0's scores of iteration `it`.
-__device__ __forceinline__ void timeline_first_data(int it) {
+// In a decode item's loop, after warp 0's scores of iteration `it` of n_iter.
+__device__ __forceinline__ void timeline_progress(int it, int n_iter) {
 #if KVPAGER_DECODE_TIMELINE
-  if (it == 0 && threadIdx.x == 0) timeline_first_ns = timeline_ns();
+  if (threadIdx.x == 0) {
+    if (it == 0) timeline_first_ns = timeline_ns();
+    if (it == n_iter / 2) timeline_mid_ns = timeline_ns();
+  }
 #endif
 }
 
@@ -61,7 +65,7 @@ __device__ __forceinline__ int timeline_block() {
 }
 
 struct DecodeRecord {
-  unsigned long long entry, start[kTimelineItems], first[kTimelineItems], end[kTimelineItems];
+  unsigned long long entry, start[kTimelineItems], first[kTimelineItems], mid[kTimelineItems], end[kTimelineItems];
   int tokens[kTimelineItems];
   int n, sm, bx, by, bz;
 };
@@ -99,6 +103,7 @@ __device__ __forceinline__ void timeline_item_start(int r) {
   if (rec == nullptr || r >= kTimelineItems) return;
   rec->start[r] = timeline_ns();
   timeline_first_ns = 0;
+  timeline_mid_ns = 0;
 #endif
 }
 
@@ -108,6 +113,7 @@ __device__ __forceinline__ void timeline_item_end(int r, int tokens) {
   if (rec == nullptr || r >= kTimelineItems) return;
   rec->end[r] = timeline_ns();
   rec->first[r] = timeline_first_ns;
+  rec->mid[r] = timeline_mid_ns;
   rec->tokens[r] = tokens;
   rec->n = r + 1;
 #endif
@@ -129,8 +135,8 @@ struct MergeTimeline {
     for (int b = timeline_block(); b < kTimelineBlocks; b += blocks) {
       DecodeRecord& rec = g_decode_records[b];
       for (int i = 0; i < rec.n && i < kTimelineItems; ++i)
-        printf("KVTL d %d %d %d %d %d %llu %llu %llu %llu %d\n", rec.sm, rec.bx, rec.by, rec.bz, i, rec.entry,
-               rec.start[i], rec.first[i], rec.end[i], rec.tokens[i]);
+        printf("KVTL d %d %d %d %d %d %llu %llu %llu %llu %d %llu\n", rec.sm, rec.bx, rec.by, rec.bz, i, rec.entry,
+               rec.start[i], rec.first[i], rec.end[i], rec.tokens[i], rec.mid[i]);
       rec.n = 0;
     }
   }

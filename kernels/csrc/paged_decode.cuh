@@ -590,7 +590,7 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
       s[u] = group_sum_scatter<HT, LPT>(part, lane);
       if (!valid[u]) s[u] = -INFINITY;
     }
-    timeline_first_data(it);
+    timeline_progress(it, n_iter);
 
     // Next iteration's K, into the registers just consumed (valid/off move on to it + 1; this
     // iteration's V is already in registers).

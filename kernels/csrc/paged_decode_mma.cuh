@@ -340,7 +340,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       sc[n][0] = blk_ok && tb[n] + 2 * c < end ? d[n][0] * inv_qscale : -INFINITY;
       sc[n][1] = blk_ok && tb[n] + 2 * c + 1 < end ? d[n][1] * inv_qscale : -INFINITY;
     }
-    timeline_first_data(it);
+    timeline_progress(it, n_iter);
 
     // Next iteration's K into the registers just consumed (off / tb move on to it + 1).
     const bool more = it + 1 < n_iter;

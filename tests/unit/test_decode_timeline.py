@@ -18,7 +18,8 @@ T0 = 5_000_000_000   # ns
 
 
 def item(sm: int, bx: int, entry: int, start: int, first: int, end: int, tokens: int = 512) -> str:
-    return f"KVTL d {sm} {bx} 0 0 0 {T0 + entry} {T0 + start} {T0 + first} {T0 + end} {tokens}"
+    mid = (first + end) // 2
+    return f"KVTL d {sm} {bx} 0 0 0 {T0 + entry} {T0 + start} {T0 + first} {T0 + end} {tokens} {T0 + mid}"
 
 
 def test_summary_of_one_launch():
@@ -39,6 +40,14 @@ def test_summary_of_one_launch():
     assert "past the wait  45.8- 45.8, last end  47.0" in text
     span = 47.0e-6
     assert f"span    47.0 us: {100 * nbytes / span / 3.0e12:4.1f}% of the ceiling" in text
+
+
+def test_rate_profile_spreads_each_items_bytes_over_its_time():
+    # One item: first data at 2 us, middle at 6 us, end at 10 us, 1.2e4 bytes: 6e3 bytes over [2, 6)
+    # and 6e3 over [6, 10); bins of 2 us at a ceiling of 1.5e9 B/s (3e3 bytes a bin = 100%).
+    rec = [0, 0, 0, 0, 0, T0, T0, T0 + 2_000, T0 + 10_000, 512, T0 + 6_000]
+    rates = decode_timeline.rate_profile([rec], 12_000, 1.5e9, T0, 2.0)
+    assert [round(r) for r in rates[:6]] == [0, 100, 100, 100, 100, 0]
 
 
 def test_no_records():
