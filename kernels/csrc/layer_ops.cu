@@ -4,6 +4,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstring>
+#include <type_traits>
+
 #include "layer_ops.h"
 #include "split_query.cuh"
 
@@ -103,30 +106,81 @@ __device__ __forceinline__ void rope_pairs(const RopeArgs& a, int first_head) {
   }
 }
 
-// Four consecutive elements, as one aligned access.
+// Two consecutive elements of T as one value P (a 32-bit word for 16-bit types, the first element
+// in its low half; a float2 for float), widened to floats and packed back: a bf16 pair widens by a
+// shift and a mask and packs with one paired conversion (F2FP), where element-wise access costs a
+// byte permute each way.
 template <typename T>
-struct alignas(4 * sizeof(T)) Quad {
-  T v[4];
+struct PairOf;
+template <>
+struct PairOf<__nv_bfloat16> {
+  using P = uint32_t;
+  static __device__ __forceinline__ float2 unpack(P w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
+  static __device__ __forceinline__ P pack(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    P w;
+    memcpy(&w, &v, sizeof(w));
+    return w;
+  }
 };
+template <>
+struct PairOf<__half> {
+  using P = uint32_t;
+  static __device__ __forceinline__ float2 unpack(P w) {
+    __half2 v;
+    memcpy(&v, &w, sizeof(w));
+    return __half22float2(v);
+  }
+  static __device__ __forceinline__ P pack(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    P w;
+    memcpy(&w, &v, sizeof(w));
+    return w;
+  }
+};
+template <>
+struct PairOf<float> {
+  using P = float2;
+  static __device__ __forceinline__ float2 unpack(P v) { return v; }
+  static __device__ __forceinline__ P pack(float a, float b) { return make_float2(a, b); }
+};
+
+// Four consecutive elements of T as two pairs, loaded or stored as one aligned access.
+template <typename T>
+struct alignas(4 * sizeof(T)) QuadPairs {
+  typename PairOf<T>::P p[2];
+  static __device__ __forceinline__ QuadPairs at(const T* x) { return *reinterpret_cast<const QuadPairs*>(x); }
+};
+
+// The rotation of four pairs of columns (rope_quad, and the split writer's rotated_bf16x4_pair):
+// x1 = a row's columns i .. i + 3 (below half), x2 = their partners i + half .. i + half + 3;
+// (c1, s1) and (c2, s2) the token's cos and sin at those columns. lo, hi: the rotated columns.
+template <typename T>
+__device__ __forceinline__ void rotate_quad(const QuadPairs<T>& x1, const QuadPairs<T>& x2, const QuadPairs<T>& c1,
+                                            const QuadPairs<T>& s1, const QuadPairs<T>& c2, const QuadPairs<T>& s2,
+                                            QuadPairs<T>& lo, QuadPairs<T>& hi) {
+  using F = PairOf<T>;
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const float2 a = F::unpack(x1.p[w]), b = F::unpack(x2.p[w]);
+    const float2 ca = F::unpack(c1.p[w]), sa = F::unpack(s1.p[w]), cb = F::unpack(c2.p[w]), sb = F::unpack(s2.p[w]);
+    lo.p[w] = F::pack(rotated<T>(a.x, b.x, ca.x, sa.x, true), rotated<T>(a.y, b.y, ca.y, sa.y, true));
+    hi.p[w] = F::pack(rotated<T>(b.x, a.x, cb.x, sb.x, false), rotated<T>(b.y, a.y, cb.y, sb.y, false));
+  }
+}
 
 // Pairs i .. i + 3 of row x and their partners i + half .. i + half + 3 rotated in place, each
 // four loaded and stored as one access (cos, sin: the token's rows).
 template <typename T>
 __device__ __forceinline__ void rope_quad(T* x, const T* cos, const T* sin, int half, int i) {
-  using E = Elem<T>;
-  const Quad<T> x1 = *reinterpret_cast<const Quad<T>*>(x + i), x2 = *reinterpret_cast<const Quad<T>*>(x + i + half);
-  const Quad<T> c1 = *reinterpret_cast<const Quad<T>*>(cos + i), s1 = *reinterpret_cast<const Quad<T>*>(sin + i);
-  const Quad<T> c2 = *reinterpret_cast<const Quad<T>*>(cos + i + half);
-  const Quad<T> s2 = *reinterpret_cast<const Quad<T>*>(sin + i + half);
-  Quad<T> lo, hi;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float v1 = E::load(x1.v[j]), v2 = E::load(x2.v[j]);
-    lo.v[j] = E::store(rotated<T>(v1, v2, E::load(c1.v[j]), E::load(s1.v[j]), true));
-    hi.v[j] = E::store(rotated<T>(v2, v1, E::load(c2.v[j]), E::load(s2.v[j]), false));
-  }
-  *reinterpret_cast<Quad<T>*>(x + i) = lo;
-  *reinterpret_cast<Quad<T>*>(x + i + half) = hi;
+  using Q = QuadPairs<T>;
+  Q lo, hi;
+  rotate_quad(Q::at(x + i), Q::at(x + i + half), Q::at(cos + i), Q::at(sin + i), Q::at(cos + i + half),
+              Q::at(sin + i + half), lo, hi);
+  *reinterpret_cast<Q*>(x + i) = lo;
+  *reinterpret_cast<Q*>(x + i + half) = hi;
 }
 
 // rope_pairs with a thread per four consecutive pairs (RopeArgs::quads): every row of q, k, cos
@@ -153,11 +207,6 @@ __global__ void rope_kernel(RopeArgs a) {
     rope_pairs<T>(a, 0);
 }
 
-// Four consecutive bf16 values at p (8-byte aligned) as two words, the first value lowest.
-__device__ __forceinline__ uint2 load_bf16x4(const __nv_bfloat16* p) { return *reinterpret_cast<const uint2*>(p); }
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
 // How rope_split_query rotates k, for A/B timing: 2 (default, where rows align) four pairs a
 // thread in the same pass as q's split, a block's threads taking q's rows, then k's quads; 1 four
 // pairs a thread after q; 0 a pair a thread after q (as where rows do not align).
@@ -166,32 +215,19 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 #endif
 
 // Four columns c .. c + 3 below half and their partners c + half .. c + half + 3 of row x rotated
-// (cos/sin rows given; none: as they are): low and high, two bf16x2 words each.
+// (rotate_quad; cos/sin rows given; none: as they are): low and high, two bf16x2 words each.
 template <int D>
 __device__ __forceinline__ void rotated_bf16x4_pair(const __nv_bfloat16* x, const __nv_bfloat16* cos,
                                                     const __nv_bfloat16* sin, int c, uint2& low, uint2& high) {
+  using Q = QuadPairs<__nv_bfloat16>;
   constexpr int half = D / 2;
-  low = load_bf16x4(x + c);
-  high = load_bf16x4(x + c + half);
-  if (cos == nullptr) return;
-  const uint2 c1 = load_bf16x4(cos + c), s1 = load_bf16x4(sin + c);
-  const uint2 c2 = load_bf16x4(cos + c + half), s2 = load_bf16x4(sin + c + half);
-  const uint32_t x1[2] = {low.x, low.y}, x2[2] = {high.x, high.y};
-  const uint32_t cw1[2] = {c1.x, c1.y}, sw1[2] = {s1.x, s1.y}, cw2[2] = {c2.x, c2.y}, sw2[2] = {s2.x, s2.y};
-  uint32_t lo[2], hi[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const __nv_bfloat162 l = __floats2bfloat162_rn(
-        rotated<__nv_bfloat16>(bf16_lo(x1[w]), bf16_lo(x2[w]), bf16_lo(cw1[w]), bf16_lo(sw1[w]), true),
-        rotated<__nv_bfloat16>(bf16_hi(x1[w]), bf16_hi(x2[w]), bf16_hi(cw1[w]), bf16_hi(sw1[w]), true));
-    const __nv_bfloat162 h = __floats2bfloat162_rn(
-        rotated<__nv_bfloat16>(bf16_lo(x2[w]), bf16_lo(x1[w]), bf16_lo(cw2[w]), bf16_lo(sw2[w]), false),
-        rotated<__nv_bfloat16>(bf16_hi(x2[w]), bf16_hi(x1[w]), bf16_hi(cw2[w]), bf16_hi(sw2[w]), false));
-    lo[w] = *reinterpret_cast<const uint32_t*>(&l);
-    hi[w] = *reinterpret_cast<const uint32_t*>(&h);
+  Q lo = Q::at(x + c), hi = Q::at(x + c + half);
+  if (cos != nullptr) {
+    const Q x1 = lo, x2 = hi;
+    rotate_quad(x1, x2, Q::at(cos + c), Q::at(sin + c), Q::at(cos + c + half), Q::at(sin + c + half), lo, hi);
   }
-  low = make_uint2(lo[0], lo[1]);
-  high = make_uint2(hi[0], hi[1]);
+  low = make_uint2(lo.p[0], lo.p[1]);
+  high = make_uint2(hi.p[0], hi.p[1]);
 }
 
 // Four words (8 bf16 values: columns c .. c + 3 and c + 16 .. c + 19) split under `up` (2^f) into
