@@ -1,0 +1,79 @@
+"""How evenly the decode work list fills the launch's resident thread blocks, on this CPU (no
+GPU): for each step shape, the planner's list (kernels/decode_plan.py, the C++ planner's
+reference) per KV head, with its workers' loads in tokens plus the planner's per-item cost.
+
+- idle: workers with no item (each a resident block slot that reads nothing);
+- busiest / mean: the busiest worker's load over the mean one: what the step takes over what an
+  even split would (the planner's own model; the GPU adds its ramp, end spread and merge);
+- an even split's items: the items a list needs to give every worker the same tokens, cutting
+  sequences at worker boundaries (stream-K), and how many of the sequences it cuts.
+
+The decode timeline (benchmarks/decode_timeline.py, docs/performance.md "Where a short decode
+step's time goes") found 8 x 4K and 64 x 4K ending late by their idle slots: 512 blocks on 528.
+
+    python3 benchmarks/plan_balance.py [--workers 66] [--longest 33280]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from kvpager.kernels import decode_plan
+
+UNIFORM = [(1, 32768), (8, 4096), (32, 2048), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
+RAGGED = [(128, 8192), (64, 32768), (256, 2048), (276, 2600)]
+
+
+def loads(plan: np.ndarray, workers: int, item_cost: int) -> np.ndarray:
+    """Each worker's planned load (tokens + item_cost per item) of a work list."""
+    n, size = int(plan[0]), int(plan[1])
+    records = plan[decode_plan.HEADER:decode_plan.HEADER + 2 * n].reshape(n, 2)
+    piece = records[:, 0].view(np.uint32) & 0xFFFF
+    tokens = records[:, 1] - piece.astype(np.int64) * size
+    return np.bincount(decode_plan._snake(n, workers), weights=tokens + item_cost, minlength=workers)
+
+
+def even_split(lens: np.ndarray, workers: int, longest: int) -> tuple[int, int]:
+    """(items, sequences cut) of a list giving every worker total / workers tokens (block-aligned
+    shares of the step's tokens laid end to end; a share crossing a sequence's end is two items,
+    and no item longer than ``longest``)."""
+    total = int(lens.sum())
+    share = -(-total // workers)
+    bounds = set(range(share, total, share))
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    items = cut = 0
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        inner = sorted(b for b in bounds if s < b < e)
+        pieces = len(inner) + 1
+        edges = [s, *inner, e]
+        pieces += sum(-(-(b - a) // longest) - 1 for a, b in zip(edges, edges[1:]))
+        items += pieces
+        cut += pieces > 1
+    return items, cut
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=66, help="workers per KV head (66: 4 blocks an SM on an H100)")
+    ap.add_argument("--longest", type=int, default=33280,
+                    help="the most tokens an item may hold (33,280: bf16 d128 block 16, the FMA instance's geometry)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(1)
+    cases = [("uniform", b, c, np.full(b, c)) for b, c in UNIFORM]
+    cases += [("ragged", b, c, rng.integers(1, c + 1, b)) for b, c in RAGGED]
+    print(f"{'kind':>7} {'batch x ctx':>12} | {'items':>5} {'P':>5} {'idle':>4} {'busiest/mean':>12} | "
+          f"even split: {'items':>5} {'cut':>4}")
+    for kind, batch, ctx, lens in cases:
+        plan = decode_plan.plan_decode_work(lens, args.workers, args.longest)
+        load = loads(plan, args.workers, decode_plan.ITEM_COST)
+        idle = int((load == 0).sum())
+        items, cut = even_split(lens, args.workers, args.longest)
+        print(f"{kind:>7} {batch:>5} x {ctx:<6} | {int(plan[0]):>5} {int(plan[1]):>5} {idle:>4} "
+              f"{load.max() / load.mean():>12.3f} | {'':>12}{items:>5} {cut:>4}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""benchmarks/plan_balance.py: a work list's per-worker loads and the even split's item count."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import plan_balance  # noqa: E402
+
+from kvpager.kernels import decode_plan  # noqa: E402
+
+
+def test_loads_add_up_to_the_tokens_and_item_costs():
+    lens = np.array([4096] * 8)
+    plan = decode_plan.plan_decode_work(lens, 66, 33280)
+    load = plan_balance.loads(plan, 66, 96)
+    assert load.sum() == lens.sum() + 96 * int(plan[0])
+    assert (load == 0).sum() == 66 - int(plan[0])   # 64 items of 512 tokens: two workers idle
+
+
+def test_even_split_cuts_at_worker_boundaries():
+    # 3 x 100 tokens over 3 workers: shares end at 100 and 200, the sequences' own ends: no cut.
+    assert plan_balance.even_split(np.array([100, 100, 100]), 3, 1000) == (3, 0)
+    # 2 x 150 over 3 workers: a boundary at 100 in the first sequence, at 200 in the second.
+    assert plan_balance.even_split(np.array([150, 150]), 3, 1000) == (4, 2)
+    # One sequence of 300 over 1 worker, items of at most 128 tokens: three items.
+    assert plan_balance.even_split(np.array([300]), 1, 128) == (3, 1)
