@@ -3,8 +3,12 @@ GPU): for each step shape, the planner's list (kernels/decode_plan.py, the C++ p
 reference) per KV head, with its workers' loads in tokens plus the planner's per-item cost.
 
 - idle: workers with no item (each a resident block slot that reads nothing);
-- busiest / mean: the busiest worker's load over the mean one: what the step takes over what an
-  even split would (the planner's own model; the GPU adds its ramp, end spread and merge);
+- busiest / even: the busiest worker's load over the step's tokens / workers: what the step takes
+  over an even split with no per-item cost (the planner's own model; the GPU adds its ramp, end
+  spread and merge);
+- with divisor sizes: the best busiest / even in the same model when the candidate piece sizes
+  also include the longest context cut into m equal aligned pieces (the planner's candidates are
+  total / (rounds * workers), which on uniform batches leave a short last piece per sequence);
 - an even split's items: the items a list needs to give every worker the same tokens, cutting
   sequences at worker boundaries (stream-K), and how many of the sequences it cuts.
 
@@ -33,6 +37,30 @@ def loads(plan: np.ndarray, workers: int, item_cost: int) -> np.ndarray:
     piece = records[:, 0].view(np.uint32) & 0xFFFF
     tokens = records[:, 1] - piece.astype(np.int64) * size
     return np.bincount(decode_plan._snake(n, workers), weights=tokens + item_cost, minlength=workers)
+
+
+def best_with_sizes(lens: np.ndarray, workers: int, sizes: list[int], item_cost: int) -> tuple[float, int]:
+    """(busiest worker's load, piece size) of the best of these piece sizes in the planner's own
+    model (its items, order and snake deal: decode_plan's helpers; a load is tokens plus item_cost
+    per item): the lowest busiest load, the larger size on ties, as the planner picks."""
+    best = (np.inf, 0)
+    for size in sorted(set(sizes), reverse=True):
+        pieces = np.maximum(1, -(-lens // size))
+        if int(pieces.max()) > decode_plan.MAX_PIECES:
+            continue
+        seq, _, tokens = decode_plan._sorted_items(lens, pieces, size)
+        load = np.bincount(decode_plan._snake(len(seq), workers), weights=tokens + item_cost, minlength=workers)
+        if load.max() < best[0] - 1e-9:
+            best = (float(load.max()), size)
+    return best
+
+
+def divisor_sizes(lens: np.ndarray, longest: int) -> list[int]:
+    """Piece sizes that cut the longest context into m equal aligned pieces (m = 1 .. 64): sizes
+    the planner's candidates (total / (rounds * workers), aligned up) miss on uniform batches."""
+    top, align = int(lens.max()), decode_plan.ALIGN
+    sizes = (-(-(-(-top // m)) // align) * align for m in range(1, 65))   # ceil(top / m), aligned up
+    return [size for size in sizes if align <= size <= longest]
 
 
 def even_split(lens: np.ndarray, workers: int, longest: int) -> tuple[int, int]:
@@ -64,15 +92,18 @@ def main() -> None:
     rng = np.random.default_rng(1)
     cases = [("uniform", b, c, np.full(b, c)) for b, c in UNIFORM]
     cases += [("ragged", b, c, rng.integers(1, c + 1, b)) for b, c in RAGGED]
-    print(f"{'kind':>7} {'batch x ctx':>12} | {'items':>5} {'P':>5} {'idle':>4} {'busiest/mean':>12} | "
-          f"even split: {'items':>5} {'cut':>4}")
+    print(f"{'kind':>7} {'batch x ctx':>12} | {'items':>5} {'P':>5} {'idle':>4} {'busiest/even':>12} | "
+          f"with divisor sizes: {'P':>5} {'busiest/even':>12} | even split: {'items':>5} {'cut':>4}")
     for kind, batch, ctx, lens in cases:
         plan = decode_plan.plan_decode_work(lens, args.workers, args.longest)
         load = loads(plan, args.workers, decode_plan.ITEM_COST)
         idle = int((load == 0).sum())
         items, cut = even_split(lens, args.workers, args.longest)
+        sizes = [int(plan[1]), *divisor_sizes(lens, args.longest)]
+        busiest, size = best_with_sizes(lens, args.workers, sizes, decode_plan.ITEM_COST)
+        even = lens.sum() / args.workers
         print(f"{kind:>7} {batch:>5} x {ctx:<6} | {int(plan[0]):>5} {int(plan[1]):>5} {idle:>4} "
-              f"{load.max() / load.mean():>12.3f} | {'':>12}{items:>5} {cut:>4}")
+              f"{load.max() / even:>12.3f} | {'':>19} {size:>5} {busiest / even:>12.3f} | {'':>12}{items:>5} {cut:>4}")
 
 
 if __name__ == "__main__":

@@ -28,3 +28,10 @@ def test_even_split_cuts_at_worker_boundaries():
     assert plan_balance.even_split(np.array([150, 150]), 3, 1000) == (4, 2)
     # One sequence of 300 over 1 worker, items of at most 128 tokens: three items.
     assert plan_balance.even_split(np.array([300]), 1, 128) == (3, 1)
+
+
+def test_divisor_sizes_and_the_best_of_them():
+    # 16,384 tokens in m equal aligned pieces: 16,384, 8,192, 5,504 (5,462 aligned up), 4,096, ...
+    assert plan_balance.divisor_sizes(np.array([16384]), 33280)[:4] == [16384, 8192, 5504, 4096]
+    # 2 x 8,192 over 2 workers, item cost 0: whole sequences are already even (8,192 each).
+    assert plan_balance.best_with_sizes(np.array([8192, 8192]), 2, [8192, 4096], 0) == (8192.0, 8192)
