@@ -203,7 +203,9 @@ def paged_decode_run(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tenso
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views of the block-major
                       cache (any block stride, equal for K and V; packed inner dims), query's
                       dtype or float8_e4m3fn (with a float16/bfloat16 query)
-    block_tables:     [num_seqs, max_blocks] int32 (entries past a context are never read)
+    block_tables:     [num_seqs, max_blocks] int32 (entries past a context are never read; an entry
+                      within one that is not a block id, negative or >= num_blocks, is never
+                      dereferenced: its tokens are left out of the softmax)
     context_lens:     [num_seqs] int32 on the device: the lengths the plan was made from (0: a
                       padding row, written as zeros)
     out:              optional [num_seqs, num_q_heads, head_dim] output (query's dtype)
@@ -386,7 +388,10 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor | SplitQuery,
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
                       float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
     block_tables, context_lens, query_start_loc: int32 on the device, as in the reference (the
-                      lengths the plan was made from)
+                      lengths the plan was made from); a table entry within a context that is not a
+                      block id (negative or >= num_blocks) is never dereferenced, its keys and
+                      values read as zeros (decode leaves such tokens out instead: tables are
+                      expected to hold valid ids within their contexts)
     out:              optional output; rows of sequences the plan does not cover are left as they are
 
     No host work beyond the launcher's checks and the launch (no planning, no upload, no sync).
