@@ -13,13 +13,19 @@ namespace {
 using namespace kvbind;
 using torch::Tensor;
 
+// A tensor of `rank` dims (`layout` names them) with a contiguous last dim, on `device`, of
+// `dtype` (that of `like`).
+void check_layout(const Tensor& t, const char* what, const torch::Device& device, c10::ScalarType dtype,
+                  int64_t rank, const char* layout, const char* like) {
+  check_cuda(t, what, device);
+  KV_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, " like ", like, ", got ", t.scalar_type());
+  KV_CHECK(t.dim() == rank && (t.size(rank - 1) <= 1 || t.stride(rank - 1) == 1), what, " must be ", layout,
+           " with a contiguous last dim, got sizes ", dims(t.sizes()), " strides ", dims(t.strides()));
+}
+
 // [rows, cols] with a contiguous last dim, on `device`, of `dtype`.
 void check_matrix(const Tensor& t, const char* what, const torch::Device& device, c10::ScalarType dtype) {
-  check_cuda(t, what, device);
-  KV_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, " like the other inputs, got ", t.scalar_type());
-  KV_CHECK(t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1), what,
-           " must be [rows, cols] with a contiguous last dim, got sizes ", dims(t.sizes()), " strides ",
-           dims(t.strides()));
+  check_layout(t, what, device, dtype, 2, "[rows, cols]", "the other inputs");
 }
 
 void add_rms_norm(Tensor out, Tensor x, c10::optional<Tensor> delta, Tensor weight, double eps) {
@@ -55,11 +61,7 @@ void add_rms_norm(Tensor out, Tensor x, c10::optional<Tensor> delta, Tensor weig
 
 // [tokens, heads, head_dim] with a contiguous last dim.
 void check_heads(const Tensor& t, const char* what, const torch::Device& device, c10::ScalarType dtype) {
-  check_cuda(t, what, device);
-  KV_CHECK(t.scalar_type() == dtype, what, " must be ", dtype, " like q, got ", t.scalar_type());
-  KV_CHECK(t.dim() == 3 && (t.size(2) <= 1 || t.stride(2) == 1), what,
-           " must be [tokens, heads, head_dim] with a contiguous last dim, got sizes ", dims(t.sizes()), " strides ",
-           dims(t.strides()));
+  check_layout(t, what, device, dtype, 3, "[tokens, heads, head_dim]", "q");
 }
 
 // Whether every row (the last dim) of t starts at a multiple of `bytes`: its pointer and its other
