@@ -36,7 +36,7 @@ def loads(plan: np.ndarray, workers: int, item_cost: int) -> np.ndarray:
     records = plan[decode_plan.HEADER:decode_plan.HEADER + 2 * n].reshape(n, 2)
     piece = records[:, 0].view(np.uint32) & 0xFFFF
     tokens = records[:, 1] - piece.astype(np.int64) * size
-    return np.bincount(decode_plan._snake(n, workers), weights=tokens + item_cost, minlength=workers)
+    return decode_plan.worker_loads(tokens, workers, item_cost)
 
 
 def best_with_sizes(lens: np.ndarray, workers: int, sizes: list[int], item_cost: int) -> tuple[float, int]:
@@ -48,10 +48,10 @@ def best_with_sizes(lens: np.ndarray, workers: int, sizes: list[int], item_cost:
         pieces = np.maximum(1, -(-lens // size))
         if int(pieces.max()) > decode_plan.MAX_PIECES:
             continue
-        seq, _, tokens = decode_plan._sorted_items(lens, pieces, size)
-        load = np.bincount(decode_plan._snake(len(seq), workers), weights=tokens + item_cost, minlength=workers)
-        if load.max() < best[0] - 1e-9:
-            best = (float(load.max()), size)
+        _, _, tokens = decode_plan._sorted_items(lens, pieces, size)
+        busiest = float(decode_plan.worker_loads(tokens, workers, item_cost).max())
+        if busiest < best[0] - 1e-9:
+            best = (busiest, size)
     return best
 
 

@@ -88,8 +88,7 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
         if int(pieces.sum()) > capacity:
             continue
         seq, piece, tokens = _sorted_items(ctx, pieces, size)
-        worker = _snake(len(seq), workers)
-        span = int(np.bincount(worker, weights=tokens + item_cost, minlength=workers).max())
+        span = int(worker_loads(tokens, workers, item_cost).max())
         if best is None or span < best[0] or (span == best[0] and size > best[1]):
             best = (span, size, pieces, seq, piece, tokens)
     if best is None:
@@ -105,6 +104,12 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
     spans[:, 1] = pieces
     spans[1:, 0] = np.cumsum(pieces[:-1])
     return out
+
+
+def worker_loads(tokens: np.ndarray, workers: int, item_cost: int = ITEM_COST) -> np.ndarray:
+    """Each worker's load in the planner's model: the tokens of the items dealt to it (items in
+    list order, ``tokens`` each, snake deal) plus ``item_cost`` per item."""
+    return np.bincount(_snake(len(tokens), workers), weights=tokens + item_cost, minlength=workers)
 
 
 def _align_up(x: int) -> int:
