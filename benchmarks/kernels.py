@@ -381,17 +381,63 @@ def bench_ragged(ceiling: float) -> None:
         print(f"{kind:>7} {batch:>5} x {longest:<6} {tokens:>8} | {t_grid * 1e6:8.1f} {100 * nbytes / t_grid / ceiling:5.1f} | "
               f"{t_list * 1e6:8.1f} {100 * nbytes / t_list / ceiling:5.1f} {int(plan[0]):>5} {int(plan[1]):>5} | "
               f"{plan_s * 1e6:7.1f} | {sdpa:>6} | {err:8.1e}")
-        sweep = []
-        for min_item in PLAN_MIN_ITEMS:
-            for item_cost in PLAN_ITEM_COSTS:
-                swept = debug.with_work(step, debug.plan_decode_work(host_lens, geometry, min_item=min_item,
-                                                                     item_cost=item_cost))
-                t = timed(lambda: cuda.paged_decode_run(swept, q, k, v, tables, lens, scale, out=out_list), reps=9)
-                sweep.append(f"m{min_item}/c{item_cost}={100 * nbytes / t / ceiling:.1f}")
-        print(f"{'':29}planner knobs (min_item/item_cost=%): " + " ".join(sweep))
+        run = lambda swept: cuda.paged_decode_run(swept, q, k, v, tables, lens, scale, out=out_list)  # noqa: E731
+        print(f"{'':29}planner knobs (min_item/item_cost=%): " +
+              knob_sweep(step, host_lens, geometry, run, nbytes / ceiling, PLAN_MIN_ITEMS, PLAN_ITEM_COSTS))
         del q, cache, k, v
         torch.cuda.empty_cache()
     print(f"(work list: {geometry.workers} workers per KV head, kernel instance with {geometry.loads} loads)")
+
+
+def knob_sweep(step: cuda.DecodePlan, host_lens: list[int], geometry: cuda.DecodeGeometry, run, ceiling_s: float,
+               min_items, item_costs) -> str:
+    """'m<min_item>/c<item_cost>=<% of the copy ceiling>' for the step's work list replanned with
+    each pair of planner knobs, run(plan) timed; ceiling_s: the bytes read / the copy ceiling."""
+    cells = []
+    for min_item in min_items:
+        for item_cost in item_costs:
+            swept = debug.with_work(step, debug.plan_decode_work(host_lens, geometry, min_item=min_item,
+                                                                 item_cost=item_cost))
+            t = timed(lambda: run(swept), reps=9)
+            cells.append(f"m{min_item}/c{item_cost}={100 * ceiling_s / t:.1f}")
+    return " ".join(cells)
+
+
+FP8_PLAN_MIN_ITEMS = (256, 512, 1024)
+FP8_PLAN_ITEM_COSTS = (96, 192, 384)
+
+
+def bench_fp8_plan(ceiling: float) -> None:
+    """The work-list planner's knobs (min_item, item_cost: tokens) over an fp8 e4m3 cache on the
+    tensor-core instance, the planner's fp8 default, at the ragged and uniform shapes of
+    ``--only ragged``: a token there is half a bf16 token's bytes, so an item's fixed cost is worth
+    twice the tokens the planner's bf16-measured ITEM_COST counts. % of the copy ceiling in fp8 bytes."""
+    scale = D ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print("\nfp8 work lists (tensor cores), planner knobs min_item/item_cost (% of the copy ceiling, fp8 bytes):")
+    for kind, batch, longest in RAGGED_CONFIGS:
+        q, cache, tables, lens = make_case(batch, longest, gen=gen)
+        if kind == "ragged":
+            lens = torch.randint(1, longest + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        cache8 = quantize_in_chunks(cache, 0.05)
+        del cache
+        k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
+        host_lens = lens.tolist()
+        nbytes = 2 * sum(host_lens) * HKV * D
+        out = torch.empty_like(q)
+        geometry = cuda.decode_work_geometry(q, k8)
+        plan = cuda.plan_decode_work(host_lens, geometry)
+        step = debug.decode_plan_on("cuda", plan, geometry, batch, num_q_heads=HQ, head_dim=D)
+        run = lambda p: cuda.paged_decode_run(p, q, k8, v8, tables, lens, scale, out=out,  # noqa: E731
+                                              k_scale=0.05, v_scale=0.05)
+        warm_up(lambda: run(step), 0.2)
+        t = timed(lambda: run(step))
+        print(f"{kind:>7} {batch:>4} x {longest:<6} default ({int(plan[0])} items, P {int(plan[1])}, "
+              f"{geometry.workers} workers) {100 * nbytes / t / ceiling:.1f}% | " +
+              knob_sweep(step, host_lens, geometry, run, nbytes / ceiling, FP8_PLAN_MIN_ITEMS, FP8_PLAN_ITEM_COSTS),
+              flush=True)
+        del q, cache8, k8, v8
+        torch.cuda.empty_cache()
 
 
 FLUSH_CONFIGS = [(8, 4096), (1, 32768), (32, 2048), (64, 4096), (32, 16384)]
@@ -1514,7 +1560,7 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="comma-separated subset of plan,prefill_plan,ragged,list_loads,flush,after_write,small_reads,decode,gqa,copy,"
                          "swap,write_kv,flex,"
-                         "prefill,fp8,fp8_sweep,prefill_fp8,"
+                         "prefill,fp8,fp8_sweep,fp8_plan,prefill_fp8,rope,"
                          "prefill_kernel "
                          "(quick: decode alone, loads x splits sweep)")
     ap.add_argument("--variants", default="", help='decode kernel builds to compare: "name=nvcc flags;..."')
@@ -1544,7 +1590,7 @@ def main() -> None:
              ("list_loads", lambda: bench_list_loads(ceiling)), ("flush", lambda: bench_flush(ceiling)),
              ("after_write", lambda: bench_after_write(ceiling)), ("small_reads", lambda: bench_small_reads(ceiling)),
              ("quick", lambda: bench_decode_quick(ceiling)), ("fp8", lambda: bench_fp8(ceiling)),
-             ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)),
+             ("fp8_sweep", lambda: bench_fp8_sweep(ceiling)), ("fp8_plan", lambda: bench_fp8_plan(ceiling)),
              ("decode", lambda: bench(ceiling)), ("gqa", gqa_ratio), ("copy", lambda: bench_copy_blocks(ceiling)),
              ("swap", bench_swap), ("write_kv", lambda: bench_write_kv(ceiling)), ("flex", bench_flex),
              ("prefill", bench_prefill), ("prefill_kernel", bench_prefill_kernel), ("prefill_fp8", bench_prefill_fp8),

@@ -7,8 +7,10 @@ reference) per KV head, with its workers' loads in tokens plus the planner's per
   over an even split with no per-item cost (the planner's own model; the GPU adds its ramp, end
   spread and merge);
 - with divisor sizes: the best busiest / even in the same model when the candidate piece sizes
-  also include the longest context cut into m equal aligned pieces (the planner's candidates are
-  total / (rounds * workers), which on uniform batches leave a short last piece per sequence);
+  also include the longest context cut into m equal aligned pieces for every m up to 64 (the
+  planner's candidates are total / (rounds * workers), which on uniform batches leave a short last
+  piece per sequence, and beside each the one such size just above it: where this column is
+  lower, a divisor size the planner does not try would do better);
 - an even split's items: the items a list needs to give every worker the same tokens, cutting
   sequences at worker boundaries (stream-K), and how many of the sequences it cuts.
 
@@ -56,8 +58,8 @@ def best_with_sizes(lens: np.ndarray, workers: int, sizes: list[int], item_cost:
 
 
 def divisor_sizes(lens: np.ndarray, longest: int) -> list[int]:
-    """Piece sizes that cut the longest context into m equal aligned pieces (m = 1 .. 64): sizes
-    the planner's candidates (total / (rounds * workers), aligned up) miss on uniform batches."""
+    """Piece sizes that cut the longest context into m equal aligned pieces (m = 1 .. 64), beyond
+    the one beside each total / (rounds * workers) that the planner tries."""
     top, align = int(lens.max()), decode_plan.ALIGN
     sizes = (-(-(-(-top // m)) // align) * align for m in range(1, 65))   # ceil(top / m), aligned up
     return [size for size in sizes if align <= size <= longest]

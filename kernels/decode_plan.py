@@ -25,8 +25,11 @@ Layout (int32, ``kernels/csrc/launch.h``, ``DecodeArgs::work``)::
 
 Choosing P: a few candidates, each scored by the exact makespan of its assignment (tokens plus
 ``item_cost`` per item, on the busiest worker): whole sequences (P = the longest item the kernel
-stages) and pieces of total / (R * workers) tokens for R in ROUNDS (at least ``min_item``); the
-lowest makespan wins, the larger P on ties.
+stages), pieces of total / (R * workers) tokens for R in ROUNDS and, beside each of those, the
+size just above it that cuts the longest context into m equal pieces, m = longest // it (all at
+least ``min_item``; on uniform batches total / (R * workers) leaves every sequence a short last
+piece: 32 x 16K's busiest worker 4% lighter, ``benchmarks/plan_balance.py``); the lowest makespan
+wins, the larger P on ties. A size of at least the longest context is counted as whole sequences.
 Items are sorted longest first and dealt in rounds over the workers, every other round in
 reverse (a snake), so no worker gets the long pieces of every round. Cost: O(S + n log n) numpy
 work per candidate (0.2-0.4 ms in all for 100-500 sequences on a slow host core).
@@ -81,7 +84,17 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
                          f"{hi} (at most {MAX_PIECES} pieces per sequence)")
     total = int(ctx.sum())
     floor = max(lo, min(min_item, hi))
-    sizes = {hi} | {min(hi, max(floor, _align_up(ceil_div(total, r * workers)))) for r in ROUNDS}
+
+    def clamp(size: int) -> int:   # a size of at least the longest context leaves every sequence whole, as hi does
+        aligned = min(hi, max(floor, _align_up(size)))
+        return hi if aligned >= longest else aligned
+
+    sizes = {hi}
+    for r in ROUNDS:
+        even = clamp(ceil_div(total, r * workers))
+        sizes.add(even)
+        if longest > 0:   # the size just above it cutting the longest context into equal pieces
+            sizes.add(clamp(ceil_div(longest, max(1, longest // even))))
     best = None
     for size in sorted(sizes, reverse=True):
         pieces = np.maximum(1, -(-ctx // size))

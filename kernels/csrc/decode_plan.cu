@@ -197,9 +197,25 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
   const int64_t lo = std::max<int64_t>(kPartitionAlign, align_up((longest + kMaxSplits - 1) / kMaxSplits));
   if (hi < lo) return -2;
   const int64_t floor = std::max(lo, std::min<int64_t>(min_item, hi));
+  // A size of at least the longest context leaves every sequence whole, as hi does: counted as hi.
+  auto clamp = [&](int64_t size) {
+    const int64_t aligned = std::min(hi, std::max(floor, align_up(size)));
+    return aligned >= longest ? hi : aligned;
+  };
   std::vector<int64_t> sizes = {hi};
-  for (int rounds : kWorkRounds)
-    sizes.push_back(std::min(hi, std::max(floor, align_up((total + rounds * workers - 1) / (int64_t{rounds} * workers)))));
+  for (int rounds : kWorkRounds) {
+    const int64_t even = clamp((total + rounds * workers - 1) / (int64_t{rounds} * workers));
+    sizes.push_back(even);
+#if KVPAGER_PLAN_DIVISOR_SIZES
+    // Beside it, the size just above it that cuts the longest context into m equal pieces (m =
+    // longest / even, rounded down): on uniform batches `even` leaves every sequence a short last
+    // piece. (The size just below, m rounded up, never planned better: benchmarks/plan_balance.py.)
+    if (longest > 0) {
+      const int64_t m = std::max<int64_t>(1, longest / even);
+      sizes.push_back(clamp((longest + m - 1) / m));
+    }
+#endif
+  }
   std::sort(sizes.begin(), sizes.end(), std::greater<int64_t>());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
 
@@ -214,20 +230,21 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
       for (int64_t p = 0; p + 1 < pieces[i]; ++p) fn(k++, i, p, size);
     for (int i : by_last) fn(k++, i, pieces[i] - 1, last[i]);
   };
-  auto layout = [&](int64_t size) {   // pieces, last and by_last for this size; returns the item count
+  auto cut = [&](int64_t size) {   // pieces and last for this size; returns the item count
     int64_t n = 0;
     for (int i = 0; i < num_seqs; ++i) {
       pieces[i] = std::max<int64_t>(1, (ctx[i] + size - 1) / size);
       last[i] = ctx[i] - (pieces[i] - 1) * size;
       n += pieces[i];
     }
-    // by_last: longest last piece first, ties by row (a stable sort), as one sort of integer keys
-    // (row < 2^16, 0 <= last <= size < 2^31).
+    return n;
+  };
+  auto order = [&]() {   // by_last (after cut): longest last piece first, ties by row (a stable
+    // sort), as one sort of integer keys (row < 2^16, 0 <= last <= size < 2^31)
     for (int i = 0; i < num_seqs; ++i)
       keys[i] = (static_cast<uint64_t>(std::numeric_limits<int32_t>::max() - last[i]) << 16) | static_cast<uint64_t>(i);
     std::sort(keys.begin(), keys.end());
     for (int i = 0; i < num_seqs; ++i) by_last[i] = static_cast<int>(keys[i] & 0xFFFF);
-    return n;
   };
   // The busiest worker's cost for this size (after layout): the m inner pieces, all of one cost,
   // fill m / workers whole rounds and part of one more (the snake's direction by its parity), in
@@ -243,8 +260,13 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
   };
   int64_t best_size = 0, best_span = 0;
   for (const int64_t size : sizes) {   // largest first: ties keep the larger size
-    const int64_t n = layout(size);
+    const int64_t n = cut(size);
     if (n > capacity) continue;
+    // No worker carries less than the average load or the longest item: a size whose bound
+    // already reaches the best span cannot beat it, and is left unsorted (plans unchanged).
+    const int64_t bound = std::max(std::min(size, longest) + item_cost, (total + n * item_cost + workers - 1) / workers);
+    if (best_size != 0 && bound >= best_span) continue;
+    order();
     const int64_t span = span_of(size, n);
     if (best_size == 0 || span < best_span) {
       best_size = size;
@@ -252,7 +274,8 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
     }
   }
   if (best_size == 0) return -3;
-  const int64_t n = layout(best_size);
+  const int64_t n = cut(best_size);
+  order();
   int32_t* items = out + kWorkHeader;   // records (code, end), in the order dealt
   int32_t* spans = items + 2 * static_cast<int64_t>(capacity);
   std::fill(out, out + kWorkHeader, 0);

@@ -27,6 +27,11 @@ constexpr int kWorkDefaultLoads = 2;               // kernel instance of work-li
 // were 1-8% slower on large steps (benchmarks/kernels.py --only list_loads, docs/performance.md).
 constexpr double kFourLoadsBandwidth = 4.2e12;
 constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-list planner tries (decode_plan.py ROUNDS)
+// KVPAGER_PLAN_DIVISOR_SIZES=0: the work-list planner's candidate piece sizes without the sizes
+// that cut the longest context into equal pieces (plan_decode_work), to A/B them.
+#ifndef KVPAGER_PLAN_DIVISOR_SIZES
+#define KVPAGER_PLAN_DIVISOR_SIZES 1
+#endif
 // Whether plans over fp8 e4m3 caches take the tensor-core instance (paged_decode_mma.cuh) where it
 // is built (head_dim 64/128); requested_mma overrides it (kernels/debug.py: side-by-side runs).
 constexpr bool kDecodeMmaDefault = true;
@@ -84,8 +89,9 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
                                       int requested_mma, int device, DecodeWorkGeometry* geometry);
 
 // The step's work list (DecodeArgs::work layout) planned on the HOST from its context lengths:
-// pieces of one size P cut every sequence (P chosen among whole sequences and total / (R *
-// workers) for R in kWorkRounds, at least min_item tokens, by the exact busiest-worker cost,
+// pieces of one size P cut every sequence (P chosen among whole sequences, total / (R * workers)
+// for R in kWorkRounds and, beside each of those, the longest context / m for m = longest / it
+// rounded down, at least min_item tokens, by the exact busiest-worker cost,
 // tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
 // odd rounds in reverse, and stored in that order (work_snake_worker). out: work_list_ints(capacity,
 // num_seqs) ints.
