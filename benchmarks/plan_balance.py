@@ -12,7 +12,11 @@ reference) per KV head, with its workers' loads in tokens plus the planner's per
   piece per sequence, and beside each the one such size just above it: where this column is
   lower, a divisor size the planner does not try would do better);
 - an even split's items: the items a list needs to give every worker the same tokens, cutting
-  sequences at worker boundaries (stream-K), and how many of the sequences it cuts.
+  sequences at worker boundaries (stream-K), how many of the sequences it cuts, and its busiest
+  worker over the even share with the same per-item cost: the extra items of the workers whose
+  share crosses a sequence's end cost about what the even shares save (2026-11-27, seventeenth
+  session: lighter than the planner's busiest worker by 0.2-2.5% on 7 of the 11 shapes, heavier
+  by 4-13% on the other 4).
 
 The decode timeline (benchmarks/decode_timeline.py, docs/performance.md "Where a short decode
 step's time goes") found 8 x 4K and 64 x 4K ending late by their idle slots: 512 blocks on 528.
@@ -65,24 +69,32 @@ def divisor_sizes(lens: np.ndarray, longest: int) -> list[int]:
     return [size for size in sizes if align <= size <= longest]
 
 
-def even_split(lens: np.ndarray, workers: int, longest: int) -> tuple[int, int]:
-    """(items, sequences cut) of a list giving every worker total / workers tokens (block-aligned
-    shares of the step's tokens laid end to end; a share crossing a sequence's end is two items,
-    and no item longer than ``longest``)."""
+def even_split(lens: np.ndarray, workers: int, longest: int, item_cost: int = 0) -> tuple[int, int, float]:
+    """(items, sequences cut, busiest worker's load) of a list giving every worker total / workers
+    tokens (shares of the step's tokens laid end to end; a share crossing a sequence's end is two
+    items, and no item longer than ``longest``), a load being its tokens plus ``item_cost`` per
+    item: stream-K's deal in the planner's model."""
     total = int(lens.sum())
     share = -(-total // workers)
-    bounds = set(range(share, total, share))
     ends = np.cumsum(lens)
     starts = ends - lens
-    items = cut = 0
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        inner = sorted(b for b in bounds if s < b < e)
-        pieces = len(inner) + 1
-        edges = [s, *inner, e]
-        pieces += sum(-(-(b - a) // longest) - 1 for a, b in zip(edges, edges[1:]))
-        items += pieces
-        cut += pieces > 1
-    return items, cut
+    items, cut_seqs = 0, set()
+    busiest = 0.0
+    for w in range(workers):
+        lo, hi = w * share, min(total, (w + 1) * share)
+        if hi <= lo:
+            continue
+        first, last = np.searchsorted(ends, lo, side="right"), np.searchsorted(ends, hi - 1, side="right")
+        mine = 0
+        for i in range(int(first), int(last) + 1):
+            a, b = max(lo, int(starts[i])), min(hi, int(ends[i]))
+            mine += -(-(b - a) // longest)
+            if (a, b) != (int(starts[i]), int(ends[i])):
+                cut_seqs.add(i)
+        items += mine
+        busiest = max(busiest, hi - lo + item_cost * mine)
+    cut_seqs |= {i for i in range(len(lens)) if lens[i] > longest}
+    return items, len(cut_seqs), busiest
 
 
 def main() -> None:
@@ -95,17 +107,18 @@ def main() -> None:
     cases = [("uniform", b, c, np.full(b, c)) for b, c in UNIFORM]
     cases += [("ragged", b, c, rng.integers(1, c + 1, b)) for b, c in RAGGED]
     print(f"{'kind':>7} {'batch x ctx':>12} | {'items':>5} {'P':>5} {'idle':>4} {'busiest/even':>12} | "
-          f"with divisor sizes: {'P':>5} {'busiest/even':>12} | even split: {'items':>5} {'cut':>4}")
+          f"with divisor sizes: {'P':>5} {'busiest/even':>12} | even split: {'items':>5} {'cut':>4} {'busiest/even':>12}")
     for kind, batch, ctx, lens in cases:
         plan = decode_plan.plan_decode_work(lens, args.workers, args.longest)
         load = loads(plan, args.workers, decode_plan.ITEM_COST)
         idle = int((load == 0).sum())
-        items, cut = even_split(lens, args.workers, args.longest)
+        items, cut, split_busiest = even_split(lens, args.workers, args.longest, decode_plan.ITEM_COST)
         sizes = [int(plan[1]), *divisor_sizes(lens, args.longest)]
         busiest, size = best_with_sizes(lens, args.workers, sizes, decode_plan.ITEM_COST)
         even = lens.sum() / args.workers
         print(f"{kind:>7} {batch:>5} x {ctx:<6} | {int(plan[0]):>5} {int(plan[1]):>5} {idle:>4} "
-              f"{load.max() / even:>12.3f} | {'':>19} {size:>5} {busiest / even:>12.3f} | {'':>12}{items:>5} {cut:>4}")
+              f"{load.max() / even:>12.3f} | {'':>19} {size:>5} {busiest / even:>12.3f} | {'':>12}{items:>5} {cut:>4} "
+              f"{split_busiest / even:>12.3f}")
 
 
 if __name__ == "__main__":

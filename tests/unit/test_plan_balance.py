@@ -23,11 +23,12 @@ def test_loads_add_up_to_the_tokens_and_item_costs():
 
 def test_even_split_cuts_at_worker_boundaries():
     # 3 x 100 tokens over 3 workers: shares end at 100 and 200, the sequences' own ends: no cut.
-    assert plan_balance.even_split(np.array([100, 100, 100]), 3, 1000) == (3, 0)
-    # 2 x 150 over 3 workers: a boundary at 100 in the first sequence, at 200 in the second.
-    assert plan_balance.even_split(np.array([150, 150]), 3, 1000) == (4, 2)
+    assert plan_balance.even_split(np.array([100, 100, 100]), 3, 1000, 10) == (3, 0, 110)
+    # 2 x 150 over 3 workers: a boundary at 100 in the first sequence, at 200 in the second; the
+    # middle worker holds two items (50 tokens of each sequence).
+    assert plan_balance.even_split(np.array([150, 150]), 3, 1000, 10) == (4, 2, 120)
     # One sequence of 300 over 1 worker, items of at most 128 tokens: three items.
-    assert plan_balance.even_split(np.array([300]), 1, 128) == (3, 1)
+    assert plan_balance.even_split(np.array([300]), 1, 128, 10) == (3, 1, 330)
 
 
 def test_divisor_sizes_and_the_best_of_them():
