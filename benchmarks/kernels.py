@@ -416,11 +416,7 @@ def bench_fp8_plan(ceiling: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(1)
     print("\nfp8 work lists (tensor cores), planner knobs min_item/item_cost (% of the copy ceiling, fp8 bytes):")
     for kind, batch, longest in RAGGED_CONFIGS:
-        q, cache, tables, lens = make_case(batch, longest, gen=gen)
-        if kind == "ragged":
-            lens = torch.randint(1, longest + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-        cache8 = quantize_in_chunks(cache, 0.05)
-        del cache
+        q, cache8, tables, lens = fp8_case(kind, batch, longest, gen)
         k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
         host_lens = lens.tolist()
         nbytes = 2 * sum(host_lens) * HKV * D
@@ -759,6 +755,17 @@ def quantize_in_chunks(cache: torch.Tensor, scale: float) -> torch.Tensor:
 FP8_RAGGED = [("ragged", 128, 8192), ("ragged", 64, 32768), ("ragged", 256, 2048), ("ragged", 276, 2600)]
 
 
+def fp8_case(kind: str, batch: int, ctx: int, gen: torch.Generator):
+    """make_case's (q, cache, tables, lens) with the cache quantized to e4m3 (scale 0.05); "ragged":
+    lengths uniform in 1..ctx."""
+    q, cache, tables, lens = make_case(batch, ctx, gen=gen)
+    if kind == "ragged":
+        lens = torch.randint(1, ctx + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    cache8 = quantize_in_chunks(cache, 0.05)
+    del cache
+    return q, cache8, tables, lens
+
+
 def bench_fp8(ceiling: float) -> None:
     """Decode over an fp8 e4m3 cache (bf16 query, per-tensor scales), side by side in one run: our
     kernel over the bf16 cache, over the fp8 cache on the FMA instance (kernels/debug.py mma=False,
@@ -776,11 +783,7 @@ def bench_fp8(ceiling: float) -> None:
     print("-" * len(hdr))
     listed = []
     for kind, batch, ctx in [("uniform", b, c) for b, c in CONFIGS] + FP8_RAGGED:
-        q, cache, tables, lens = make_case(batch, ctx, gen=gen)
-        if kind == "ragged":
-            lens = torch.randint(1, ctx + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-        cache8 = quantize_in_chunks(cache, 0.05)
-        del cache
+        q, cache8, tables, lens = fp8_case(kind, batch, ctx, gen)
         k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
         host_lens = lens.tolist()
         nbytes = 2 * sum(host_lens) * HKV * D              # one byte per element
