@@ -223,7 +223,7 @@ def launch_phases(graphs: DecodeGraphs, model: Decoder, step: StepInput, previou
         lens_t, out_t = torch.from_numpy(lens), torch.from_numpy(out)
         calls = {"DecodePlanner.plan": lambda: planner.plan(lens, out=out),
                  "extension call alone": lambda: load().plan_decode_work(lens_t, geometry.workers, geometry.longest_item,
-                                                                         decode_plan.MIN_ITEM, decode_plan.ITEM_COST,
+                                                                         decode_plan.MIN_ITEM, getattr(geometry, "item_cost", decode_plan.ITEM_COST),
                                                                          out_t)}
         print(f"  host planner alone, {len(lens)} rows, {geometry.workers} workers (p50 of 200, us):")
         for name, call in calls.items():

@@ -80,12 +80,14 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 class DecodeGeometry:
     """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
     blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: the tensor-core
-    instance), query heads per block, and the most tokens one item may hold."""
+    instance), query heads per block, the most tokens one item may hold, and the planner's cost of
+    an item in tokens (``decode_plan.item_cost_for`` the cache's element size)."""
     workers: int
     loads: int
     head_tile: int
     longest_item: int
     mma: bool = False
+    item_cost: int = work_plan.ITEM_COST
 
     def capacity(self, num_seqs: int) -> int:
         """Item slots a plan for ``num_seqs`` rows needs."""
@@ -141,7 +143,8 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
         q = query_like.new_empty(1, *query_like.shape[1:])
         workers, chosen, tile, longest, use_mma = (int(x) for x in load().decode_work_geometry(q, k_cache, int(loads),
                                                                                               int(mma)))
-        geometry = DecodeGeometry(workers, chosen, tile, longest, bool(use_mma))
+        geometry = DecodeGeometry(workers, chosen, tile, longest, bool(use_mma),
+                                  work_plan.item_cost_for(k_cache.element_size()))
         _geometries[key] = geometry
     return geometry
 
@@ -152,7 +155,7 @@ def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | Non
     (a list or an integer array, one per row; 0 for padding rows): the C++ planner, equal to
     ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does.
     ``out``: a contiguous int32 array of the plan's size to write it into (every int is written)."""
-    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, work_plan.ITEM_COST, out)
+    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, geometry.item_cost, out)
 
 
 def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min_item: int,
@@ -180,9 +183,10 @@ def decode_step_stager(inputs: torch.Tensor, previous: torch.Tensor, layouts: li
     list planned there as ``plan_decode_work`` plans it), enqueues on the current stream its copy,
     the fed ids' copy and, unless ``graph_exec`` is 0, that graph's launch, and returns the bytes
     copied; ValueError for bad input, with nothing enqueued."""
-    workers, longest = (geometry.workers, geometry.longest_item) if geometry is not None else (0, 0)
+    workers, longest, item_cost = ((geometry.workers, geometry.longest_item, geometry.item_cost)
+                                   if geometry is not None else (0, 0, work_plan.ITEM_COST))
     return load().DecodeStepStager(inputs, previous, [list(lay) for lay in layouts], workers, longest,
-                                   work_plan.MIN_ITEM, work_plan.ITEM_COST, slots)
+                                   work_plan.MIN_ITEM, item_cost, slots)
 
 
 def decode_workspace(rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> Workspace:

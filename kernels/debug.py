@@ -91,9 +91,11 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
 
 
 def plan_decode_work(context_lens, geometry: cuda.DecodeGeometry, capacity: int | None = None, *,
-                     min_item: int = work_plan.MIN_ITEM, item_cost: int = work_plan.ITEM_COST) -> np.ndarray:
-    """``cuda.plan_decode_work`` with the planner's knobs (for sweeps)."""
-    return cuda._plan_work(context_lens, geometry, capacity, min_item, item_cost)
+                     min_item: int = work_plan.MIN_ITEM, item_cost: int | None = None) -> np.ndarray:
+    """``cuda.plan_decode_work`` with the planner's knobs (for sweeps; ``item_cost`` None: the
+    geometry's)."""
+    return cuda._plan_work(context_lens, geometry, capacity, min_item,
+                           geometry.item_cost if item_cost is None else item_cost)
 
 
 def decode_plan_on(device: torch.device | str, host_plan: np.ndarray, geometry: cuda.DecodeGeometry, rows: int, *,

@@ -49,6 +49,15 @@ ROUNDS = (1, 2, 4, 8, MAX_ROUNDS)
 MIN_ITEM = 256      # tokens: shorter pieces cost more in prologue and merge than they balance
 ITEM_COST = 96      # tokens' worth of time an item costs beyond its tokens (prologue, partials, merge;
                     # benchmarks/kernels.py --only ragged sweeps it: 96 was best or within 0.3% on an H100)
+ITEM_COST_FP8 = 384  # the same over a one-byte (fp8) cache, whose tokens take half the bytes and time:
+                     # --only fp8_plan on an H100 (2026-11-27): 384 against 96 read 1.6-1.8 points more on a
+                     # ragged 128 x 8K batch and 4 more on a 276 x 2.6K one (which 96 cut into 414 items),
+                     # within 0.7 point elsewhere
+
+
+def item_cost_for(cache_element_bytes: int) -> int:
+    """The planner's ``item_cost`` for a cache of elements this many bytes wide."""
+    return ITEM_COST_FP8 if cache_element_bytes == 1 else ITEM_COST
 
 
 def capacity_for(num_seqs: int, workers: int) -> int:

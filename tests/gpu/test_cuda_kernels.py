@@ -581,3 +581,21 @@ def test_host_planners_agree():
         lens = torch.randint(-2, [300, 5000, 40000][trial % 3], (rows,), generator=gen).tolist()
         expect = decode_plan.plan_decode_work(lens, geometry.workers, geometry.longest_item)
         assert (cuda.plan_decode_work(lens, geometry) == expect).all(), (trial, rows)
+
+
+def test_fp8_work_lists_plan_with_the_fp8_item_cost():
+    """Over an fp8 cache the geometry carries the fp8 item cost, and the worker's planner uses it
+    (the numpy planner given the same cost plans the same)."""
+    from kvpager.kernels import decode_plan
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=DEV)
+    k8 = torch.empty(4, 8, 16, 128, dtype=cuda.FP8, device=DEV)
+    geometry = cuda.decode_work_geometry(q, k8)
+    assert geometry.item_cost == decode_plan.ITEM_COST_FP8
+    assert cuda.decode_work_geometry(q, k8.to(torch.bfloat16)).item_cost == decode_plan.ITEM_COST
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(50):
+        lens = torch.randint(1, [2600, 8192][trial % 2], (int(torch.randint(64, 300, (1,), generator=gen)),),
+                             generator=gen).tolist()
+        expect = decode_plan.plan_decode_work(lens, geometry.workers, geometry.longest_item,
+                                              item_cost=decode_plan.ITEM_COST_FP8)
+        assert (cuda.plan_decode_work(lens, geometry) == expect).all(), trial

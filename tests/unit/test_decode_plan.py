@@ -79,6 +79,21 @@ def test_ragged_batches_are_balanced_across_workers():
         assert loads.max() <= 1.08 * average + size / 4, (len(lens), size, loads.max(), average)
 
 
+def test_fp8_caches_count_an_item_dearer():
+    """A one-byte cache's tokens take half the time, so an item's fixed cost is worth more of them:
+    on this ragged batch the 16-bit cost cuts sequences (284 items of 1,344 tokens), the fp8 cost
+    keeps every sequence whole."""
+    assert decode_plan.item_cost_for(1) == decode_plan.ITEM_COST_FP8
+    assert decode_plan.item_cost_for(2) == decode_plan.item_cost_for(4) == decode_plan.ITEM_COST
+    rng = np.random.default_rng(0)
+    rng.integers(1, 2600, int(rng.integers(100, 300)))   # (the search's first trial)
+    lens = rng.integers(1, 2600, int(rng.integers(100, 300)))
+    cut = plan_decode_work(lens, 66, 66560)
+    whole = plan_decode_work(lens, 66, 66560, item_cost=decode_plan.ITEM_COST_FP8)
+    assert (int(cut[0]), int(cut[1])) == (284, 1344)
+    assert (int(whole[0]), int(whole[1])) == (len(lens), 66560)
+
+
 def test_a_long_sequence_is_split_and_short_ones_are_whole():
     _, size, seq, piece, _ = _check([40000, 10, 20], 64)
     assert size < 40000 and piece[seq == 0].max() > 0 and (piece[seq > 0] == 0).all()
