@@ -15,8 +15,9 @@ reference) per KV head, with its workers' loads in tokens plus the planner's per
   sequences at worker boundaries (stream-K), how many of the sequences it cuts, and its busiest
   worker over the even share with the same per-item cost: the extra items of the workers whose
   share crosses a sequence's end cost about what the even shares save (2026-11-27, seventeenth
-  session: lighter than the planner's busiest worker by 0.2-2.5% on 7 of the 11 shapes, heavier
-  by 4-13% on the other 4).
+  session: with an item cost of 96 tokens, lighter than the planner's busiest worker by 0.2-2.5%
+  on 7 of the 11 shapes and heavier by 4-13% on the other 4; with the planner's measured 192,
+  lighter by 0.7-2.1% on 3 and heavier by up to 25% on 8).
 
 The decode timeline (benchmarks/decode_timeline.py, docs/performance.md "Where a short decode
 step's time goes") found 8 x 4K and 64 x 4K ending late by their idle slots: 512 blocks on 528.

@@ -47,12 +47,15 @@ MAX_PIECES = 256    # pieces of one sequence (kMaxSplits: the merge stages one w
 MAX_ROUNDS = 16     # items per worker the planner aims at, at most
 ROUNDS = (1, 2, 4, 8, MAX_ROUNDS)
 MIN_ITEM = 256      # tokens: shorter pieces cost more in prologue and merge than they balance
-ITEM_COST = 96      # tokens' worth of time an item costs beyond its tokens (prologue, partials, merge;
-                    # benchmarks/kernels.py --only ragged sweeps it: 96 was best or within 0.3% on an H100)
-ITEM_COST_FP8 = 384  # the same over a one-byte (fp8) cache, whose tokens take half the bytes and time:
-                     # --only fp8_plan on an H100 (2026-11-27): 384 against 96 read 1.6-1.8 points more on a
-                     # ragged 128 x 8K batch and 4 more on a 276 x 2.6K one (which 96 cut into 414 items),
-                     # within 0.7 point elsewhere
+# Tokens' worth of time an item costs beyond its tokens (prologue, partial rows, merge, and the
+# spread more items bring), by the cache's element size. Measured on an H100 (docs/performance.md,
+# seventeenth session: 8 draws of each ragged shape timed by turns with costs 96-768, head_dim 128
+# and 64): 192 over 16-bit caches read 0.1-0.7 point more on average than the earlier 96 and never
+# less; 384 over fp8 ones, whose tokens take half the bytes, 1.5-1.9 more than 96 on ragged 128 x 8K
+# and within 0.2 on 64 x 32K (4 more on one draw that 96 cut into 414 items); costlier still, long
+# ragged batches lost up to 1 point. Uniform batches plan the same with any of them.
+ITEM_COST = 192
+ITEM_COST_FP8 = 384
 
 
 def item_cost_for(cache_element_bytes: int) -> int:
