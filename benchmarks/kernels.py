@@ -325,8 +325,8 @@ RAGGED_CONFIGS = [("ragged", 128, 8192), ("ragged", 64, 32768), ("ragged", 256, 
                   ("uniform", 128, 2048), ("uniform", 256, 1024), ("uniform", 32, 16384)]
 
 
-PLAN_MIN_ITEMS = (128, 256, 512)
-PLAN_ITEM_COSTS = (32, 96, 256)
+PLAN_MIN_ITEMS = (128, 256, 1024)   # the planner's knobs swept by --only ragged and fp8_plan (tokens)
+PLAN_ITEM_COSTS = (96, 192, 384)
 
 
 def bench_ragged(ceiling: float) -> None:
@@ -403,15 +403,11 @@ def knob_sweep(step: cuda.DecodePlan, host_lens: list[int], geometry: cuda.Decod
     return " ".join(cells)
 
 
-FP8_PLAN_MIN_ITEMS = (256, 512, 1024)
-FP8_PLAN_ITEM_COSTS = (96, 192, 384)
-
-
 def bench_fp8_plan(ceiling: float) -> None:
     """The work-list planner's knobs (min_item, item_cost: tokens) over an fp8 e4m3 cache on the
     tensor-core instance, the planner's fp8 default, at the ragged and uniform shapes of
     ``--only ragged``: a token there is half a bf16 token's bytes, so an item's fixed cost is worth
-    twice the tokens the planner's bf16-measured ITEM_COST counts. % of the copy ceiling in fp8 bytes."""
+    more tokens (decode_plan.ITEM_COST_FP8). % of the copy ceiling in fp8 bytes."""
     scale = D ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(1)
     print("\nfp8 work lists (tensor cores), planner knobs min_item/item_cost (% of the copy ceiling, fp8 bytes):")
@@ -430,7 +426,7 @@ def bench_fp8_plan(ceiling: float) -> None:
         t = timed(lambda: run(step))
         print(f"{kind:>7} {batch:>4} x {longest:<6} default ({int(plan[0])} items, P {int(plan[1])}, "
               f"{geometry.workers} workers) {100 * nbytes / t / ceiling:.1f}% | " +
-              knob_sweep(step, host_lens, geometry, run, nbytes / ceiling, FP8_PLAN_MIN_ITEMS, FP8_PLAN_ITEM_COSTS),
+              knob_sweep(step, host_lens, geometry, run, nbytes / ceiling, PLAN_MIN_ITEMS, PLAN_ITEM_COSTS),
               flush=True)
         del q, cache8, k8, v8
         torch.cuda.empty_cache()

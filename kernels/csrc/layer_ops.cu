@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <type_traits>
 
 #include "layer_ops.h"
 #include "split_query.cuh"
@@ -106,10 +105,6 @@ __device__ __forceinline__ void rope_pairs(const RopeArgs& a, int first_head) {
   }
 }
 
-// Two consecutive elements of T as one value P (a 32-bit word for 16-bit types, the first element
-// in its low half; a float2 for float), widened to floats and packed back: a bf16 pair widens by a
-// shift and a mask and packs with one paired conversion (F2FP), where element-wise access costs a
-// byte permute each way.
 // A 32-bit value's bits as another 32-bit type (a bf16x2 or fp16x2 pair and its word).
 template <typename To, typename From>
 __device__ __forceinline__ To bits_as(From v) {
@@ -119,6 +114,10 @@ __device__ __forceinline__ To bits_as(From v) {
   return out;
 }
 
+// Two consecutive elements of T as one value P (a 32-bit word for 16-bit types, the first element
+// in its low half; a float2 for float), widened to floats and packed back: a bf16 pair widens by a
+// shift and a mask and packs with one paired conversion (F2FP), where element-wise access costs a
+// byte permute each way.
 template <typename T>
 struct PairOf;
 template <>
