@@ -881,7 +881,7 @@ def bench_fp8_sweep(ceiling: float) -> None:
         torch.cuda.empty_cache()
 
 
-def run_variants(spec: str, parts: str = "quick", flush: str = "write") -> None:
+def run_variants(spec: str, parts: str = "quick", flush: str = "write", dtype: str = "bfloat16") -> None:
     """Build each ``name=nvcc flags`` variant (in parallel, separate build directories), then
     time each with ``--only PARTS`` (default: quick) in its own process, one after the other."""
     variants = [item.split("=", 1) for item in spec.split(";") if item.strip()]
@@ -896,7 +896,8 @@ def run_variants(spec: str, parts: str = "quick", flush: str = "write") -> None:
     for name, env in envs.items():
         print(f"\n=== variant {name}: {env['KVPAGER_EXT_CUDA_FLAGS'] or '(defaults)'}", flush=True)
         if built[name]:
-            subprocess.run([sys.executable, __file__, "--only", parts, "--flush", flush], env=env, check=False)
+            subprocess.run([sys.executable, __file__, "--only", parts, "--flush", flush, "--dtype", dtype], env=env,
+                           check=False)
         else:
             print("build failed")
 
@@ -1427,7 +1428,7 @@ def rope_tables(tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator)
 
 def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> None:
     """fp8 prefill over the query split before the kernel (cuda.split_query: what the op that
-    writes Q, rope_split_query, hands it) against the kernel splitting the bf16 query itself and
+    writes Q, rope_split_query, hands it) against the kernel splitting the 16-bit query itself and
     SDPA, kernel times by turns; then what writing Q split costs that op: rope in place (q and k)
     against rope_split_query (k in place, q written split), by turns."""
     split = cuda.split_query(case.query, HKV)
@@ -1439,7 +1440,7 @@ def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> 
     turns = [(kernel_time(fp8_split), kernel_time(fp8), kernel_time(best[2])) for _ in range(3)]
     ks, k8s, ksd = zip(*turns)
     print(f"{'':34} split before the kernel (ms): fp8 {min(ks) * 1e3:.3f}-{max(ks) * 1e3:.3f}, "
-          f"fp8 splitting itself {min(k8s) * 1e3:.3f}-{max(k8s) * 1e3:.3f}, {best[0]} (bf16) "
+          f"fp8 splitting itself {min(k8s) * 1e3:.3f}-{max(k8s) * 1e3:.3f}, {best[0]} ({DTYPE}) "
           f"{min(ksd) * 1e3:.3f}-{max(ksd) * 1e3:.3f}; SDPA / fp8 split "
           f"{min(c / a for a, _, c in turns):.2f}-{max(c / a for a, _, c in turns):.2f}")
     tokens = case.query.shape[0]
@@ -1464,11 +1465,11 @@ def _split_query_turns(case: PrefillCase, plan8, k8, v8, scale: float, best) -> 
 
 
 def bench_rope(ceiling: float) -> None:
-    """RoPE over q and k (32 q and 8 KV heads, d128, bf16, rows of a fused qkv projection): in place
+    """RoPE over q and k (32 q and 8 KV heads, d128, --dtype, rows of a fused qkv projection): in place
     (cuda.rope) and with q written split (cuda.rope_split_query), kernel times (median of 15, L2
     flushed), and the bytes each moves over the copy ceiling (q and k read and written, cos and sin
     read; the split one writes q's split bytes and factors instead of q)."""
-    print(f"\nrope (bf16, {HQ}q/{HKV}kv, d{D}; q and k views of a fused qkv; kernel time, L2 flushed):")
+    print(f"\nrope ({DTYPE}, {HQ}q/{HKV}kv, d{D}; q and k views of a fused qkv; kernel time, L2 flushed):")
     print(f"{'tokens':>7} {'in place us':>11} {'% ceiling':>9} {'q split us':>10} {'% ceiling':>9}")
     gen = torch.Generator(device="cuda").manual_seed(3)
     for tokens in (256, 4096, 16384):
@@ -1529,7 +1530,7 @@ def smoke() -> None:
             debug.swap_blocks(cache, host, torch.tensor([3, 4]), torch.tensor([0, 2]), mode)
             debug.swap_blocks(host, cache, torch.tensor([0, 2]), torch.tensor([10, 11]), mode)
     # The prefill kernel: both block shapes, a 16-bit and an fp8 cache, chunked and whole prompts, GQA 4
-    # (over fp8, bf16 queries meet K as e4m3 and fp16 queries K converted: both at both head sizes).
+    # (over fp8 on Hopper, bf16 and fp16 queries meet K as e4m3, split by the kernel or before it).
     for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
         tables = torch.randperm(40, device="cuda", generator=gen)[:36].view(3, 12).to(torch.int32)
@@ -1543,7 +1544,7 @@ def smoke() -> None:
                                               warps=warps, wgmma=wg)
                 debug.paged_prefill_attention(q, cache8[:, 1, 0], cache8[:, 1, 1], tables, lens, starts, d ** -0.5,
                                               0.5, 0.25, warps=warps, wgmma=wg)
-        if cuda.supports_split_query(q, cache8[:, 1, 0]):   # bf16 over fp8 on Hopper: the query split before
+        if cuda.supports_split_query(q, cache8[:, 1, 0]):   # over fp8 on Hopper: the query split before
             k_new = torch.randn(171, 2, d, dtype=dtype, device="cuda", generator=gen)
             cos, sin = rope_tables(171, d, dtype, gen)
             split = cuda.rope_split_query(q, k_new, cos, sin, 2)
@@ -1573,7 +1574,7 @@ def main() -> None:
     FLUSH_MODE = args.flush
     DTYPE = getattr(torch, args.dtype)
     if args.variants:
-        run_variants(args.variants, args.only or "quick", args.flush)
+        run_variants(args.variants, args.only or "quick", args.flush, args.dtype)
         return
     if not cuda.available():
         raise SystemExit(cuda.load_error() or "needs CUDA")

@@ -1,12 +1,13 @@
 """RoPE and attention of a prefill step in the workers' model, end to end: over an fp8 cache with
 RoPE writing q split for the attention kernel (``Decoder.write_split_query``, the default) against
-RoPE in place and the kernel splitting q itself, and the same step over a bf16 cache. Kernel times
-from the kernels' own durations (CUPTI, through torch.profiler), the three taken by turns.
+RoPE in place and the kernel splitting q itself, and the same step over a 16-bit cache. Kernel
+times from the kernels' own durations (CUPTI, through torch.profiler), the three taken by turns.
 
-    python benchmarks/prefill_step.py [--shapes 32x512,8x2048,1x4096] [--layers 2] [--rounds 3]
+    python benchmarks/prefill_step.py [--shapes 32x512,8x2048,1x4096] [--layers 2] [--rounds 3] [--dtype float16]
 
 The model is an 8B-shaped Llama (32 q / 8 KV heads, d128, hidden 4096, intermediate 14336, bf16
-weights, seeded random, ``--layers`` layers, vocab 32000), run by ``Decoder.forward_paged`` in this
+(or --dtype) weights and activations, seeded random, ``--layers`` layers, vocab 32000), run by
+``Decoder.forward_paged`` in this
 process over random block tables, every prompt whole in one step. Per layer it prints the time of
 the RoPE kernel and the prefill attention kernel (what the split changes) and of every kernel of
 the step; the fp8 step's logits with q split and without must be equal, bit for bit.
@@ -68,16 +69,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="the model's dtype")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shape = dict(num_layers=args.layers, hidden_size=4096, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                 intermediate_size=14336, vocab_size=32000, dtype="bfloat16", max_position_embeddings=8192, seed=0)
+                 intermediate_size=14336, vocab_size=32000, dtype=args.dtype, max_position_embeddings=8192, seed=0)
     models = {"fp8": Decoder(ModelConfig(**shape, kv_cache_dtype="fp8_e4m3", kv_scale=FP8_SCALE), device=dev),
-              "bf16": Decoder(ModelConfig(**shape), device=dev)}
-    print(f"prefill step of an 8B-shaped model ({args.layers} layers, random weights), kernel times per layer "
-          f"(CUPTI), {args.rounds} rounds by turns; 'rope + attn': the RoPE and prefill attention kernels")
-    print(f"{'shape':>9} | {'fp8, q split by RoPE':>20} | {'fp8, RoPE in place':>18} | {'bf16 cache':>10} | "
-          f"{'split / in place':>16} | {'all kernels ms (split, in place, bf16)':>38}")
+              "16-bit": Decoder(ModelConfig(**shape), device=dev)}
+    print(f"prefill step of an 8B-shaped {args.dtype} model ({args.layers} layers, random weights), kernel times per "
+          f"layer (CUPTI), {args.rounds} rounds by turns; 'rope + attn': the RoPE and prefill attention kernels")
+    print(f"{'shape':>9} | {'fp8, q split by RoPE':>20} | {'fp8, RoPE in place':>18} | {args.dtype + ' cache':>10} | "
+          f"{'split / in place':>16} | {'all kernels ms (split, in place, 16-bit)':>38}")
     rng = random.Random(0)
     for spec in args.shapes.split(","):
         count, length = (int(x) for x in spec.split("x"))
@@ -96,7 +98,7 @@ def main() -> None:
         logits_split, logits_in_place = run("fp8", True), run("fp8", False)
         assert torch.equal(logits_split, logits_in_place), "q split by RoPE changed the fp8 step's logits"
         turns = [tuple(step_kernels(lambda: run(name, split), args.reps)
-                       for name, split in (("fp8", True), ("fp8", False), ("bf16", True)))
+                       for name, split in (("fp8", True), ("fp8", False), ("16-bit", True)))
                  for _ in range(args.rounds)]
         per_layer = [[t[i][0] / args.layers * 1e6 for t in turns] for i in range(3)]
         total = [statistics.median(t[i][1] for t in turns) * 1e3 for i in range(3)]

@@ -34,7 +34,7 @@ dereferenced), and a context longer than its table row is clamped to the row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -43,7 +43,7 @@ import torch
 from . import decode_plan as work_plan
 from .extension import available, load, load_error
 from .prefill_plan import PREFILL_WARPS, check_schedule, prefill_schedule, prefill_work
-from .split_query import SplitQuery
+from .split_query import SPLIT_DTYPES, SplitQuery
 
 __all__ = ["available", "load_error", "supports_decode", "DecodeGeometry", "DecodePlan", "DecodeGridPlan",
            "decode_work_geometry", "plan_decode_work", "decode_workspace", "paged_decode_run", "plan_decode_grid",
@@ -353,29 +353,32 @@ def _plan_prefill(query_like, k_cache, host_lengths, seqs, warps: int, wgmma: bo
 
 
 def supports_split_query(query_like: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`paged_prefill_run` takes a :class:`SplitQuery` for bf16 queries like
-    ``query_like`` (its device) over ``k_cache``: a float8_e4m3fn cache of head_dim 64 or 128,
-    read by Hopper's warp-specialized kernel (built for sm_90a)."""
-    return (query_like.is_cuda and query_like.dtype == torch.bfloat16 and k_cache.dtype == FP8
+    """Whether :func:`paged_prefill_run` takes a :class:`SplitQuery` for queries like
+    ``query_like`` (bf16 or fp16, its device) over ``k_cache``: a float8_e4m3fn cache of head_dim
+    64 or 128, read by Hopper's warp-specialized kernel (built for sm_90a; fp16 unless built with
+    ``KVPAGER_PREFILL_WS_FP16_SPLIT=0``)."""
+    return (query_like.is_cuda and query_like.dtype in SPLIT_DTYPES and k_cache.dtype == FP8
             and k_cache.dim() == 4 and bool(load().prefill_split_query_supported(query_like, k_cache)))
 
 
 def rope_split_query(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
                      kv_heads: int, out: SplitQuery | None = None, keep: torch.Tensor | None = None) -> SplitQuery:
-    """q ``[T, Hq, D]`` (bf16, D 64 or 128) rotated by cos/sin ``[T, D]`` (None: as it is) and
+    """q ``[T, Hq, D]`` (bf16 or fp16, D 64 or 128) rotated by cos/sin ``[T, D]`` (None: as it is) and
     written split for the fp8 prefill kernel (``kernels/split_query.py``), q itself left as it is
     but at the tokens ``keep`` marks (int32 ``[T]``, nonzero: rotated in place too, and q returned
     as the result's ``rows``); k ``[T, Hk, D]`` rotated in place as :func:`rope` does (None: no k).
     One launch."""
     tokens, heads, head_dim = q.shape
     if out is None:
-        out = SplitQuery.empty(tokens, heads, head_dim, kv_heads, q.device)
+        out = SplitQuery.empty(tokens, heads, head_dim, kv_heads, q.device, q.dtype)
+    elif out.dtype != q.dtype:
+        raise ValueError(f"out holds a split {out.dtype} query, q is {q.dtype}")
     load().rope_split_query(q, k, cos, sin, out.data, out.down, keep)
-    return out if keep is None else SplitQuery(out.data, out.down, q)
+    return out if keep is None else replace(out, rows=q)
 
 
 def split_query(q: torch.Tensor, kv_heads: int, out: SplitQuery | None = None) -> SplitQuery:
-    """q (bf16 ``[T, Hq, D]``) split for the fp8 prefill kernel as it is (no rotation)."""
+    """q (bf16 or fp16 ``[T, Hq, D]``) split for the fp8 prefill kernel as it is (no rotation)."""
     return rope_split_query(q, None, None, None, kv_heads, out)
 
 
@@ -387,8 +390,8 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor | SplitQuery,
     on tensor cores, one launch for the whole ragged batch, K/V read straight from the pages.
 
     query:            [num_tokens, num_q_heads, head_dim] float16/bfloat16 (last dim contiguous), or
-                      a bf16 query split ahead (:class:`SplitQuery`, where
-                      :func:`supports_split_query`; the output is bf16)
+                      a query split ahead (:class:`SplitQuery`, where :func:`supports_split_query`;
+                      the output is of its type before the split)
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] views, query's dtype or
                       float8_e4m3fn (real K = stored * k_scale, V alike); head_dim 64/128
     block_tables, context_lens, query_start_loc: int32 on the device, as in the reference (the
@@ -404,8 +407,8 @@ def paged_prefill_run(plan: PrefillKernelPlan, query: torch.Tensor | SplitQuery,
     if isinstance(query, SplitQuery):
         down = query.down
         if out is None:
-            out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
-        query = query.data.view(torch.bfloat16)   # the kernel copies a row's 2 * head_dim bytes as they are
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        query = query.data.view(query.dtype)   # the kernel copies a row's 2 * head_dim bytes as they are
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.work.shape[0] == 0:

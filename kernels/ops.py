@@ -236,7 +236,7 @@ def rope(q, k, cos, sin):
 
 def rope_split_query(q, k, cos, sin, kv_heads: int, out=None, keep=None):
     """q rotated and written split for a prefill plan that takes it (``plan.split_query``: Hopper,
-    bf16 over fp8; ``kernels/split_query.py``), q left as it is but at the tokens ``keep`` marks
+    bf16 or fp16 over fp8; ``kernels/split_query.py``), q left as it is but at the tokens ``keep`` marks
     (``plan.keep_rows``: rotated in place too); k rotated in place. Returns (the SplitQuery, k)."""
     impl = _cuda(q)
     if impl is None:

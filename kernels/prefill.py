@@ -123,8 +123,8 @@ class PrefillPlan:
     kernel: Any = None              # cuda.PrefillKernelPlan: one launch for every multi-token sequence
     groups: tuple[SdpaGroup, ...] = ()
     # run takes the query split before it (split_query.SplitQuery, e.g. from rope_split_query): the
-    # kernel runs every multi-token row and reads a split query (bf16 over fp8 on Hopper). With
-    # one-token rows, the split query carries the bf16 q as its `rows`, rotated at the tokens
+    # kernel runs every multi-token row and reads a split query (bf16 or fp16 over fp8 on Hopper).
+    # With one-token rows, the split query carries the 16-bit q as its `rows`, rotated at the tokens
     # keep_rows marks (int32 [num_tokens], on the device: rope_split_query's `keep`).
     split_query: bool = False
     keep_rows: Optional[torch.Tensor] = None
@@ -216,16 +216,16 @@ def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tens
         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One layer's prefill attention as the step's plan says: query [num_tokens, num_q_heads,
     head_dim] (or split before, where ``plan.split_query``), this layer's K/V views (the plan's
-    layout), fp8 scales. Returns [num_tokens, num_q_heads, head_dim] in query's dtype (bf16 for a
-    split query). No planning: shape checks, then the decode rows' run, the kernel's launch or each
-    group's gather + SDPA."""
+    layout), fp8 scales. Returns [num_tokens, num_q_heads, head_dim] in query's dtype (its type
+    before the split for a split query). No planning: shape checks, then the decode rows' run, the
+    kernel's launch or each group's gather + SDPA."""
     split = isinstance(query, SplitQuery)
     if split:
         if not plan.split_query:
             raise ValueError("this step's prefill plan does not take a split query (it needs Hopper's kernel "
-                             "for every multi-token row, bf16 over an fp8 cache: PrefillPlan.split_query)")
+                             "for every multi-token row, bf16 or fp16 over an fp8 cache: PrefillPlan.split_query)")
         if plan.decodes is not None and query.rows is None:
-            raise ValueError("this step's one-token rows attend over bf16 queries: split it with its rows kept "
+            raise ValueError("this step's one-token rows attend over unsplit queries: split it with its rows kept "
                              "(rope_split_query(..., keep=plan.keep_rows))")
     elif plan.reference:
         return reference.paged_prefill_attention(query, k_cache, v_cache, plan.block_tables, plan.context_lens,
@@ -235,8 +235,8 @@ def run(plan: PrefillPlan, query: torch.Tensor | SplitQuery, k_cache: torch.Tens
         raise ValueError(f"query {tuple(query.shape)} and caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
                          f"do not match the plan's [{plan.query_shape}] over [*, {plan.cache_shape}]")
     reference._check_scales(k_cache, k_scale, v_scale)
-    rows = query.rows if split else query   # what one-token rows attend with (bf16 for a split query)
-    out = torch.empty(plan.query_shape, dtype=torch.bfloat16 if split else query.dtype, device=query.device)
+    rows = query.rows if split else query   # what one-token rows attend with (16-bit for a split query)
+    out = torch.empty(plan.query_shape, dtype=query.dtype, device=query.device)
     d = plan.decodes
     if d is not None:
         out[d.rows] = d.decode(rows[d.rows], k_cache, v_cache, d.block_tables, d.context_lens, plan.scale,

@@ -201,9 +201,10 @@ class Decoder:
 
         rope = None
         if prefill_plan.split_query and self.write_split_query:
-            # bf16 over an fp8 cache on Hopper: RoPE writes q split for the kernel (kernels/split_query.py),
+            # 16-bit over an fp8 cache on Hopper: RoPE writes q split for the kernel (kernels/split_query.py),
             # into one buffer every layer reuses (each layer's attention reads it before the next writes).
-            split = SplitQuery.empty(n, self.q_heads, self.cfg.head_dim, self.kv_heads, self.device)
+            split = SplitQuery.empty(n, self.q_heads, self.cfg.head_dim, self.kv_heads, self.device,
+                                     self.embed.dtype)
 
             def rope(q, k, cos, sin):   # (a mixed step's one-token rows rotated in place too, keep_rows)
                 return ops.rope_split_query(q, k, cos, sin, self.kv_heads, out=split, keep=prefill_plan.keep_rows)

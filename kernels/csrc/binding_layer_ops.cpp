@@ -110,12 +110,15 @@ void rope(Tensor q, Tensor k, Tensor cos, Tensor sin) {
 
 // q rotated (cos/sin given) and split into q_split / q_down (split_query.cuh) for the fp8 prefill
 // kernel, q left as it is but at the tokens `keep` marks (rotated in place there too); k (if given)
-// rotated in place. bf16, head_dim 64 or 128.
+// rotated in place. bf16 or fp16 (k, cos and sin of q's type), head_dim 64 or 128.
 void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> cos, c10::optional<Tensor> sin,
                       Tensor q_split, Tensor q_down, c10::optional<Tensor> keep) {
   const torch::Device device = q.device();
   const c10::cuda::CUDAGuard guard(device);
-  check_heads(q, "q", device, torch::kBFloat16);
+  const auto dtype = q.scalar_type();
+  KV_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat16, "q must be bfloat16 or float16 to be split, got ",
+           dtype);
+  check_heads(q, "q", device, dtype);
   const int64_t tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
   KV_CHECK(head_dim == 64 || head_dim == 128, "a split query has head_dim 64 or 128, got ", head_dim);
   KV_CHECK(cos.has_value() == sin.has_value(), "give cos and sin together, or neither");
@@ -131,7 +134,7 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
   a.q_heads = static_cast<int>(q_heads);
   a.head_dim = static_cast<int>(head_dim);
   if (k.has_value()) {
-    check_heads(*k, "k", device, torch::kBFloat16);
+    check_heads(*k, "k", device, dtype);
     KV_CHECK(k->size(0) == tokens && k->size(2) == head_dim, "k must be [", tokens, ", *, ", head_dim, "], got ",
              dims(k->sizes()));
     a.k = k->data_ptr();
@@ -141,8 +144,8 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
     a.quads = rows_aligned(*k, 8);   // (cos and sin: 8-byte aligned rows, checked below; head_dim / 2: 32 or 64)
   }
   if (cos.has_value()) {
-    check_matrix(*cos, "cos", device, torch::kBFloat16);
-    check_matrix(*sin, "sin", device, torch::kBFloat16);
+    check_matrix(*cos, "cos", device, dtype);
+    check_matrix(*sin, "sin", device, dtype);
     KV_CHECK(cos->size(0) == tokens && cos->size(1) == head_dim && sin->sizes() == cos->sizes() &&
              sin->stride(0) == cos->stride(0), "cos and sin must be [", tokens, ", ", head_dim,
              "] with equal strides, got ", dims(cos->sizes()), " and ", dims(sin->sizes()));
@@ -183,7 +186,8 @@ void rope_split_query(Tensor q, c10::optional<Tensor> k, c10::optional<Tensor> c
     s.keep = keep->data_ptr<int32_t>();
   }
   if (tokens == 0) return;
-  check_launch(kvpager::launch_rope_split_query(s, at::cuda::getCurrentCUDAStream()), "rope_split_query");
+  check_launch(kvpager::launch_rope_split_query(to_dtype(q, "q"), s, at::cuda::getCurrentCUDAStream()),
+               "rope_split_query");
 }
 
 void silu_and_mul(Tensor out, Tensor gate_up) {

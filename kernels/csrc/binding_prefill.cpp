@@ -23,19 +23,20 @@ bool prefill_supported(Tensor query, Tensor k_cache, int64_t warps) {
                                           static_cast<int>(warps));
 }
 
-// A split query's factors (split_query.cuh; query: its bytes viewed as bf16 [tokens, heads,
-// head_dim]): float32 [num_kv_heads, tokens, G], [tokens, G] contiguous, for the kernel that reads
-// them. Sets a.query_down and its stride.
+// A split query's factors (split_query.cuh; query: its bytes viewed as its type before the split,
+// bf16 or fp16 [tokens, heads, head_dim]): float32 [num_kv_heads, tokens, G], [tokens, G]
+// contiguous, for the kernel that reads them. Sets a.query_down and its stride.
 void check_split_query_down(const Tensor& down, const Tensor& query, const Tensor& k_cache, const torch::Device& device,
                             int64_t warps, bool wgmma, kvpager::PrefillArgs& a) {
   check_cuda(down, "query_down", device);
   const int64_t head_dim = query.size(2), kv_heads = k_cache.size(1), tokens = query.size(0);
-  KV_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kFloat8_e4m3fn &&
-               kvpager::paged_prefill_split_query_supported(kvpager::kBFloat16, kvpager::kFloat8E4M3,
+  const bool sixteen = query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kFloat16;
+  KV_CHECK(sixteen && k_cache.scalar_type() == torch::kFloat8_e4m3fn &&
+               kvpager::paged_prefill_split_query_supported(to_dtype(query, "query"), kvpager::kFloat8E4M3,
                                                             static_cast<int>(head_dim), device.index()),
-           "a split query is read by the Hopper warp-specialized prefill kernel alone (bf16 over a float8_e4m3fn "
-           "cache, head_dim 64 or 128, built for sm_90a); got a ", query.scalar_type(), " query over a ",
-           k_cache.scalar_type(), " cache, head_dim ", head_dim, ", on ", device);
+           "a split query is read by the Hopper warp-specialized prefill kernel alone (bf16 or fp16 over a "
+           "float8_e4m3fn cache, head_dim 64 or 128, built for sm_90a); got a ", query.scalar_type(),
+           " query over a ", k_cache.scalar_type(), " cache, head_dim ", head_dim, ", on ", device);
   KV_CHECK(wgmma && warps == 8, "a split query needs the 8-warp wgmma plan, got ", warps, " warps",
            wgmma ? "" : " without wgmma");
   KV_CHECK(kv_heads >= 1 && query.size(1) % kv_heads == 0, query.size(1),
@@ -138,15 +139,17 @@ void bind_prefill(pybind11::module_& m) {
         py::arg("query_start_loc"), py::arg("work"), py::arg("scale"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("warps"), py::arg("wgmma"), py::arg("counter") = py::none(), py::arg("query_down") = py::none());
   m.def("prefill_split_query_supported", [](Tensor query, Tensor k_cache) {
-          if (!query.is_cuda() || query.scalar_type() != torch::kBFloat16 ||
+          const auto dtype = query.scalar_type();
+          if (!query.is_cuda() || (dtype != torch::kBFloat16 && dtype != torch::kFloat16) ||
               k_cache.scalar_type() != torch::kFloat8_e4m3fn || k_cache.dim() != 4)
             return false;
           const c10::cuda::CUDAGuard guard(query.device());
-          return kvpager::paged_prefill_split_query_supported(kvpager::kBFloat16, kvpager::kFloat8E4M3,
+          return kvpager::paged_prefill_split_query_supported(to_dtype(query, "query"), kvpager::kFloat8E4M3,
                                                               static_cast<int>(k_cache.size(3)),
                                                               query.device().index());
         },
-        "whether paged_prefill takes a split query for these (bf16 over fp8, Hopper's warp-specialized kernel)",
+        "whether paged_prefill takes a split query for these (bf16 or fp16 over fp8, Hopper's warp-specialized "
+        "kernel)",
         py::arg("query"), py::arg("k_cache"));
   m.def("prefill_has_wgmma", [](int64_t device) {
           const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));

@@ -134,11 +134,11 @@ struct PrefillArgs {
   int warps;                       // 4 or 8 warps per block (16 rows each)
   int wgmma;                       // 1: the warpgroup (wgmma) instances (8 warps only), where built for sm_90a
   // A split query (split_query.cuh), or nullptr: `query` then holds each row's split bytes (2 *
-  // head_dim, strides counted in 2-byte units like a bf16 query's) and this the rows' factors 2^-f,
+  // head_dim, strides counted in 2-byte units like a 16-bit query's) and this the rows' factors 2^-f,
   // float32 [num_kv_heads, num_tokens, G] (G = num_q_heads / num_kv_heads; row (token, head) at
   // [head / G][token][head % G]), [num_tokens, G] contiguous, query_down_stride floats between KV
-  // heads. bf16 output over fp8 caches on the warp-specialized kernel only
-  // (paged_prefill_split_query_supported).
+  // heads. Output in `dtype` (the query's before its split), over fp8 caches on the warp-specialized
+  // kernel only (paged_prefill_split_query_supported).
   const float* query_down;
   int64_t query_down_stride;
 };
@@ -153,8 +153,9 @@ bool paged_prefill_supported(DType dtype, DType cache_dtype, int head_dim, int b
 cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillArgs& args, cudaStream_t stream);
 
 // Whether launch_paged_prefill takes a split query (PrefillArgs::query_down) for these on `device`:
-// bf16 output over an fp8 e4m3 cache, head_dim 64 or 128, 8 warps with wgmma, the warp-specialized
-// kernel built for the device (sm_90a) with its query split ahead (KVPAGER_PREFILL_WS_Q_AHEAD).
+// bf16 or fp16 output (the query's type before its split) over an fp8 e4m3 cache, head_dim 64 or
+// 128, 8 warps with wgmma, the warp-specialized kernel built for the device (sm_90a) with its query
+// split ahead (KVPAGER_PREFILL_WS_Q_AHEAD; fp16: KVPAGER_PREFILL_WS_FP16_SPLIT).
 bool paged_prefill_split_query_supported(DType dtype, DType cache_dtype, int head_dim, int device);
 
 // Whether the wgmma instances were built for the current device as such (sm_90a device code);

@@ -148,7 +148,7 @@ struct alignas(4 * sizeof(T)) QuadPairs {
   static __device__ __forceinline__ QuadPairs at(const T* x) { return *reinterpret_cast<const QuadPairs*>(x); }
 };
 
-// The rotation of four pairs of columns (rope_quad, and the split writer's rotated_bf16x4_pair):
+// The rotation of four pairs of columns (rope_quad, and the split writer's rotated_x4_pair):
 // x1 = a row's columns i .. i + 3 (below half), x2 = their partners i + half .. i + half + 3;
 // (c1, s1) and (c2, s2) the token's cos and sin at those columns. lo, hi: the rotated columns.
 template <typename T>
@@ -209,11 +209,11 @@ __global__ void rope_kernel(RopeArgs a) {
 #endif
 
 // Four columns c .. c + 3 below half and their partners c + half .. c + half + 3 of row x rotated
-// (rotate_quad; cos/sin rows given; none: as they are): low and high, two bf16x2 words each.
-template <int D>
-__device__ __forceinline__ void rotated_bf16x4_pair(const __nv_bfloat16* x, const __nv_bfloat16* cos,
-                                                    const __nv_bfloat16* sin, int c, uint2& low, uint2& high) {
-  using Q = QuadPairs<__nv_bfloat16>;
+// (rotate_quad; cos/sin rows given; none: as they are): low and high, two words of T pairs each.
+template <typename T, int D>
+__device__ __forceinline__ void rotated_x4_pair(const T* x, const T* cos, const T* sin, int c, uint2& low,
+                                                uint2& high) {
+  using Q = QuadPairs<T>;
   constexpr int half = D / 2;
   Q lo = Q::at(x + c), hi = Q::at(x + c + half);
   if (cos != nullptr) {
@@ -224,12 +224,13 @@ __device__ __forceinline__ void rotated_bf16x4_pair(const __nv_bfloat16* x, cons
   high = make_uint2(hi.p[0], hi.p[1]);
 }
 
-// Four words (8 bf16 values: columns c .. c + 3 and c + 16 .. c + 19) split under `up` (2^f) into
+// Four words (8 values of T: columns c .. c + 3 and c + 16 .. c + 19) split under `up` (2^f) into
 // their 16-byte chunk of a split row (split_query.cuh): hi terms, then lo terms.
+template <typename T>
 __device__ __forceinline__ uint4 split_chunk(const uint32_t (&w)[4], float up) {
   uint32_t hi[4], lo[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) split_query_pair(w[i], up, hi[i], lo[i]);
+  for (int i = 0; i < 4; ++i) split_query_pair<T>(w[i], up, hi[i], lo[i]);
   return make_uint4(hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16), lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16));
 }
 
@@ -238,17 +239,16 @@ __device__ __forceinline__ uint4 split_chunk(const uint32_t (&w)[4], float up) {
 // partners half a row on (k-step kk + D / 64), so that it reads only its own columns, and writes
 // those two k-steps' 16-byte chunks of the split row (a kept token's rotated values in place too);
 // the row's largest |q| is shared by shuffles among the row's threads (`group`, within a warp).
-template <int D>
-__device__ __forceinline__ void split_query_part(const RopeSplitArgs& s, const __nv_bfloat16* cos,
-                                                 const __nv_bfloat16* sin, int64_t t, int h, int j, bool keep_q,
-                                                 unsigned group) {
+template <typename T, int D>
+__device__ __forceinline__ void split_query_part(const RopeSplitArgs& s, const T* cos, const T* sin, int64_t t, int h,
+                                                 int j, bool keep_q, unsigned group) {
   constexpr int TPR = D / 16, KS = D / 32;   // threads per row; k-steps of 32 columns
   const RopeArgs& a = s.rope;
   const int kk = j >> 2, t4 = j & 3, c = kk * 32 + 4 * t4;   // kk < KS / 2: c and c + 16 below half
-  __nv_bfloat16* x = static_cast<__nv_bfloat16*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
+  T* x = static_cast<T*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
   uint2 lo_a, hi_a, lo_b, hi_b;   // columns c (a) and c + 16 (b), below half (lo) and half on (hi)
-  rotated_bf16x4_pair<D>(x, cos, sin, c, lo_a, hi_a);
-  rotated_bf16x4_pair<D>(x, cos, sin, c + 16, lo_b, hi_b);
+  rotated_x4_pair<T, D>(x, cos, sin, c, lo_a, hi_a);
+  rotated_x4_pair<T, D>(x, cos, sin, c + 16, lo_b, hi_b);
   if (keep_q) {
     *reinterpret_cast<uint2*>(x + c) = lo_a;
     *reinterpret_cast<uint2*>(x + c + 16) = lo_b;
@@ -262,11 +262,11 @@ __device__ __forceinline__ void split_query_part(const RopeSplitArgs& s, const _
   m = max(m & 0xffffu, m >> 16);
 #pragma unroll
   for (int off = TPR / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(group, m, off));
-  const int f = split_query_exponent(m);
+  const int f = split_query_exponent<T>(m);
   const float up = split_query_pow2(f);
   unsigned char* row = static_cast<unsigned char*>(s.q_split) + t * s.split_stride_tok + h * s.split_stride_head;
-  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk, t4)) = split_chunk(low, up);
-  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk + KS / 2, t4)) = split_chunk(high, up);
+  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk, t4)) = split_chunk<T>(low, up);
+  *reinterpret_cast<uint4*>(row + 16 * split_query_chunk(kk + KS / 2, t4)) = split_chunk<T>(high, up);
   if (j == 0) s.q_down[(h / s.group) * s.down_stride + t * s.group + h % s.group] = split_query_pow2(-f);
 }
 
@@ -281,16 +281,25 @@ __host__ __device__ __forceinline__ int rope_split_pass_items(const RopeArgs& a,
   return a.q_heads * (a.head_dim / 16) + (k_in_pass ? a.k_heads * (a.head_dim / 8) : 0);
 }
 
+// Blocks an SM is to hold (__launch_bounds__ of rope_split_query_kernel): 4 keeps its registers at
+// 32, so that an SM holds 5 blocks of the 8B shape's 384 threads (94% occupancy) where 3 (42
+// registers; 40 used) held 4 (75%), and the writer waited on memory with fewer warps than RoPE in
+// place (ncu on the H200, 2026-11-27: 58% achieved occupancy against its 70%). On the H100 the
+// writer's time above RoPE in place at 16K tokens went from 9.1 to 6.0 us (fp16; bf16 4.5 us).
+#ifndef KVPAGER_ROPE_SPLIT_MIN_BLOCKS
+#define KVPAGER_ROPE_SPLIT_MIN_BLOCKS 4
+#endif
+
 // One thread block per token: q's rows split (split_query_part), k rotated in place, in the same
 // pass as quads (rope_quad) where rows align, else after.
-template <int D>
-__global__ void __launch_bounds__(512, 3) rope_split_query_kernel(RopeSplitArgs s) {
+template <typename T, int D>
+__global__ void __launch_bounds__(512, KVPAGER_ROPE_SPLIT_MIN_BLOCKS) rope_split_query_kernel(RopeSplitArgs s) {
   constexpr int TPR = D / 16;
   static_assert(TPR <= 32 && (TPR & (TPR - 1)) == 0, "a row's threads share a warp");
   const RopeArgs& a = s.rope;
   const int64_t t = blockIdx.x;
-  const __nv_bfloat16* cos = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.cos) + t * a.cos_stride;
-  const __nv_bfloat16* sin = a.cos == nullptr ? nullptr : static_cast<const __nv_bfloat16*>(a.sin) + t * a.cos_stride;
+  const T* cos = a.cos == nullptr ? nullptr : static_cast<const T*>(a.cos) + t * a.cos_stride;
+  const T* sin = a.cos == nullptr ? nullptr : static_cast<const T*>(a.sin) + t * a.cos_stride;
   const int lane = threadIdx.x & 31;
   const unsigned group = TPR == 32 ? 0xffffffffu : ((1u << TPR) - 1u) << (lane & ~(TPR - 1));
   const bool keep_q = a.cos != nullptr && s.keep != nullptr && s.keep[t] != 0;   // block-uniform
@@ -299,18 +308,17 @@ __global__ void __launch_bounds__(512, 3) rope_split_query_kernel(RopeSplitArgs 
   // q_items is a multiple of TPR: a row's threads all take the q branch (their shuffles' group).
   for (int idx = threadIdx.x; idx < items; idx += blockDim.x) {
     if (idx < q_items) {
-      split_query_part<D>(s, cos, sin, t, idx / TPR, idx % TPR, keep_q, group);
+      split_query_part<T, D>(s, cos, sin, t, idx / TPR, idx % TPR, keep_q, group);
     } else {
       const int kq = idx - q_items, h = kq / (D / 8);
-      rope_quad<__nv_bfloat16>(static_cast<__nv_bfloat16*>(a.k) + t * a.k_stride_tok + h * a.k_stride_head, cos, sin,
-                               D / 2, (kq % (D / 8)) * 4);
+      rope_quad<T>(static_cast<T*>(a.k) + t * a.k_stride_tok + h * a.k_stride_head, cos, sin, D / 2, (kq % (D / 8)) * 4);
     }
   }
   if (a.cos != nullptr && !k_in_pass) {
     if (KVPAGER_ROPE_SPLIT_K == 1 && a.quads)
-      rope_quads<__nv_bfloat16>(a, a.q_heads);
+      rope_quads<T>(a, a.q_heads);
     else
-      rope_pairs<__nv_bfloat16>(a, a.q_heads);
+      rope_pairs<T>(a, a.q_heads);
   }
 }
 
@@ -367,19 +375,28 @@ cudaError_t launch_rope(DType dtype, const RopeArgs& a, cudaStream_t stream) {
   return launch_typed<RopeLaunch>(dtype, dim3(a.tokens), dim3(threads), a, stream);
 }
 
-cudaError_t launch_rope_split_query(const RopeSplitArgs& s, cudaStream_t stream) {
+cudaError_t launch_rope_split_query(DType dtype, const RopeSplitArgs& s, cudaStream_t stream) {
   const RopeArgs& a = s.rope;
   if (a.tokens <= 0) return cudaSuccess;
-  if ((a.head_dim != 64 && a.head_dim != 128) || s.group < 1 || a.q_heads % s.group != 0)
+  if ((a.head_dim != 64 && a.head_dim != 128) || s.group < 1 || a.q_heads % s.group != 0 ||
+      (dtype != kBFloat16 && dtype != kFloat16))
     return cudaErrorInvalidValue;
   const bool k_in_pass = rope_split_k_in_pass(a), k_after = a.cos != nullptr && !k_in_pass;
   const int k_after_items = k_after ? a.k_heads * (a.head_dim / 2) / (KVPAGER_ROPE_SPLIT_K == 1 && a.quads ? 4 : 1) : 0;
   const int work = max(rope_split_pass_items(a, k_in_pass), k_after_items);
   const int threads = work >= 512 ? 512 : ((work + 31) / 32) * 32;
-  if (a.head_dim == 64)
-    rope_split_query_kernel<64><<<a.tokens, threads, 0, stream>>>(s);
-  else
-    rope_split_query_kernel<128><<<a.tokens, threads, 0, stream>>>(s);
+  const bool half = dtype == kFloat16;
+  if (a.head_dim == 64) {
+    if (half)
+      rope_split_query_kernel<__half, 64><<<a.tokens, threads, 0, stream>>>(s);
+    else
+      rope_split_query_kernel<__nv_bfloat16, 64><<<a.tokens, threads, 0, stream>>>(s);
+  } else {
+    if (half)
+      rope_split_query_kernel<__half, 128><<<a.tokens, threads, 0, stream>>>(s);
+    else
+      rope_split_query_kernel<__nv_bfloat16, 128><<<a.tokens, threads, 0, stream>>>(s);
+  }
   return cudaGetLastError();
 }
 

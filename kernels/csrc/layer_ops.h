@@ -45,10 +45,10 @@ struct RopeArgs {
 cudaError_t launch_rope(DType dtype, const RopeArgs& args, cudaStream_t stream);
 
 // The same rotation with q written split (split_query.cuh) for the fp8 prefill kernel, instead of
-// in place: bf16, head_dim 64 or 128. k (k_heads may be 0) is rotated in place as launch_rope does;
-// q's rows, rotated and rounded to bf16 as launch_rope would leave them, are split into q_split and
-// q_down, q left as it is but for the tokens `keep` marks (a mixed step's one-token rows, which
-// decode attention reads as bf16), rotated in place as well. cos == nullptr: no rotation (q split
+// in place: bf16 or fp16 (`dtype`), head_dim 64 or 128. k (k_heads may be 0) is rotated in place as
+// launch_rope does; q's rows, rotated and rounded to dtype as launch_rope would leave them, are
+// split into q_split and q_down, q left as it is but for the tokens `keep` marks (a mixed step's
+// one-token rows, which decode attention reads unsplit), rotated in place as well. cos == nullptr: no rotation (q split
 // as it is, k untouched, keep ignored).
 struct RopeSplitArgs {
   RopeArgs rope;            // q, k, cos, sin and their strides, as for launch_rope
@@ -59,7 +59,7 @@ struct RopeSplitArgs {
   int group;                // query heads per KV head
   const int32_t* keep;      // [tokens]: nonzero where q's rows are rotated in place too; or nullptr
 };
-cudaError_t launch_rope_split_query(const RopeSplitArgs& args, cudaStream_t stream);
+cudaError_t launch_rope_split_query(DType dtype, const RopeSplitArgs& args, cudaStream_t stream);
 
 // out = dtype(silu(gate)) * up, with gate_up = [gate | up] along the last dim.
 struct SiluMulArgs {

@@ -88,7 +88,7 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
     if constexpr (Cfg::WG && KVPAGER_PREFILL_WS != 0 && (!fp8 || KVPAGER_PREFILL_WS_FP8 != 0)) {
       if (paged_prefill_has_wgmma(device)) {
         if (a.query_down != nullptr && !ws_q_ahead<typename Cfg::T, typename Cfg::C>) {
-          err = cudaErrorInvalidValue;   // a split query is read by this kernel's bf16-over-fp8 instances alone
+          err = cudaErrorInvalidValue;   // a split query is read by this kernel's split-query instances alone
           return;
         }
         // Persistent: one block per SM at most, each looping over (work item, KV head) pairs.
@@ -119,9 +119,11 @@ cudaError_t launch_paged_prefill(DType dtype, DType cache_dtype, const PrefillAr
 }
 
 bool paged_prefill_split_query_supported(DType dtype, DType cache_dtype, int head_dim, int device) {
-  if (dtype != kBFloat16 || cache_dtype != kFloat8E4M3 || (head_dim != 64 && head_dim != 128)) return false;
-  constexpr bool built = KVPAGER_PREFILL_WS != 0 && KVPAGER_PREFILL_WS_FP8 != 0 &&
-                         ws_q_ahead<__nv_bfloat16, __nv_fp8_e4m3>;
+  if (cache_dtype != kFloat8E4M3 || (head_dim != 64 && head_dim != 128)) return false;
+  constexpr bool kernel_built = KVPAGER_PREFILL_WS != 0 && KVPAGER_PREFILL_WS_FP8 != 0;
+  bool built = false;
+  if (dtype == kBFloat16) built = kernel_built && ws_q_ahead<__nv_bfloat16, __nv_fp8_e4m3>;
+  if (dtype == kFloat16) built = kernel_built && ws_q_ahead<__half, __nv_fp8_e4m3>;
   return built && paged_prefill_has_wgmma(device);
 }
 

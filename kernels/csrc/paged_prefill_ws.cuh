@@ -38,9 +38,9 @@
 // 16-bit cache's time): the producer loads V tiles' fp8 rows into its registers, converts them
 // into the stage (exact: e4m3 fits fp16) and arrives on its full barrier (Fp8TileLoader); P V runs
 // in fp16 whatever the query's type (WsMma; the per-tensor k_scale is in the softmax scale, v_scale
-// in the output). K tiles: with bf16 queries (since 2026-11-27) copied as they are and multiplied
-// in e4m3, each query row split into two e4m3 terms (ws_raw_k, WsQuerySplit); with fp16 queries
-// converted like V, S in fp16.
+// in the output). K tiles: copied as they are and multiplied in e4m3, each query row split into two
+// e4m3 terms (ws_raw_k, WsQuerySplit: bf16 queries since the twelfth session, fp16 since the
+// eighteenth); with KVPAGER_PREFILL_WS_FP16_SPLIT=0 fp16 queries' K converted like V, S in fp16.
 //
 // The parts: prefill_ws_shared.cuh (knobs, shared memory layout, barriers, the item record),
 // prefill_ws_producer.cuh (the producer warpgroup), prefill_ws_query.cuh (the consumers' query
@@ -119,9 +119,9 @@ __device__ __forceinline__ void issue_s_e4m3(float (&s)[BN / 8][4], uint32_t (&q
 // Rounded up to 32 positions (N = 32, 64, 96 or 128 for the GEMMs): an item of 32 query positions
 // (128 rows at G = 4) ends a quarter, half, three quarters or all the way into its last tile, so
 // on whole prompts its S GEMM, P V and softmax there do 5/8 of the work on average. Over fp8 caches
-// with bf16 queries (ws_fp8_narrow: the query split ahead, K as e4m3) rounded up to 64 positions;
-// every narrower arrangement tried there left ptxas short of registers (the wgmmas serialized,
-// C7511). fp16 queries over fp8 keep whole last tiles.
+// with the query split (ws_fp8_narrow: split ahead, K as e4m3) rounded up to 64 positions; every
+// narrower arrangement tried there left ptxas short of registers (the wgmmas serialized, C7511).
+// fp16 queries over fp8 with K converted (KVPAGER_PREFILL_WS_FP16_SPLIT=0) keep whole last tiles.
 template <typename T, typename C>
 __device__ __forceinline__ int ws_last_groups(int last_visible, int last_kv0) {
   if (KVPAGER_PREFILL_WS_NARROW == 0 || (sizeof(C) == 1 && !ws_fp8_narrow<T, C>)) return kWsBN / 8;
@@ -223,7 +223,7 @@ __device__ __forceinline__ void ws_consume(const PrefillArgs& a, unsigned char* 
     soft.lim_b = blk.offset + min((r_a + 8) / blk.G, blk.q_len - 1);
     const int first_pos = blk.offset + blk.t_first;   // tiles ending at or before it need no mask
     // The column groups of the item's last tile this warpgroup computes: as far as its last row
-    // (its row 63) sees (over fp8 caches with bf16 queries in steps of 64 positions, ws_last_groups).
+    // (its row 63) sees (over fp8 caches with the query split in steps of 64 positions, ws_last_groups).
     const int last_visible = blk.offset + min((blk.row0 + wg * 64 + 63) / blk.G, blk.q_len - 1);
     const int last_nb = ws_last_groups<T, C>(last_visible, (blk.n_tiles - 1) * BN);
     // This warp's 16 rows of Q, as the S GEMMs' A fragments (registers): once every consumer thread

@@ -1,7 +1,7 @@
 // The warp-specialized prefill kernel's consumers (paged_prefill_ws.cuh) take their rows of each
 // item's query into registers, as the A operands of the S GEMMs: bf16 queries over fp8 caches as
-// fp16 scaled into its range (ws_query_to_half, for the fp16 S path) or split exactly into two
-// e4m3 terms (WsQuerySplit, for the e4m3 S path, ws_raw_k).
+// fp16 scaled into its range (ws_query_to_half, for the fp16 S path) or split into two e4m3 terms
+// (WsQuerySplit, for the e4m3 S path, ws_raw_k: bf16 and, by default, fp16 queries).
 #pragma once
 
 #include "prefill_ws_shared.cuh"
@@ -40,11 +40,12 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
   return __uint_as_float(static_cast<uint32_t>(127 - f) << 23);
 }
 
-// bf16 queries over fp8 caches (ws_raw_k): the query as the A operands of e4m3 S GEMMs (wgmma k32).
+// 16-bit queries over fp8 caches (ws_raw_k): the query as the A operands of e4m3 S GEMMs (wgmma k32).
 // Each q is split into two e4m3 terms, hi = e4m3(q 2^f) and lo = e4m3(q 2^f - hi): hi + lo carries
-// 8 significant bits, all of a bf16 value's (where lo is not below e4m3's normal range). f, one a
-// row, puts the row's largest |q| in [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of it lose bits
-// below 2^-17 of the largest (e4m3's subnormal step).
+// 8 significant bits, all of a bf16 value's (where lo is not below e4m3's normal range), and an
+// fp16 value's to within 2^-9 of it (split_query.cuh). f, one a row, puts the row's largest |q| in
+// [2^7, 2^8) (e4m3 reaches 448); q under 2^-5 of it lose bits below 2^-17 of the largest (e4m3's
+// subnormal step).
 // A consumer warp splits its own 16 rows: load (the 16-bit values, in place in the fragment
 // registers, and each row's f: one pass over the tile, a quad's 2 shuffles, as a row's values are
 // its quad's), then split_step per k-step. By default (ws_q_ahead) the whole query is split under
@@ -58,7 +59,7 @@ __device__ __forceinline__ float ws_query_to_half(uint32_t (&qa)[KS][4]) {
 // two in qa[kk], the last two in qa[D / 32 + kk].
 template <typename T, int D>
 struct WsQuerySplit {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "two e4m3 terms hold a bf16 query exactly, not an fp16 one");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "16-bit queries");
   static constexpr int KS = D / 32;   // k-steps of 32 columns
 
   // This warp's rows of the 16-bit Q tile at q_tile (tile_off layout) into qa, unsplit; returns 2^f
@@ -76,7 +77,7 @@ struct WsQuerySplit {
                      : "=r"(qa[kk][e]), "=r"(qa[KS + kk][e])
                      : "r"(q_tile + 2 * tile_off<kWsRows>(row, col >> 3) + 2 * (col & 7)));
       }
-    // Each row's largest |q|: the bit patterns of non-negative bf16 values order as their values do,
+    // Each row's largest |q|: the bit patterns of non-negative 16-bit values order as their values do,
     // so 16-bit unsigned maxima of |q|'s patterns (row g's, then g + 8's in the high half), then
     // their exponents.
     uint32_t m[2] = {0u, 0u};
@@ -91,7 +92,7 @@ struct WsQuerySplit {
     float up[2], dn[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int f = split_query_exponent((mab >> (16 * r)) & 0xffffu);
+      const int f = split_query_exponent<T>((mab >> (16 * r)) & 0xffffu);
       up[r] = split_query_pow2(f);
       dn[r] = split_query_pow2(-f);
     }
@@ -114,8 +115,8 @@ struct WsQuerySplit {
     for (int e = 0; e < 4; ++e) {
       const float u = (e & 1) ? up.y : up.x;
       uint32_t h01, h23, l01, l23;
-      split_query_pair(qa[kk][e], u, h01, l01);
-      split_query_pair(qa[KS + kk][e], u, h23, l23);
+      split_query_pair<T>(qa[kk][e], u, h01, l01);
+      split_query_pair<T>(qa[KS + kk][e], u, h23, l23);
       qa[kk][e] = h01 | (h23 << 16);
       qa[KS + kk][e] = l01 | (l23 << 16);
     }

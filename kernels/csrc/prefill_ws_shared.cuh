@@ -47,14 +47,23 @@ constexpr int kWsQBufs = KVPAGER_PREFILL_WS_QBUFS;
 #ifndef KVPAGER_PREFILL_WS_FP8_RAWK
 #define KVPAGER_PREFILL_WS_FP8_RAWK 1
 #endif
-// With bf16 queries over fp8 caches, K tiles stay fp8 e4m3 in shared memory, as the cache holds them
-// (copied by cp.async, rows padded to 128 bytes at head_dim 64), and S = Q K^T runs on the tensor
-// cores in e4m3 (wgmma k32), each query split into two e4m3 terms, exactly (WsQuerySplit): the
-// producer converts only V tiles. fp16 queries keep K converted to fp16: two e4m3 terms carry 8 of
-// their 11 significant bits (their attention 1-3e-3 off float64, against 1e-6 for bf16's; a CPU
-// emulation, 2026-11-27).
+// KVPAGER_PREFILL_WS_FP16_SPLIT=0: fp16 queries over fp8 caches keep K converted to fp16 and S in
+// fp16, exact in the query (as before 2026-11-27), instead of splitting the query like bf16's.
+#ifndef KVPAGER_PREFILL_WS_FP16_SPLIT
+#define KVPAGER_PREFILL_WS_FP16_SPLIT 1
+#endif
+// Over fp8 caches, K tiles stay fp8 e4m3 in shared memory, as the cache holds them (copied by
+// cp.async, rows padded to 128 bytes at head_dim 64), and S = Q K^T runs on the tensor cores in
+// e4m3 (wgmma k32), each query split into two e4m3 terms (WsQuerySplit): the producer converts only
+// V tiles. The split is exact for bf16 queries; fp16 queries keep 8 of their 11 significant bits
+// (within 2^-9 of each value, as bf16 rounds, against the cache's own e4m3 K within 2^-4): on the
+// H100 their attention is then 9e-4 (relative) from gather + SDPA's fp16 math over the same fp8
+// cache, where the exact fp16 S path is 1e-5 from it and the fp8 cache itself 3.5e-2 from the
+// 16-bit cache it was written from; and 0.93x SDPA on 32 x 512 prompts where the exact path is
+// 0.79x (docs/performance.md, "fp16 queries over fp8 caches split too").
 template <typename T, typename C>
-constexpr bool ws_raw_k = sizeof(C) == 1 && std::is_same_v<T, __nv_bfloat16> && KVPAGER_PREFILL_WS_FP8_RAWK != 0;
+constexpr bool ws_raw_k = sizeof(C) == 1 && KVPAGER_PREFILL_WS_FP8_RAWK != 0 &&
+                          (std::is_same_v<T, __nv_bfloat16> || KVPAGER_PREFILL_WS_FP16_SPLIT != 0);
 // KVPAGER_PREFILL_WS_Q_AHEAD=1 (default; with ws_raw_k): a consumer warp loads and splits the next
 // item's query while its item's last P V runs; 0: at the next item's start, each k-step just before
 // its first S GEMMs (the twelfth session's order). On the H100 1-2% faster on whole prompts, the same

@@ -1,5 +1,5 @@
 """The model over an fp8 e4m3 KV cache on the GPU (our CUDA write_kv quantizing, our prefill kernel
-over the pages, on Hopper also over a bf16 query RoPE wrote split, where the model is set to; our
+over the pages, on Hopper also over a 16-bit query RoPE wrote split, where the model is set to; our
 fp8 decode kernel) against the same model over a contiguous cache holding the same
 quantized-then-dequantized K/V: a prefill step of ragged prompts in shuffled blocks, a mixed step
 (a 3-token chunk beside one-token rows), then a decode step, logits compared by relative error."""
@@ -22,7 +22,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("dtype,write_split", [("bfloat16", True), ("bfloat16", False), ("float16", True)])
+@pytest.mark.parametrize("dtype,write_split", [("bfloat16", True), ("bfloat16", False), ("float16", True),
+                                               ("float16", False)])
 def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype, write_split, monkeypatch):
     cfg = ModelConfig(num_layers=2, hidden_size=128, num_q_heads=8, num_kv_heads=2, head_dim=64,
                       intermediate_size=256, vocab_size=128, seed=4, dtype=dtype, kv_cache_dtype="fp8_e4m3",
@@ -47,7 +48,7 @@ def test_fp8_cache_logits_match_the_contiguous_cache_of_the_same_values(dtype, w
 
     monkeypatch.setattr(ops, "rope_split_query", counted)
     q_like = torch.empty(1, cfg.num_q_heads, cfg.head_dim, dtype=getattr(torch, dtype), device="cuda")
-    split_expected = write_split and cuda.supports_split_query(q_like, cache.layer(0)[0])   # bf16 on Hopper
+    split_expected = write_split and cuda.supports_split_query(q_like, cache.layer(0)[0])   # on Hopper
     for step in range(3):
         token_ids, positions, slots = [], [], []
         for i, toks in enumerate(step_tokens):

@@ -48,6 +48,7 @@ def _assert_each_sequence(out, ref, starts, cases, tol):
 
 # ---- our prefill kernel (kernels/csrc/paged_prefill.cuh), called directly --------------------------
 from kvpager.kernels import cuda, debug, prefill  # noqa: E402
+from kvpager.kernels.split_query import joined_query, split_query_reference  # noqa: E402
 from tests.unit.test_reference_kernels import fp8_paged  # noqa: E402
 
 
@@ -75,6 +76,20 @@ def _fp8_case(gen, block_size, head_dim, group, cases):
     """_kernel_case over an fp8 cache (fp8_paged, FP8_SCALES; no shared prefix), bf16 queries."""
     paged = fp8_paged([c for c, _ in cases], block_size, head_dim, gen, *FP8_SCALES)
     return _kernel_case(gen, block_size, head_dim, torch.float32, group, cases, share=False, paged=paged)
+
+
+def _assert_fp8_attention(out, queries, paged, starts, cases, scale, query_dtype, wgmma):
+    """out against float64 attention over the dequantized cache, within the queries' 16-bit
+    tolerance; where Hopper's kernel splits fp16 queries into two e4m3 terms (which keep bf16's
+    precision of them: kernels/split_query.py), within it of float64 over the values the split
+    holds, and within bf16's of the queries' own float64 attention."""
+    tol = TOL[query_dtype]
+    probe = torch.empty(1, NUM_KV_HEADS, paged.kv_cache.shape[-1], dtype=query_dtype, device=DEV)
+    if query_dtype == torch.float16 and wgmma and cuda.supports_split_query(probe, paged.kv_cache[:, LAYER, 0]):
+        held = [joined_query(split_query_reference(q, NUM_KV_HEADS)) for q in queries]
+        _assert_each_sequence(out, reference_attention(held, paged, scale), starts, cases, tol)
+        tol = TOL[torch.bfloat16]
+    _assert_each_sequence(out, reference_attention(queries, paged, scale), starts, cases, tol)
 
 
 def _run_kernel(paged, queries, starts, scale, warps, k_scale=1.0, v_scale=1.0, wgmma=False):
@@ -155,9 +170,10 @@ def test_every_narrowed_last_tile_matches_float64(dtype, group, head_dim):
 @pytest.mark.parametrize("block_size,head_dim", [(8, 128), (16, 128), (32, 64), (64, 128), (8, 64)])
 def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, group, block_size, head_dim):
     """Over an fp8 cache (on Hopper the wgmma instance is the warp-specialized kernel, whose
-    producer dequantizes V tiles, and K tiles too for fp16 queries, while bf16 queries meet K as e4m3
-    in two exact e4m3 terms; every block size it compiles a copy loop for), against float64 attention
-    over the dequantized cache: nothing is rounded on the way in, so the 16-bit tolerance holds."""
+    producer dequantizes V tiles, while queries meet K as e4m3 in two e4m3 terms, exact for bf16
+    and bf16's precision for fp16; every block size it compiles a copy loop for), against float64
+    attention over the dequantized cache (_assert_fp8_attention): the 16-bit tolerance holds
+    against what the kernel multiplies."""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
     gen = seeded("prefill kernel fp8", warps, wgmma, query_dtype, group, block_size, head_dim)
@@ -168,8 +184,7 @@ def test_prefill_kernel_fp8_cache_matches_float64(warps, wgmma, query_dtype, gro
     scale = head_dim ** -0.5
     out = _run_kernel(paged, queries, starts, scale, warps, k_scale, v_scale, wgmma=wgmma)
     assert torch.isfinite(out).all()
-    ref = reference_attention(queries, paged, scale)
-    _assert_each_sequence(out, ref, starts, cases, TOL[query_dtype])
+    _assert_fp8_attention(out, queries, paged, starts, cases, scale, query_dtype, wgmma)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -197,17 +212,39 @@ def test_fp8_cache_bf16_queries_beyond_fp16s_range(magnitude, group, block_size,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("magnitude", [1e-4, 1e4])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
+def test_fp8_cache_fp16_queries_at_the_ends_of_fp16s_range(magnitude, block_size, head_dim):
+    """fp16 queries near fp16's largest values (up to ~5e4 of 65504) and among its subnormals
+    (1e-4: most values under its smallest normal 6.1e-5) over an fp8 cache: split into two e4m3
+    terms under each row's own scale, as ordinary rows are (_assert_fp8_attention)."""
+    if not cuda.available():
+        pytest.skip(cuda.load_error() or "no CUDA kernels")
+    gen = seeded("prefill fp8 fp16 query range", magnitude, block_size, head_dim)
+    cases = _cases(block_size, gen)
+    paged, queries, starts = _fp8_case(gen, block_size, head_dim, 4, cases)
+    k_scale, v_scale = FP8_SCALES
+    queries = [(q.float() * magnitude).to(torch.float16) for q in queries]
+    assert all(torch.isfinite(q).all() for q in queries)
+    scale = head_dim ** -0.5 / magnitude
+    out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
+    assert torch.isfinite(out).all()
+    _assert_fp8_attention(out, queries, paged, starts, cases, scale, torch.float16, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64)])
-def test_fp8_cache_query_rows_of_every_magnitude(group, block_size, head_dim):
-    """bf16 queries over an fp8 cache, whose rows the warp-specialized kernel (on Hopper) splits into
+def test_fp8_cache_query_rows_of_every_magnitude(query_dtype, group, block_size, head_dim):
+    """16-bit queries over an fp8 cache, whose rows the warp-specialized kernel (on Hopper) splits into
     two e4m3 terms, each row under a scale of its own: rows of one item 2^0 to 2^-12 apart, rows of
     zeros, and rows with one element 16 times the others, against float64. The largest rows' scores
     are ordinary ones, the smallest rows' softmax flat. (Scores far larger, in the thousands, lose
     more than 16-bit math would: the e4m3 tensor cores add with about 14 bits; docs/performance.md.)"""
     if not cuda.available():
         pytest.skip(cuda.load_error() or "no CUDA kernels")
-    gen = seeded("prefill fp8 query rows", group, block_size, head_dim)
+    gen = seeded("prefill fp8 query rows", query_dtype, group, block_size, head_dim)
     cases = [(300, 300), (700, 129), (129, 129), (5 * block_size + 3, 2 * block_size + 1)]
     paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
     k_scale, v_scale = FP8_SCALES
@@ -218,12 +255,14 @@ def test_fp8_cache_query_rows_of_every_magnitude(group, block_size, head_dim):
         rows[pick < 0.05] = 0.0
         spike = (pick >= 0.05) & (pick < 0.1)
         rows[..., 0] = torch.where(spike, rows[..., 0] * 16, rows[..., 0])
-        shaped.append(rows.to(torch.bfloat16))
+        shaped.append(rows.to(query_dtype))
     scale = head_dim ** -0.5
     out = _run_kernel(paged, shaped, starts, scale, 8, k_scale, v_scale, wgmma=True)
     assert torch.isfinite(out).all()
-    ref = reference_attention(shaped, paged, scale)
-    _assert_each_sequence(out, ref, starts, cases, TOL[torch.bfloat16])
+    if query_dtype == torch.bfloat16:
+        _assert_each_sequence(out, reference_attention(shaped, paged, scale), starts, cases, TOL[torch.bfloat16])
+    else:
+        _assert_fp8_attention(out, shaped, paged, starts, cases, scale, query_dtype, True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -249,8 +288,7 @@ def test_fp8_cache_block_ids_that_are_not_blocks_read_as_zeros(query_dtype, bloc
     scale = head_dim ** -0.5
     out = _run_kernel(paged, queries, starts, scale, 8, k_scale, v_scale, wgmma=True)
     assert torch.isfinite(out).all()
-    ref = reference_attention(queries, paged, scale)
-    _assert_each_sequence(out, ref, starts, cases, TOL[query_dtype])
+    _assert_fp8_attention(out, queries, paged, starts, cases, scale, query_dtype, True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

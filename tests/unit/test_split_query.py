@@ -46,6 +46,36 @@ def test_split_terms_hold_the_query(head_dim):
     assert down[3, 5] == 2.0 ** -7 and not split.data[3, 5].any()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_terms_hold_an_fp16_query_as_bf16_would(head_dim):
+    """fp16's 11 significant bits in two e4m3 terms of 4: each value within 2^-9 of itself (what
+    rounding to bf16 would leave), but for values far under their row's largest (2^-17 of it);
+    exactly those fp16 values that have no more than bf16's 8 bits; never further than rounding
+    the value to bf16 is, by more than that 2^-17."""
+    gen = torch.Generator().manual_seed(14)
+    tokens, heads, kv_heads = 50, 8, 2
+    scales = torch.logspace(-4, 4, tokens * heads)[torch.randperm(tokens * heads, generator=gen)]
+    q = (torch.randn(tokens, heads, head_dim, generator=gen) * scales.view(tokens, heads, 1)).half()
+    q[3, 5] = 0
+    q[7, 1, :4] = torch.tensor([65504.0, -2.0 ** -24, 2.0 ** -14, 1.0])   # fp16's largest and smallest
+    split = split_query_reference(q, kv_heads)
+    assert split.dtype == torch.float16
+    x, joined = q.float(), joined_query(split)
+    largest = x.abs().amax(-1, keepdim=True)
+    err = (joined - x).abs()
+    assert (err <= torch.maximum(x.abs() * 2 ** -9, largest * 2 ** -17)).all()
+    to_bf16 = (x.to(torch.bfloat16).float() - x).abs()
+    assert (err <= to_bf16 + largest * 2 ** -17).all()
+    near = x.abs() >= largest * 2 ** -5
+    exact = x.to(torch.bfloat16).float() == x                    # values with at most 8 significant bits
+    assert torch.equal(joined[near & exact], x[near & exact])
+    assert (err[near] > 0).any()                                  # and the others rounded: not exact in general
+    down = split.down.transpose(0, 1).reshape(tokens, heads)
+    scaled = largest[..., 0] / down
+    nonzero = largest[..., 0] > 0
+    assert ((scaled[nonzero] >= 128) & (scaled[nonzero] <= 256)).all()
+
+
 def test_factors_are_laid_out_by_kv_head_then_token():
     q = torch.ones(3, 4, 64, dtype=torch.bfloat16) * torch.tensor([1.0, 2.0, 4.0, 8.0]).view(1, 4, 1)
     q[1] *= 16
@@ -56,8 +86,10 @@ def test_factors_are_laid_out_by_kv_head_then_token():
 
 
 def test_split_query_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="bf16"):
-        split_query_reference(torch.zeros(2, 4, 64, dtype=torch.float16), 2)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        split_query_reference(torch.zeros(2, 4, 64, dtype=torch.float32), 2)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        SplitQuery.empty(2, 4, 64, 2, "cpu", torch.float32)
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         split_query_reference(torch.zeros(2, 4, 96, dtype=torch.bfloat16), 2)
     with pytest.raises(ValueError, match="not a multiple"):
