@@ -3,8 +3,8 @@
 Over a float8_e4m3fn cache, Hopper's prefill kernel computes Q K^T on the e4m3 tensor cores,
 each query value as two e4m3 terms (``hi + lo``) scaled per row: exact for bf16's 8 significant
 bits; fp16's 11 are rounded to within 2^-9 of each value, as rounding to bf16 would leave them,
-a 32nd of the cache's own e4m3 rounding of K (docs/performance.md, "fp16 queries over fp8 caches split
-too"). The op that writes Q (RoPE: ``cuda.rope_split_query``) can write it split, so that the
+a 32nd of the cache's own e4m3 rounding of K (docs/performance.md, "fp16 queries over fp8 caches
+split too"). The op that writes Q (RoPE: ``cuda.rope_split_query``) can write it split, so that the
 attention kernel only loads it (``cuda.paged_prefill_run`` takes a :class:`SplitQuery`); the
 kernel splits a plain query itself otherwise, at a cost of issue slots (docs/performance.md, "A
 query split before the kernel"). The format is
@@ -114,8 +114,8 @@ def split_query_reference(q: torch.Tensor, kv_heads: int) -> SplitQuery:
 def joined_query(split: SplitQuery) -> torch.Tensor:
     """The float32 values ``(hi + lo) * down`` a split query holds, ``[tokens, q_heads, head_dim]``:
     a bf16 query exactly, but for values under 2^-9 of their row's largest, which are off by at
-    most 2^-17 of it (half e4m3's subnormal step); an fp16 query within 2^-9 of each value (relative), besides
-    the same 2^-17 of the row's largest."""
+    most 2^-17 of it (half e4m3's subnormal step); an fp16 query within 2^-9 of each value
+    (relative), besides the same 2^-17 of the row's largest."""
     tokens, heads, head_dim = split.shape
     order = _byte_order(head_dim).to(split.device)
     raw = torch.empty_like(split.data)

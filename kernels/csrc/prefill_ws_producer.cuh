@@ -1,8 +1,8 @@
 // The warp-specialized prefill kernel's producer warpgroup (paged_prefill_ws.cuh): it picks the
 // block's next (work item, KV head) pair (static stripes or the dynamic counter), writes the item's
 // record, copies its Q tile and then its K/V tiles from the pages into the stages (cp.async; fp8
-// V rows, and K rows with fp16 queries, converted through its registers), and signals each on its
-// full barrier.
+// V rows, and K rows where the query is not split (KVPAGER_PREFILL_WS_FP16_SPLIT=0, fp16), converted
+// through its registers), and signals each on its full barrier.
 #pragma once
 
 #include "prefill_ws_shared.cuh"
