@@ -286,14 +286,20 @@ __host__ __device__ __forceinline__ int rope_split_pass_items(const RopeArgs& a,
 // registers; 40 used) held 4 (75%), and the writer waited on memory with fewer warps than RoPE in
 // place (ncu on the H200, 2026-11-27: 58% achieved occupancy against its 70%). On the H100 the
 // writer's time above RoPE in place at 16K tokens went from 9.1 to 6.0 us (fp16; bf16 4.5 us).
+// (Hopper only: sm_80's build spills 40-56 bytes at 32 registers and keeps 3; unmeasured there.)
 #ifndef KVPAGER_ROPE_SPLIT_MIN_BLOCKS
 #define KVPAGER_ROPE_SPLIT_MIN_BLOCKS 4
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVPAGER_ROPE_SPLIT_BLOCKS_HERE 3
+#else
+#define KVPAGER_ROPE_SPLIT_BLOCKS_HERE KVPAGER_ROPE_SPLIT_MIN_BLOCKS
 #endif
 
 // One thread block per token: q's rows split (split_query_part), k rotated in place, in the same
 // pass as quads (rope_quad) where rows align, else after.
 template <typename T, int D>
-__global__ void __launch_bounds__(512, KVPAGER_ROPE_SPLIT_MIN_BLOCKS) rope_split_query_kernel(RopeSplitArgs s) {
+__global__ void __launch_bounds__(512, KVPAGER_ROPE_SPLIT_BLOCKS_HERE) rope_split_query_kernel(RopeSplitArgs s) {
   constexpr int TPR = D / 16;
   static_assert(TPR <= 32 && (TPR & (TPR - 1)) == 0, "a row's threads share a warp");
   const RopeArgs& a = s.rope;
