@@ -208,14 +208,14 @@ __global__ void rope_kernel(RopeArgs a) {
 #define KVPAGER_ROPE_SPLIT_K 2
 #endif
 
-// Four columns c .. c + 3 below half and their partners c + half .. c + half + 3 of row x rotated
-// (rotate_quad; cos/sin rows given; none: as they are): low and high, two words of T pairs each.
+// Four columns c .. c + 3 below half (lo) and their partners c + half .. c + half + 3 (hi), loaded
+// by the caller, rotated (rotate_quad; cos/sin rows given; none: as they are): low and high, two
+// words of T pairs each.
 template <typename T, int D>
-__device__ __forceinline__ void rotated_x4_pair(const T* x, const T* cos, const T* sin, int c, uint2& low,
-                                                uint2& high) {
+__device__ __forceinline__ void rotated_x4_pair(QuadPairs<T> lo, QuadPairs<T> hi, const T* cos, const T* sin, int c,
+                                                uint2& low, uint2& high) {
   using Q = QuadPairs<T>;
   constexpr int half = D / 2;
-  Q lo = Q::at(x + c), hi = Q::at(x + c + half);
   if (cos != nullptr) {
     const Q x1 = lo, x2 = hi;
     rotate_quad(x1, x2, Q::at(cos + c), Q::at(sin + c), Q::at(cos + c + half), Q::at(sin + c + half), lo, hi);
@@ -246,9 +246,14 @@ __device__ __forceinline__ void split_query_part(const RopeSplitArgs& s, const T
   const RopeArgs& a = s.rope;
   const int kk = j >> 2, t4 = j & 3, c = kk * 32 + 4 * t4;   // kk < KS / 2: c and c + 16 below half
   T* x = static_cast<T*>(a.q) + t * a.q_stride_tok + h * a.q_stride_head;
+  // The thread's four loads of q issued together, before either rotation's cos/sin branch (loaded
+  // inside each rotation, the second pair's waited behind the first's rotation: two DRAM round trips
+  // a thread, and the writer 4.5-6 us slower than RoPE in place at 16K tokens; now as fast).
+  using Q = QuadPairs<T>;
+  const Q qa = Q::at(x + c), qa_half = Q::at(x + c + D / 2), qb = Q::at(x + c + 16), qb_half = Q::at(x + c + 16 + D / 2);
   uint2 lo_a, hi_a, lo_b, hi_b;   // columns c (a) and c + 16 (b), below half (lo) and half on (hi)
-  rotated_x4_pair<T, D>(x, cos, sin, c, lo_a, hi_a);
-  rotated_x4_pair<T, D>(x, cos, sin, c + 16, lo_b, hi_b);
+  rotated_x4_pair<T, D>(qa, qa_half, cos, sin, c, lo_a, hi_a);
+  rotated_x4_pair<T, D>(qb, qb_half, cos, sin, c + 16, lo_b, hi_b);
   if (keep_q) {
     *reinterpret_cast<uint2*>(x + c) = lo_a;
     *reinterpret_cast<uint2*>(x + c + 16) = lo_b;
@@ -285,7 +290,9 @@ __host__ __device__ __forceinline__ int rope_split_pass_items(const RopeArgs& a,
 // 32, so that an SM holds 5 blocks of the 8B shape's 384 threads (94% occupancy) where 3 (42
 // registers; 40 used) held 4 (75%), and the writer waited on memory with fewer warps than RoPE in
 // place (ncu on the H200, 2026-11-27: 58% achieved occupancy against its 70%). On the H100 the
-// writer's time above RoPE in place at 16K tokens went from 9.1 to 6.0 us (fp16; bf16 4.5 us).
+// writer's time above RoPE in place at 16K tokens went from 9.1 to 6.0 us (fp16; bf16 4.5 us), and
+// to none with a thread's four q loads issued together (split_query_part): 121.7-122.0 against
+// 121.7-121.8 us (fp16), 121.7-121.8 against 123.3-123.6 (bf16).
 // (Hopper only: sm_80's build spills 40-56 bytes at 32 registers and keeps 3; unmeasured there.)
 #ifndef KVPAGER_ROPE_SPLIT_MIN_BLOCKS
 #define KVPAGER_ROPE_SPLIT_MIN_BLOCKS 4
