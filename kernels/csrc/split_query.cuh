@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "fp8_convert.cuh"
+#include "pair_of.cuh"
 
 namespace kvpager {
 
@@ -48,26 +49,15 @@ __device__ __forceinline__ int split_query_exponent(uint32_t max_abs_bits) {
   if (max_abs_bits != 0) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>)
       ex = static_cast<int>(max_abs_bits >> 7) - 127;
-    else
-      ex = static_cast<int>(__float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(max_abs_bits)))) >> 23) - 127;
+    else   // (through float: exact for subnormals too)
+      ex = static_cast<int>(__float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(max_abs_bits))))
+                            >> 23) - 127;
   }
   return min(max(7 - ex, -126), 126);
 }
 
 // 2^e as a float (-126 <= e <= 127).
 __device__ __forceinline__ float split_query_pow2(int e) { return __uint_as_float(static_cast<uint32_t>(127 + e) << 23); }
-
-// A word's two T values (the low one first) as floats.
-template <typename T>
-__device__ __forceinline__ float2 split_query_unpack(uint32_t v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-  } else {
-    __half2 h;
-    memcpy(&h, &v, sizeof(h));
-    return __half22float2(h);
-  }
-}
 
 // A word's two T values (the low one first) times `up` (2^f) as fp16 (exact: at most 11
 // significant bits, the largest under 2^8; what falls under fp16's normal range is far below
@@ -76,7 +66,7 @@ __device__ __forceinline__ float2 split_query_unpack(uint32_t v) {
 // bytes each, the low value's first.
 template <typename T>
 __device__ __forceinline__ void split_query_pair(uint32_t v, float up, uint32_t& hi, uint32_t& lo) {
-  const float2 x = split_query_unpack<T>(v);
+  const float2 x = PairOf<T>::unpack(v);
   const __half2 q = __floats2half2_rn(x.x * up, x.y * up);
   const __nv_fp8x2_storage_t q8 = __nv_cvt_halfraw2_to_fp8x2(static_cast<__half2_raw>(q), __NV_SATFINITE, __NV_E4M3);
   const uint32_t back = fp8x2_to_h2(q8);   // hi as fp16 (exact)

@@ -11,8 +11,8 @@ import torch
 
 from kvpager.kernels import cuda, debug
 from kvpager.kernels.split_query import SplitQuery, joined_query, split_query_reference
-from tests.gpu.test_prefill_gpu import FP8_SCALES, _assert_each_sequence, _cases, _fp8_case, _kernel_case
-from tests.unit.test_reference_kernels import LAYER, NUM_KV_HEADS, TOL, reference_attention, seeded
+from tests.gpu.test_prefill_gpu import FP8_SCALES, _assert_fp8_attention, _cases, _fp8_case, _kernel_case
+from tests.unit.test_reference_kernels import LAYER, NUM_KV_HEADS, seeded
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -105,20 +105,16 @@ def test_rope_split_query_equals_rope_then_split(dtype, head_dim, kv_heads, grou
     assert torch.equal(q, q_before)
 
 
-def _per_sequence(rows: torch.Tensor, starts: torch.Tensor) -> list[torch.Tensor]:
-    return [rows[int(starts[i]):int(starts[i + 1])] for i in range(len(starts) - 1)]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("block_size,head_dim", [(16, 128), (32, 64), (8, 128), (64, 64)])
 def test_prefill_over_a_split_query_equals_the_kernels_own_split(dtype, group, block_size, head_dim):
     """The kernel loading a split query computes what it computes splitting the query itself (the
-    same terms, scales and order of operations: bit for bit); against float64 attention over the
-    values the split holds (joined_query: a bf16 query itself) within the 16-bit tolerance of the
-    query's type, so the kernel adds no error of its own beyond 16-bit math's; an fp16 query's own
-    float64 attention within bf16's tolerance (the split keeps bf16's precision of it); padding rows
-    of partial tiles read no factor."""
+    same terms, scales and order of operations: bit for bit); against float64 as
+    _assert_fp8_attention checks: within the 16-bit tolerance of the query's type over the values the
+    split holds (a bf16 query itself), so the kernel adds no error of its own beyond 16-bit math's, and
+    an fp16 query's own float64 attention within bf16's tolerance (the split keeps bf16's precision of
+    it); padding rows of partial tiles read no factor."""
     gen = seeded("prefill split query", dtype, group, block_size, head_dim)
     cases = _cases(block_size, gen)
     paged, queries, starts = _fp8_case(gen, block_size, head_dim, group, cases)
@@ -138,10 +134,8 @@ def test_prefill_over_a_split_query_equals_the_kernels_own_split(dtype, group, b
     got = cuda.paged_prefill_run(plan, split, *args, out=torch.full_like(query, float("nan")))
     torch.cuda.synchronize()
     assert got.dtype == dtype and torch.equal(got, own)
-    held = reference_attention(_per_sequence(joined_query(split).cpu(), starts), paged, scale)
-    _assert_each_sequence(got.cpu(), held, starts, cases, TOL[dtype])
-    ref = reference_attention(queries, paged, scale)
-    _assert_each_sequence(got.cpu(), ref, starts, cases, TOL[torch.bfloat16])
+    # (the split held by the CUDA op is split_query_reference's, bit for bit: the test above)
+    _assert_fp8_attention(got.cpu(), queries, paged, starts, cases, scale, dtype, True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
