@@ -5,7 +5,7 @@ instance), event-timed by turns with torch SDPA on a contiguous bf16 cache, unde
 shares' (above 1: shares faster), "SDPA / x" SDPA's time over x's. By turns because the H100's
 clock follows what ran before (docs/performance.md, eighth session).
 
-    python3 benchmarks/decode_shares.py [--shapes 8x4096,1x32768,64x4096] [--fp8] [--ragged 128x8192,...] [--align 16]
+    python3 benchmarks/decode_shares.py [--shapes 8x4096,1x32768,64x4096] [--fp8] [--ragged 128x8192,...]
 
 Why: 8 x 4K and 64 x 4K give 512 items to 528 resident slots (66 workers a KV head, 4 blocks an
 SM); the 16 SMs holding 3 finish early and idle (docs/performance.md, "Where a short decode
@@ -26,25 +26,24 @@ SHAPES = "8x4096,1x32768,64x4096,32x2048"
 TURNS = 4
 
 
-def shares_of(geometry: cuda.DecodeGeometry, align: int = 0) -> cuda.DecodeGeometry:
-    """The geometry planning equal shares at ``align`` (0: its instance's finest alignment)."""
-    finest = decode_plan.SHARE_ALIGN_MMA if geometry.mma else 1
-    return dataclasses.replace(geometry, share_align=max(align, finest))
+def shares_of(geometry: cuda.DecodeGeometry) -> cuda.DecodeGeometry:
+    """The geometry planning equal shares at its instance's alignment."""
+    return dataclasses.replace(geometry, share_align=decode_plan.SHARE_ALIGN_MMA if geometry.mma else 1)
 
 
-def runs_for(q, k, v, tables, lens, k_scale: float, v_scale: float, align: int = 0) -> dict:
+def runs_for(q, k, v, tables, lens, k_scale: float, v_scale: float) -> dict:
     """{name: launch} of the two plans over this cache (its default instance), with their outputs."""
     geometry = cuda.decode_work_geometry(q, k)
     host = lens.tolist()
     scale = q.shape[-1] ** -0.5
     runs = {}
-    for name, g in (("pieces", geometry), ("shares", shares_of(geometry, align))):
+    for name, g in (("pieces", geometry), ("shares", shares_of(geometry))):
         step, out = bench.work_step(host, g), torch.empty_like(q)
         runs[name] = (lambda step=step, out=out: cuda.paged_decode_run(step, q, k, v, tables, lens, scale, out=out,
                                                                         k_scale=k_scale, v_scale=v_scale))
     a, b = (runs[name]().float() for name in ("pieces", "shares"))
     err = float(((a - b).norm(dim=-1) / a.norm(dim=-1)).max())
-    plan = cuda.plan_decode_work(host, shares_of(geometry, align))
+    plan = cuda.plan_decode_work(host, shares_of(geometry))
     kind = "equal shares" if plan[1] == 0 else "pieces (shares could not be planned)"
     print(f"  {geometry.workers} workers a KV head; shares planned as {kind}, {int(plan[0])} records; "
           f"largest row difference from pieces {err:.1e}")
@@ -74,8 +73,6 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="uniform batch x context, comma-separated")
     ap.add_argument("--ragged", default="", help="ragged batch x longest context (lengths uniform in 1..it)")
     ap.add_argument("--fp8", action="store_true", help="also over an fp8 e4m3 cache (the tensor-core instance)")
-    ap.add_argument("--align", type=int, default=0,
-                    help="share cuts at multiples of this many tokens (0: any token, 8 on tensor cores)")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -86,7 +83,7 @@ def main() -> None:
         if kind == "uniform":
             c = bench.decode_layer(batch, ctx, gen)
             print(f"{batch} x {ctx}, bf16 cache:")
-            runs = runs_for(c.q, c.k, c.v, c.tables, c.lens, 1.0, 1.0, args.align)
+            runs = runs_for(c.q, c.k, c.v, c.tables, c.lens, 1.0, 1.0)
             runs["SDPA"] = c.sdpa
             turns(f"{batch} x {ctx} bf16", runs, c.nbytes, ceiling)
             del c, runs
@@ -96,8 +93,7 @@ def main() -> None:
             k, v = cache[:, 0, 0], cache[:, 0, 1]
             print(f"ragged {batch} x {ctx}, bf16 cache:")
             nbytes = 2 * int(lens.sum()) * bench.HKV * bench.D * q.element_size()
-            turns(f"ragged {batch} x {ctx} bf16", runs_for(q, k, v, tables, lens, 1.0, 1.0, args.align), nbytes,
-                  ceiling)
+            turns(f"ragged {batch} x {ctx} bf16", runs_for(q, k, v, tables, lens, 1.0, 1.0), nbytes, ceiling)
             del q, cache, k, v
         torch.cuda.empty_cache()
         if args.fp8:
@@ -105,8 +101,7 @@ def main() -> None:
             k8, v8 = cache8[:, 0, 0], cache8[:, 0, 1]
             print(f"{kind} {batch} x {ctx}, fp8 cache:")
             nbytes = 2 * int(lens.sum()) * bench.HKV * bench.D
-            turns(f"{kind} {batch} x {ctx} fp8", runs_for(q, k8, v8, tables, lens, 0.05, 0.05, args.align), nbytes,
-                  ceiling)
+            turns(f"{kind} {batch} x {ctx} fp8", runs_for(q, k8, v8, tables, lens, 0.05, 0.05), nbytes, ceiling)
             del q, cache8, k8, v8
             torch.cuda.empty_cache()
 
