@@ -37,12 +37,13 @@ UNIFORM = [(1, 32768), (8, 4096), (32, 2048), (64, 4096), (128, 2048), (256, 102
 RAGGED = [(128, 8192), (64, 32768), (256, 2048), (276, 2600)]
 
 
-def loads(plan: np.ndarray, num_seqs: int, workers: int, item_cost: int) -> np.ndarray:
-    """Each worker's planned load (tokens + item_cost per item; skip records nothing) of a work
-    list for ``num_seqs`` rows."""
-    rec = decode_plan.records_of(plan, num_seqs)
-    weights = np.where(rec.seq == decode_plan.SKIP_SEQ, 0, rec.end - rec.start + item_cost)
-    return np.bincount(decode_plan._snake(rec.n, workers), weights=weights, minlength=workers)
+def loads(plan: np.ndarray, workers: int, item_cost: int) -> np.ndarray:
+    """Each worker's planned load (tokens + item_cost per item) of a work list."""
+    n, size = int(plan[0]), int(plan[1])
+    records = plan[decode_plan.HEADER:decode_plan.HEADER + 2 * n].reshape(n, 2)
+    piece = records[:, 0].view(np.uint32) & 0xFFFF
+    tokens = records[:, 1] - piece.astype(np.int64) * size
+    return decode_plan.worker_loads(tokens, workers, item_cost)
 
 
 def best_with_sizes(lens: np.ndarray, workers: int, sizes: list[int], item_cost: int) -> tuple[float, int]:
@@ -110,7 +111,7 @@ def main() -> None:
           f"with divisor sizes: {'P':>5} {'busiest/even':>12} | even split: {'items':>5} {'cut':>4} {'busiest/even':>12}")
     for kind, batch, ctx, lens in cases:
         plan = decode_plan.plan_decode_work(lens, args.workers, args.longest)
-        load = loads(plan, len(lens), args.workers, decode_plan.ITEM_COST)
+        load = loads(plan, args.workers, decode_plan.ITEM_COST)
         idle = int((load == 0).sum())
         items, cut, split_busiest = even_split(lens, args.workers, args.longest, decode_plan.ITEM_COST)
         sizes = [int(plan[1]), *divisor_sizes(lens, args.longest)]

@@ -80,17 +80,14 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 class DecodeGeometry:
     """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
     blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: the tensor-core
-    instance), query heads per block, the most tokens one item may hold, the planner's cost of
-    an item in tokens (``decode_plan.item_cost_for`` the cache's element size), and
-    ``share_align``: 0 plans pieces, > 0 equal shares with item starts at multiples of it
-    (``decode_plan``)."""
+    instance), query heads per block, the most tokens one item may hold, and the planner's cost of
+    an item in tokens (``decode_plan.item_cost_for`` the cache's element size)."""
     workers: int
     loads: int
     head_tile: int
     longest_item: int
     mma: bool = False
     item_cost: int = work_plan.ITEM_COST
-    share_align: int = 0
 
     def capacity(self, num_seqs: int) -> int:
         """Item slots a plan for ``num_seqs`` rows needs."""
@@ -158,12 +155,11 @@ def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | Non
     (a list or an integer array, one per row; 0 for padding rows): the C++ planner, equal to
     ``decode_plan.plan_decode_work`` and ~50x faster. Raises ValueError as that one does.
     ``out``: a contiguous int32 array of the plan's size to write it into (every int is written)."""
-    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, geometry.item_cost,
-                      geometry.share_align, out)
+    return _plan_work(context_lens, geometry, capacity, work_plan.MIN_ITEM, geometry.item_cost, out)
 
 
 def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min_item: int,
-               item_cost: int, share_align: int, out: np.ndarray | None = None) -> np.ndarray:
+               item_cost: int, out: np.ndarray | None = None) -> np.ndarray:
     lens = np.ascontiguousarray(context_lens, dtype=np.int32)
     size = geometry.plan_size(len(lens), capacity)
     if out is None:
@@ -171,7 +167,7 @@ def _plan_work(context_lens, geometry: DecodeGeometry, capacity: int | None, min
     elif out.dtype != np.int32 or out.shape != (size,) or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous int32 array of {size} ints, got {out.dtype} {out.shape}")
     load().plan_decode_work(torch.from_numpy(lens), geometry.workers, geometry.longest_item, min_item, item_cost,
-                             share_align, torch.from_numpy(out))
+                             torch.from_numpy(out))
     return out
 
 
@@ -187,11 +183,10 @@ def decode_step_stager(inputs: torch.Tensor, previous: torch.Tensor, layouts: li
     list planned there as ``plan_decode_work`` plans it), enqueues on the current stream its copy,
     the fed ids' copy and, unless ``graph_exec`` is 0, that graph's launch, and returns the bytes
     copied; ValueError for bad input, with nothing enqueued."""
-    workers, longest, item_cost, share_align = (
-        (geometry.workers, geometry.longest_item, geometry.item_cost, geometry.share_align)
-        if geometry is not None else (0, 0, work_plan.ITEM_COST, 0))
+    workers, longest, item_cost = ((geometry.workers, geometry.longest_item, geometry.item_cost)
+                                   if geometry is not None else (0, 0, work_plan.ITEM_COST))
     return load().DecodeStepStager(inputs, previous, [list(lay) for lay in layouts], workers, longest,
-                                   work_plan.MIN_ITEM, item_cost, share_align, slots)
+                                   work_plan.MIN_ITEM, item_cost, slots)
 
 
 def decode_workspace(rows: int, num_q_heads: int, head_dim: int, device: torch.device | str) -> Workspace:

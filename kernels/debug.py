@@ -91,13 +91,11 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
 
 
 def plan_decode_work(context_lens, geometry: cuda.DecodeGeometry, capacity: int | None = None, *,
-                     min_item: int = work_plan.MIN_ITEM, item_cost: int | None = None,
-                     share_align: int | None = None) -> np.ndarray:
-    """``cuda.plan_decode_work`` with the planner's knobs (for sweeps; ``item_cost`` and
-    ``share_align`` None: the geometry's)."""
+                     min_item: int = work_plan.MIN_ITEM, item_cost: int | None = None) -> np.ndarray:
+    """``cuda.plan_decode_work`` with the planner's knobs (for sweeps; ``item_cost`` None: the
+    geometry's)."""
     return cuda._plan_work(context_lens, geometry, capacity, min_item,
-                           geometry.item_cost if item_cost is None else item_cost,
-                           geometry.share_align if share_align is None else share_align)
+                           geometry.item_cost if item_cost is None else item_cost)
 
 
 def decode_plan_on(device: torch.device | str, host_plan: np.ndarray, geometry: cuda.DecodeGeometry, rows: int, *,

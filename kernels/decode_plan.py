@@ -15,15 +15,12 @@ the model and the device, ``cuda.decode_work_geometry``, only the list's content
 
 Layout (int32, ``kernels/csrc/launch.h``, ``DecodeArgs::work``)::
 
-    [n, P, 0, 0]                      header (HEADER ints; P is 0 in a list of equal shares;
-                                      the caller may set int 2 to the block tables' row stride,
-                                      e.g. a CUDA graph's packed tables)
-    capacity records of RECORD ints   (seq << 16 | piece, start, end, 0): tokens [start, end) of
-                                      seq, its piece-th piece; seq SKIP_SEQ: no item (a round
-                                      its worker sits out); the first n used, in the order dealt
-                                      (below): worker y's round-r item is record r * workers +
-                                      (y, or workers - 1 - y in odd rounds), found with no
-                                      offsets to read first
+    [n, P, 0, 0]                      header (HEADER ints; the caller may set int 2 to the block
+                                      tables' row stride, e.g. a CUDA graph's packed tables)
+    capacity item records of 2 ints   (seq << 16 | piece, end): tokens [piece * P, end) of seq;
+                                      the first n used, in the order dealt (below): worker y's
+                                      round-r item is item r * workers + (y, or workers - 1 - y
+                                      in odd rounds), found with no offsets to read first
     2 ints per sequence                first partial row, number of pieces (1 = written directly)
 
 Choosing P: a few candidates, each scored by the exact makespan of its assignment (tokens plus
@@ -36,30 +33,15 @@ wins, the larger P on ties. A size of at least the longest context is counted as
 Items are sorted longest first and dealt in rounds over the workers, every other round in
 reverse (a snake), so no worker gets the long pieces of every round. Cost: O(S + n log n) numpy
 work per candidate (0.2-0.4 ms in all for 100-500 sequences on a slow host core).
-
-Equal shares (``share_align`` > 0, the stream-K cut): every worker the same tokens by
-construction. The step's tokens, sequences end to end, are cut into ``workers`` shares of total /
-workers tokens, each cut moved down to a multiple of ``share_align`` within its sequence (1 for
-the FMA kernel, SHARE_ALIGN_MMA for the tensor-core one, whose n-tiles must lie in one block);
-worker y runs share y, one item per sequence the share touches, in stream order. Rounds a worker
-has no item for hold skip records; an empty sequence's empty item (written as zeros) takes the
-first skip record, or a round more. Where shares cannot be planned (an item over ``longest_item``
-less ALIGN tokens, more than MAX_PIECES pieces of a sequence, over capacity) the pieces above.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numpy as np
 
 from kvpager.numeric import ceil_div
 
 HEADER = 4
-RECORD = 4          # ints of an item record
-SKIP_SEQ = 0xFFFF   # a record of this sequence is a round its worker sits out
-_SKIP_CODE = -(1 << 16)   # its record's first int: SKIP_SEQ << 16 as an int32
-SHARE_ALIGN_MMA = 8   # equal shares' item starts for the tensor-core kernel (kWorkStartAlignMma)
 ALIGN = 64          # a piece's token count is a multiple of this (kPartitionAlign)
 MAX_PIECES = 256    # pieces of one sequence (kMaxSplits: the merge stages one weight per piece)
 MAX_ROUNDS = 16     # items per worker the planner aims at, at most
@@ -88,18 +70,17 @@ def capacity_for(num_seqs: int, workers: int) -> int:
 
 def plan_size(num_seqs: int, capacity: int) -> int:
     """Ints of a plan for ``num_seqs`` rows and ``capacity`` item slots."""
-    return HEADER + RECORD * capacity + 2 * num_seqs
+    return HEADER + 2 * capacity + 2 * num_seqs
 
 
 def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: int | None = None, *,
-                     min_item: int = MIN_ITEM, item_cost: int = ITEM_COST, share_align: int = 0) -> np.ndarray:
+                     min_item: int = MIN_ITEM, item_cost: int = ITEM_COST) -> np.ndarray:
     """The work list (int32, layout above) for sequences of these context lengths (a list or an
     integer array; lengths <= 0 get one empty item, so their output rows are written as zeros).
     ``workers``: thread blocks per KV head of the launch; ``longest_item``: the most tokens one
     item may hold (``cuda.decode_work_geometry``); ``capacity``: item slots (default
-    ``capacity_for``); ``share_align`` > 0: equal shares where they can be planned (above).
-    Raises ValueError when no piece size fits (a context longer than MAX_PIECES * longest_item,
-    or too small a capacity)."""
+    ``capacity_for``). Raises ValueError when no piece size fits (a context longer than
+    MAX_PIECES * longest_item, or too small a capacity)."""
     ctx = np.maximum(np.asarray(context_lens, dtype=np.int64), 0)
     num_seqs = len(ctx)
     if workers < 1:
@@ -107,12 +88,6 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
     capacity = capacity_for(num_seqs, workers) if capacity is None else capacity
     if capacity < num_seqs:
         raise ValueError(f"capacity {capacity} is below the {num_seqs} rows (one item each at least)")
-    if num_seqs >= SKIP_SEQ:
-        raise ValueError(f"{num_seqs} rows: a work list holds at most {SKIP_SEQ - 1}")
-    if share_align > 0:
-        shares = _equal_shares(ctx, workers, longest_item, capacity, share_align)
-        if shares is not None:
-            return shares
     hi = longest_item // ALIGN * ALIGN
     longest = int(ctx.max()) if num_seqs else 0
     lo = max(ALIGN, _align_up(ceil_div(longest, MAX_PIECES)))
@@ -147,96 +122,13 @@ def plan_decode_work(context_lens, workers: int, longest_item: int, capacity: in
     n = len(seq)
     out = np.zeros(plan_size(num_seqs, capacity), dtype=np.int32)
     out[0], out[1] = n, size
-    records = out[HEADER:HEADER + RECORD * capacity].reshape(capacity, RECORD)
+    records = out[HEADER:HEADER + 2 * capacity].reshape(capacity, 2)
     records[:n, 0] = ((seq << 16) | piece).astype(np.uint32).view(np.int32)
-    records[:n, 1] = piece * size
-    records[:n, 2] = piece * size + tokens
-    spans = out[HEADER + RECORD * capacity:].reshape(num_seqs, 2)
+    records[:n, 1] = piece * size + tokens
+    spans = out[HEADER + 2 * capacity:].reshape(num_seqs, 2)
     spans[:, 1] = pieces
     spans[1:, 0] = np.cumsum(pieces[:-1])
     return out
-
-
-class Records(NamedTuple):
-    """A plan's first n records (the order dealt, skip records included) and its spans."""
-    n: int
-    piece_size: int        # P (0: equal shares)
-    seq: np.ndarray        # int64 [n]; SKIP_SEQ where a worker sits the round out
-    piece: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    spans: np.ndarray      # int32 [num_seqs, 2]: first partial row, pieces
-
-
-def records_of(plan: np.ndarray, num_seqs: int) -> Records:
-    """The records and spans of a plan for ``num_seqs`` rows (the layout above)."""
-    capacity = (len(plan) - HEADER - 2 * num_seqs) // RECORD
-    n = int(plan[0])
-    records = plan[HEADER:HEADER + RECORD * capacity].reshape(capacity, RECORD)[:n]
-    codes = records[:, 0].view(np.uint32).astype(np.int64)
-    return Records(n, int(plan[1]), codes >> 16, codes & 0xFFFF, records[:, 1].astype(np.int64),
-                   records[:, 2].astype(np.int64), plan[HEADER + RECORD * capacity:].reshape(num_seqs, 2))
-
-
-def _equal_shares(ctx: np.ndarray, workers: int, longest_item: int, capacity: int,
-                  share_align: int) -> np.ndarray | None:
-    """The equal-shares list (module docstring), or None where it cannot be planned."""
-    num_seqs, total = len(ctx), int(ctx.sum())
-    prefix = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int64)
-    cut = [total] * (workers + 1)   # share y's first token in the stream
-    for y in range(workers if total > 0 else 0):
-        g = y * total // workers
-        i = int(np.searchsorted(prefix, g, side="right")) - 1   # the sequence holding token g
-        cut[y] = int(prefix[i]) + (g - int(prefix[i])) // share_align * share_align
-    if total == 0:
-        cut = [0] * (workers + 1)
-    shares = []   # per worker: its items (seq, start, end) in stream order
-    for y in range(workers):
-        items, at = [], cut[y]
-        while at < cut[y + 1]:
-            i = int(np.searchsorted(prefix, at, side="right")) - 1
-            end = min(cut[y + 1], int(prefix[i + 1]))
-            if end - at > longest_item - ALIGN:
-                return None
-            items.append((i, at - int(prefix[i]), end - int(prefix[i])))
-            at = end
-        shares.append(items)
-    pieces = np.zeros(num_seqs, dtype=np.int64)
-    for items in shares:
-        for i, _, _ in items:
-            pieces[i] += 1
-    if num_seqs and int(pieces.max()) > MAX_PIECES:
-        return None
-    empty = np.flatnonzero(ctx == 0)
-    rounds = max((len(items) for items in shares), default=0)
-    skips = sum(rounds - len(items) for items in shares)
-    if len(empty) > skips:
-        rounds += ceil_div(len(empty) - skips, workers)
-    n = rounds * workers
-    if n > capacity:
-        return None
-    out = np.zeros(plan_size(num_seqs, capacity), dtype=np.int32)
-    out[0] = n
-    records = out[HEADER:HEADER + RECORD * capacity].reshape(capacity, RECORD)
-    records[:n, 0] = _SKIP_CODE
-    dealt = np.zeros(num_seqs, dtype=np.int64)
-    for y, items in enumerate(shares):
-        for r, (i, start, end) in enumerate(items):
-            records[_index(r, y, workers)] = ((i << 16) | int(dealt[i]), start, end, 0)
-            dealt[i] += 1
-    free = iter(k for k in range(n) if records[k, 0] == _SKIP_CODE)   # skip records, in index order
-    for i in empty:
-        records[next(free)] = (int(i) << 16, 0, 0, 0)
-    pieces = np.maximum(1, pieces)
-    spans = out[HEADER + RECORD * capacity:].reshape(num_seqs, 2)
-    spans[:, 1] = pieces
-    spans[1:, 0] = np.cumsum(pieces[:-1])
-    return out
-
-
-def _index(r: int, y: int, workers: int) -> int:
-    """The record of worker y's round-r item (launch.h work_item_index)."""
-    return r * workers + (workers - 1 - y if r % 2 else y)
 
 
 def worker_loads(tokens: np.ndarray, workers: int, item_cost: int = ITEM_COST) -> np.ndarray:

@@ -193,9 +193,9 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> decode_work_geometry(Ten
 }
 
 // The step's work list, planned on the host into `out` (CPU int32, launch.h layout) from the
-// host context lengths; returns the record count. share_align > 0: equal shares (decode_plan.h).
+// host context lengths; returns the item count.
 int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_item, int64_t min_item,
-                         int64_t item_cost, int64_t share_align, Tensor out) {
+                         int64_t item_cost, Tensor out) {
   KV_CHECK(context_lens.device().is_cpu() && out.device().is_cpu(), "plan_decode_work plans on the host: "
            "context_lens and out must be CPU tensors");
   KV_CHECK(context_lens.scalar_type() == torch::kInt32 && context_lens.dim() == 1 && context_lens.is_contiguous(),
@@ -204,15 +204,13 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
            "out must be a contiguous 1-d int32 tensor");
   const int64_t num_seqs = context_lens.size(0);
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
-  KV_CHECK(share_align >= 0 && share_align <= 4096, "share_align must be in [0, 4096], got ", share_align);
   const int64_t capacity = kvpager::work_list_capacity(out.size(0), num_seqs);
   KV_CHECK(capacity >= num_seqs && capacity <= std::numeric_limits<int32_t>::max(), "out holds ", out.size(0),
            " ints: too few for ", num_seqs, " sequences (kernels/decode_plan.py plan_size)");
   const int n = kvpager::plan_decode_work(context_lens.data_ptr<int32_t>(), static_cast<int>(num_seqs),
                                           static_cast<int>(workers), static_cast<int>(longest_item),
                                           static_cast<int>(capacity), static_cast<int>(min_item),
-                                          static_cast<int>(item_cost), static_cast<int>(share_align),
-                                          out.data_ptr<int32_t>());
+                                          static_cast<int>(item_cost), out.data_ptr<int32_t>());
   KV_CHECK(n >= 0, kvpager::plan_decode_work_refusal(n, static_cast<int>(num_seqs), static_cast<int>(capacity),
                                                      static_cast<int>(longest_item)));
   return n;
@@ -233,7 +231,7 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
   KV_CHECK(reinterpret_cast<uintptr_t>(work.data_ptr()) % 16 == 0, "work must be 16-byte aligned (the kernel "
-           "reads its header and each item record as one 16-byte load)");
+           "reads its header as one 16-byte load and its item records as pairs)");
   const int64_t capacity = kvpager::work_list_capacity(work.size(0), query.size(0));
   KV_CHECK(capacity >= query.size(0), "work holds ", work.size(0), " ints: too few for ", query.size(0),
            " sequences (kernels/decode_plan.py plan_size)");
@@ -278,7 +276,7 @@ void bind_decode(pybind11::module_& m) {
         py::arg("k_cache"), py::arg("loads"), py::arg("mma"));
   m.def("plan_decode_work", &plan_decode_work, "plan a step's decode work list on the host (launch.h layout)",
         py::arg("context_lens"), py::arg("workers"), py::arg("longest_item"), py::arg("min_item"),
-        py::arg("item_cost"), py::arg("share_align"), py::arg("out"));
+        py::arg("item_cost"), py::arg("out"));
   m.def("paged_decode_work", &paged_decode_work, "paged decode attention over a work list planned for the step",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),

@@ -183,101 +183,15 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
   return g->longest_item >= kPartitionAlign ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-namespace {
-
-// The equal-shares list (plan_decode_work with share_align > 0): the step's tokens, sequences end
-// to end, cut into `workers` shares of total / workers tokens (each cut moved down to a multiple of
-// share_align within its sequence), share y run by worker y, a share crossing sequence ends run as
-// one item per sequence in stream order; rounds a worker has no item for hold skip records, and
-// an empty item for each empty sequence (written as zeros) takes the first skip record (a round
-// more if none is left). O(S + workers * rounds). Returns the record count, or -1 when not planned
-// so (an item over longest_item - kPartitionAlign tokens, a sequence of more than kMaxSplits
-// pieces, more records than capacity).
-int plan_equal_shares(const std::vector<int64_t>& ctx, int64_t total, int workers, int longest_item, int capacity,
-                      int share_align, int32_t* out) {
-  const int num_seqs = static_cast<int>(ctx.size());
-  std::vector<int64_t> prefix(num_seqs + 1, 0);
-  int empty = 0;
-  for (int i = 0; i < num_seqs; ++i) {
-    prefix[i + 1] = prefix[i] + ctx[i];
-    empty += ctx[i] == 0;
-  }
-  // cut[y]: share y's first token in the stream (cut[workers] = total).
-  std::vector<int64_t> cut(workers + 1, total);
-  for (int y = 0, i = 0; y < workers && total > 0; ++y) {
-    const int64_t g = static_cast<int64_t>(y) * total / workers;
-    while (prefix[i + 1] <= g) ++i;
-    cut[y] = prefix[i] + (g - prefix[i]) / share_align * share_align;
-  }
-  if (total == 0) std::fill(cut.begin(), cut.end(), 0);
-  const int64_t limit = static_cast<int64_t>(longest_item) - kPartitionAlign;   // an unaligned start's extra block
-  std::vector<int> pieces(num_seqs, 0);
-  int64_t rounds = 0, skips = 0;
-  std::vector<int> items(workers, 0);
-  for (int y = 0, i = 0; y < workers; ++y) {
-    for (int64_t at = cut[y]; at < cut[y + 1]; ++items[y]) {
-      while (prefix[i + 1] <= at) ++i;
-      const int64_t end = std::min(cut[y + 1], prefix[i + 1]);
-      if (end - at > limit || ++pieces[i] > kMaxSplits) return -1;
-      at = end;
-    }
-    rounds = std::max<int64_t>(rounds, items[y]);
-  }
-  for (int y = 0; y < workers; ++y) skips += rounds - items[y];
-  if (empty > skips) rounds += (empty - skips + workers - 1) / workers;
-  const int64_t n = rounds * workers;
-  if (n > capacity) return -1;
-  int32_t* records = out + kWorkHeader;
-  int32_t* spans = records + kWorkRecord * static_cast<int64_t>(capacity);
-  std::fill(out, out + work_list_ints(capacity, num_seqs), 0);
-  out[0] = static_cast<int32_t>(n);
-  for (int64_t k = 0; k < n; ++k) records[kWorkRecord * k] = static_cast<int32_t>(static_cast<uint32_t>(kWorkSkipSeq) << 16);
-  int64_t first = 0;
-  for (int i = 0; i < num_seqs; ++i) {
-    spans[2 * i] = static_cast<int32_t>(first);
-    spans[2 * i + 1] = std::max(1, pieces[i]);
-    first += spans[2 * i + 1];
-  }
-  auto put = [&](int64_t k, int seq, int piece, int64_t start, int64_t end) {
-    int32_t* rec = records + kWorkRecord * k;
-    rec[0] = static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
-    rec[1] = static_cast<int32_t>(start);
-    rec[2] = static_cast<int32_t>(end);
-  };
-  std::fill(pieces.begin(), pieces.end(), 0);   // reused: pieces of each sequence dealt so far
-  for (int y = 0, i = 0; y < workers; ++y) {
-    int r = 0;
-    for (int64_t at = cut[y]; at < cut[y + 1]; ++r) {
-      while (prefix[i + 1] <= at) ++i;
-      const int64_t end = std::min(cut[y + 1], prefix[i + 1]);
-      put(work_item_index(r, y, workers), i, pieces[i]++, at - prefix[i], end - prefix[i]);
-      at = end;
-    }
-  }
-  int64_t k = 0;   // empty sequences into the skip records, in index order
-  for (int i = 0; i < num_seqs; ++i) {
-    if (ctx[i] != 0) continue;
-    while (static_cast<uint32_t>(records[kWorkRecord * k]) >> 16 != static_cast<uint32_t>(kWorkSkipSeq)) ++k;
-    put(k, i, 0, 0, 0);
-  }
-  return static_cast<int>(n);
-}
-
-}  // namespace
-
 int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
-                     int min_item, int item_cost, int share_align, int32_t* out) {
-  if (workers < 1 || capacity < num_seqs || num_seqs < 0 || num_seqs >= kWorkSkipSeq) return -1;
+                     int min_item, int item_cost, int32_t* out) {
+  if (workers < 1 || capacity < num_seqs || num_seqs < 0 || num_seqs > 65535) return -1;
   std::vector<int64_t> ctx(num_seqs);
   int64_t total = 0, longest = 0;
   for (int i = 0; i < num_seqs; ++i) {
     ctx[i] = std::max<int32_t>(0, context_lens[i]);
     total += ctx[i];
     longest = std::max(longest, ctx[i]);
-  }
-  if (share_align > 0) {
-    const int n = plan_equal_shares(ctx, total, workers, longest_item, capacity, share_align, out);
-    if (n >= 0) return n;
   }
   const int64_t hi = longest_item / kPartitionAlign * kPartitionAlign;
   const int64_t lo = std::max<int64_t>(kPartitionAlign, align_up((longest + kMaxSplits - 1) / kMaxSplits));
@@ -362,19 +276,16 @@ int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int
   if (best_size == 0) return -3;
   const int64_t n = cut(best_size);
   order();
-  int32_t* items = out + kWorkHeader;   // records (code, start, end, 0), in the order dealt
-  int32_t* spans = items + kWorkRecord * static_cast<int64_t>(capacity);
+  int32_t* items = out + kWorkHeader;   // records (code, end), in the order dealt
+  int32_t* spans = items + 2 * static_cast<int64_t>(capacity);
   std::fill(out, out + kWorkHeader, 0);
   out[0] = static_cast<int32_t>(n);
   out[1] = static_cast<int32_t>(best_size);
   for_each_item(best_size, [&](int64_t k, int seq, int64_t piece, int64_t tokens) {
-    int32_t* rec = items + kWorkRecord * k;
-    rec[0] = static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
-    rec[1] = static_cast<int32_t>(piece * best_size);
-    rec[2] = static_cast<int32_t>(piece * best_size + tokens);   // its end token
-    rec[3] = 0;
+    items[2 * k] = static_cast<int32_t>((static_cast<uint32_t>(seq) << 16) | static_cast<uint32_t>(piece));
+    items[2 * k + 1] = static_cast<int32_t>(piece * best_size + tokens);   // its end token
   });
-  std::fill(items + kWorkRecord * n, items + kWorkRecord * static_cast<int64_t>(capacity), 0);
+  std::fill(items + 2 * n, items + 2 * static_cast<int64_t>(capacity), 0);
   int64_t first = 0;
   for (int i = 0; i < num_seqs; ++i) {
     spans[2 * i] = static_cast<int32_t>(first);

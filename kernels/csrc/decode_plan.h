@@ -93,16 +93,12 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
 // for R in kWorkRounds and, beside each of those, the longest context / m for m = longest / it
 // rounded down, at least min_item tokens, by the exact busiest-worker cost,
 // tokens plus item_cost per item), sorted longest first and dealt over the workers in rounds,
-// odd rounds in reverse, and stored in that order (work_snake_worker). share_align > 0 asks
-// instead for equal shares: the step's tokens cut into `workers` shares of total / workers tokens,
-// each cut at a multiple of share_align within its sequence (1 for the FMA instance,
-// kWorkStartAlignMma for the tensor-core one), a share crossing a sequence's end run as two items
-// (or more); pieces as above when shares cannot be planned (a context <= 0, a share too long, over
-// capacity). out: work_list_ints(capacity, num_seqs) ints.
-// Returns the record count (items and skip records), or < 0: -1 bad sizes, -2 a context too long
-// for kMaxSplits pieces of longest_item tokens, -3 more items than capacity.
+// odd rounds in reverse, and stored in that order (work_snake_worker). out: work_list_ints(capacity,
+// num_seqs) ints.
+// Returns the item count, or < 0: -1 bad sizes, -2 a context too long for kMaxSplits pieces of
+// longest_item tokens, -3 more items than capacity.
 int plan_decode_work(const int32_t* context_lens, int num_seqs, int workers, int longest_item, int capacity,
-                     int min_item, int item_cost, int share_align, int32_t* out);
+                     int min_item, int item_cost, int32_t* out);
 // What plan_decode_work's refusal `code` (< 0) means, for the callers' error messages.
 std::string plan_decode_work_refusal(int code, int num_seqs, int capacity, int longest_item);
 

@@ -151,8 +151,7 @@ int64_t stage_decode_inputs(uint8_t* host, int64_t host_bytes, const DecodeStage
     const int64_t capacity = work_list_capacity((lay.work_end - lay.work_at) / 4, b);
     if (capacity < b) refuse("layout", "its work list holds too few ints for " + std::to_string(b) + " rows");
     const int n = plan_decode_work(context, static_cast<int>(b), planner.workers, planner.longest_item,
-                                   static_cast<int>(capacity), planner.min_item, planner.item_cost,
-                                   planner.share_align, work);
+                                   static_cast<int>(capacity), planner.min_item, planner.item_cost, work);
     if (n < 0)
       refuse("context_lens", plan_decode_work_refusal(n, static_cast<int>(b), static_cast<int>(capacity),
                                                       planner.longest_item));

@@ -26,7 +26,7 @@ struct DecodeStageLayout {
 
 // The work-list geometry the graphs were captured with; workers == 0: the graphs take no work list.
 struct DecodeStagePlanner {
-  int workers, longest_item, min_item, item_cost, share_align;   // (decode_plan.h plan_decode_work)
+  int workers, longest_item, min_item, item_cost;
 };
 
 // Writes a step of `rows` rows (1 <= rows <= lay.batch) into `host` (`host_bytes` long):

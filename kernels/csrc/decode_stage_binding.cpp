@@ -40,17 +40,16 @@ struct PinnedSlot {
 class DecodeStepStager {
  public:
   DecodeStepStager(Tensor inputs, Tensor previous, const std::vector<std::vector<int64_t>>& layouts, int64_t workers,
-                   int64_t longest_item, int64_t min_item, int64_t item_cost, int64_t share_align, int64_t slots)
+                   int64_t longest_item, int64_t min_item, int64_t item_cost, int64_t slots)
       : inputs_(std::move(inputs)), previous_(std::move(previous)),
         planner_{static_cast<int>(workers), static_cast<int>(longest_item), static_cast<int>(min_item),
-                 static_cast<int>(item_cost), static_cast<int>(share_align)} {
+                 static_cast<int>(item_cost)} {
     if (!inputs_.is_cuda() || inputs_.scalar_type() != torch::kUInt8 || !inputs_.is_contiguous())
       refuse("inputs must be a contiguous uint8 CUDA tensor");
     if (!previous_.is_cuda() || previous_.device() != inputs_.device() || previous_.scalar_type() != torch::kInt64 ||
         previous_.dim() != 1 || !previous_.is_contiguous())
       refuse("previous must be a contiguous 1-d int64 tensor on the inputs' device");
     if (workers < 0 || workers > 65535) refuse("workers must be in [0, 65535]");
-    if (share_align < 0 || share_align > 4096) refuse("share_align must be in [0, 4096]");
     if (slots < 1 || slots > 64) refuse("slots must be in [1, 64]");
     for (const auto& l : layouts) {
       if (l.size() != 5) refuse("a layout is (batch, context_at, work_at, work_end, tables_at)");
@@ -147,9 +146,9 @@ void bind_decode_stage(py::module_& m) {
                                "a CUDA-graph decode step's host path: its inputs into pinned memory, onto the device, "
                                "and its graph's launch")
       .def(py::init<Tensor, Tensor, const std::vector<std::vector<int64_t>>&, int64_t, int64_t, int64_t, int64_t,
-                    int64_t, int64_t>(),
+                    int64_t>(),
            py::arg("inputs"), py::arg("previous"), py::arg("layouts"), py::arg("workers"), py::arg("longest_item"),
-           py::arg("min_item"), py::arg("item_cost"), py::arg("share_align"), py::arg("slots"))
+           py::arg("min_item"), py::arg("item_cost"), py::arg("slots"))
       .def("stage", &DecodeStepStager::stage,
            "write a step's inputs, enqueue their copies and the graph's launch; the bytes copied", py::arg("bucket"),
            py::arg("graph_exec"), py::arg("tokens"), py::arg("positions"), py::arg("slots"),

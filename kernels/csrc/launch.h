@@ -25,20 +25,12 @@ constexpr int kDefaultPrefetchSteps = 1;       // L2 prefetch distance (benchmar
 constexpr int kDefaultPrefetchStepsMma = 0;    // ... of the tensor-core fp8 instance: none (--only fp8_sweep on an
                                                // H100: 87.1% of the copy ceiling at 64 x 4096 without, 83.7% with 1)
 constexpr int kWorkHeader = 4;                 // ints before a work list's items (see DecodeArgs::work)
-constexpr int kWorkRecord = 4;                 // ints of one item record (one 16-byte load)
-constexpr int kWorkSkipSeq = 0xFFFF;           // a record of this sequence is a round the worker sits out
-constexpr int kWorkStartAlignMma = 8;          // the tensor-core instance's items start at multiples of this
-                                               // (an n-tile of 8 tokens in one block: paged_decode_mma.cuh)
 constexpr int kMaxTileElems = 64;              // decode head tile x elements per lane (query + accumulators in registers)
 
 // A work list's size in ints for `capacity` item records and `num_seqs` sequences, and the
 // capacity a list of `ints` ints holds (DecodeArgs::work).
-constexpr int64_t work_list_ints(int64_t capacity, int64_t num_seqs) {
-  return kWorkHeader + kWorkRecord * capacity + 2 * num_seqs;
-}
-constexpr int64_t work_list_capacity(int64_t ints, int64_t num_seqs) {
-  return (ints - kWorkHeader - 2 * num_seqs) / kWorkRecord;
-}
+constexpr int64_t work_list_ints(int64_t capacity, int64_t num_seqs) { return kWorkHeader + 2 * capacity + 2 * num_seqs; }
+constexpr int64_t work_list_capacity(int64_t ints, int64_t num_seqs) { return (ints - kWorkHeader - 2 * num_seqs) / 2; }
 
 // The worker that runs item k of a work list: items are dealt in rounds of `workers`, every other
 // round in reverse (a snake), so no worker gets the longest item of every round.
@@ -71,12 +63,10 @@ struct DecodeArgs {
   int prefetch_steps;              // L2 prefetch distance in block iterations (0 = none; Hopper only)
   // Work-list mode (planned once per step on the host, kernels/decode_plan.py) when non-null:
   // a DEVICE int32 array of work_list_ints(work_capacity, num_seqs) ints, 16-byte aligned:
-  //   [0] items n, [1] tokens per piece (a multiple of kPartitionAlign; 0 in a list of equal
-  //   shares), [2] the block tables' row stride when > 0 (0: table_stride; the planner writes 0),
-  //   [3] unused;
-  //   work_capacity item records of kWorkRecord ints (seq << 16 | piece, start, end, 0): the item
-  //   covers tokens [start, end) of seq, its piece-th piece; seq kWorkSkipSeq: no item (a worker
-  //   with fewer rounds than others); the first n are used, in the order they are dealt: item k
+  //   [0] items n, [1] tokens per piece (partition, a multiple of kPartitionAlign), [2] the block
+  //   tables' row stride when > 0 (0: table_stride; the planner writes 0), [3] unused;
+  //   work_capacity item records of 2 ints (seq << 16 | piece, end): the item covers tokens
+  //   [piece * partition, end) of seq; the first n are used, in the order they are dealt: item k
   //   runs on worker (blockIdx.y) work_snake_worker(k, work_workers), in its round k / work_workers,
   //   so worker y finds its r-th item at a computed index, with no offsets to read first;
   //   per sequence (first partial row, piece count): count >= 1 and <= kMaxSplits; a sequence

@@ -263,12 +263,11 @@ struct WorkItem {
 
 // Per sequence of a work list: (first partial row, piece count).
 __device__ __forceinline__ const int32_t* work_spans(const DecodeArgs& a) {
-  return a.work + kWorkHeader + kWorkRecord * static_cast<int64_t>(a.work_capacity);
+  return a.work + kWorkHeader + 2 * static_cast<int64_t>(a.work_capacity);
 }
 
 // Worker blockIdx.y's item of round r, its end clamped to `longest` (the tokens a table row holds);
-// false past the worker's last item; it->seq == kWorkSkipSeq for a round the worker sits out
-// (work_item_skipped). The header and the record (one 16-byte load each) are read
+// false past the worker's last item. The header (one 16-byte load) and the record are read
 // together (the index is below capacity, so the read is in bounds), afresh per item, through a
 // pointer laundered by empty asm so that the compiler hoists none of it out of the worker's loop.
 // The sequence's span, which only the item's output needs, is read at its end (item_destination).
@@ -279,20 +278,17 @@ __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longes
   asm volatile("" : "+l"(work));
   const int64_t k = work_item_index(r, blockIdx.y, a.work_workers);
   if (k >= a.work_capacity) return false;
-  const int4 header = *reinterpret_cast<const int4*>(work);   // n, piece size, table stride, 0
-  const int4 rec = reinterpret_cast<const int4*>(work + kWorkHeader)[k];   // code, start, end, 0
+  const int4 header = *reinterpret_cast<const int4*>(work);   // n, partition, table stride, 0
+  const int2 rec = reinterpret_cast<const int2*>(work + kWorkHeader)[k];
   if (k >= header.x) return false;
   const uint32_t code = static_cast<uint32_t>(rec.x);
   it->seq = static_cast<int>(code >> 16);
   it->piece = static_cast<int>(code & 0xffffu);
-  it->start = rec.y;
-  it->end = max(0, min(rec.z, longest));
+  it->start = it->piece * header.y;
+  it->end = max(0, min(rec.y, longest));
   it->table_stride = header.z > 0 ? header.z : a.table_stride;
   return true;
 }
-
-// Whether a record work_item read is a round its worker sits out (no item: launch.h).
-__device__ __forceinline__ bool work_item_skipped(const WorkItem& it) { return it.seq == kWorkSkipSeq; }
 
 // Where an item's result goes: the output rows when `direct` (its sequence is one piece or one
 // split), else partial row `row`. Read at the item's end, where it is needed, so nothing of it is
@@ -318,7 +314,6 @@ __device__ __forceinline__ void item_destination(const DecodeArgs& a, const Work
 template <typename C, int D, int STEP>
 struct ItemTable {
   int log2b, first_blk, nblk;
-  int lead;              // the item's first token's row in its block (0 unless it starts mid-block)
   const int32_t* trow;   // the slice in the block table (global memory)
   const C* kslab;        // this KV head's K rows of block 0 (add b * kv_stride_block for block b)
   const C* vslab;
@@ -328,7 +323,6 @@ struct ItemTable {
   __device__ __forceinline__ ItemTable(const DecodeArgs& a, const WorkItem& it, int kvh) {
     log2b = a.log2_block_size;
     first_blk = it.start >> log2b;
-    lead = it.start - (first_blk << log2b);
     nblk = it.end > it.start ? ((it.end - 1) >> log2b) - first_blk + 1 : 0;
     trow = a.block_tables + static_cast<int64_t>(it.seq) * it.table_stride + first_blk;
     kslab = static_cast<const C*>(a.k_cache) + static_cast<int64_t>(kvh) * a.kv_stride_head;
@@ -351,7 +345,7 @@ struct ItemTable {
   template <int NTHREADS>
   __device__ __forceinline__ void stage(const DecodeArgs& a, int* s_table, int tid) const {
     constexpr int kStageBatch = KVPAGER_DECODE_STAGE_BATCH;
-    const int first_prefetched = min(nblk, (lead + pd * STEP + a.block_size - 1) >> log2b);
+    const int first_prefetched = min(nblk, (pd * STEP + a.block_size - 1) >> log2b);
     for (int base = tid; base < nblk; base += kStageBatch * NTHREADS) {
       int b[kStageBatch];
 #pragma unroll
@@ -374,8 +368,8 @@ struct ItemTable {
   __device__ __forceinline__ void prefetch_ahead(const DecodeArgs& a, const int* s_table, int it, int tid) const {
     if (pd > 0) {
       const int j = it + pd;
-      const int b0 = (lead + j * STEP + a.block_size - 1) >> log2b;
-      const int b1 = min(nblk, (lead + (j + 1) * STEP + a.block_size - 1) >> log2b);
+      const int b0 = (j * STEP + a.block_size - 1) >> log2b;
+      const int b1 = min(nblk, ((j + 1) * STEP + a.block_size - 1) >> log2b);
       const int i = b0 + (tid >> 1);
       if (i < b1) {
         const int b = s_table[i];
@@ -725,7 +719,6 @@ paged_decode_kernel(const DecodeArgs a) {
   for (int r = 0;; ++r) {
     WorkItem it;
     if (!work_item(a, r, longest, &it)) break;
-    if (work_item_skipped(it)) continue;
     timeline_item_start(r);
     decode_item<T, C, D, HT, LOADS>(a, smem, it);
     timeline_item_end(r, it.end - it.start);

@@ -8,8 +8,8 @@
 // share of an mma.
 //
 // Per warp and iteration: TOK = 16 * CH tokens (CH = 1 or 2), i.e. 2 * CH n-tiles of 8 tokens;
-// every n-tile lies inside one cache block (items start at multiples of 8, kWorkStartAlignMma, and
-// blocks hold a power of two >= 8 tokens), so its block-table entry is warp-uniform. Lane (g, c) = (lane / 4,
+// every n-tile lies inside one cache block (iterations start at multiples of 16 and blocks hold a
+// power of two >= 8 tokens), so its block-table entry is warp-uniform. Lane (g, c) = (lane / 4,
 // lane % 4), as in the mma fragment layouts.
 //
 //   S = Q K^T per n-tile: M = query heads (rows 0..7 = the tile's heads, rows 8..15 zero padding),
@@ -463,7 +463,6 @@ paged_decode_mma_kernel(const DecodeArgs a) {
   for (int r = 0;; ++r) {   // (paged_decode.cuh: work_item)
     WorkItem it;
     if (!work_item(a, r, longest, &it)) break;
-    if (work_item_skipped(it)) continue;
     timeline_item_start(r);
     decode_item_mma<T, C, D, CH>(a, smem, it);
     timeline_item_end(r, it.end - it.start);

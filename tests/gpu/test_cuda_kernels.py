@@ -10,14 +10,13 @@ QKV tensor. Both the unsplit and the split (flash-decoding) paths run, forced an
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 
 import pytest
 import torch
 
-from kvpager.kernels import cuda, debug, decode_plan, reference
+from kvpager.kernels import cuda, debug, reference
 from kvpager.numeric import ceil_div
 
 pytestmark = pytest.mark.gpu
@@ -436,21 +435,15 @@ def test_copy_blocks_odd_block_size_tail():
 # ---- decode over a work list planned once per step (kernels/decode_plan.py) ----
 
 def _check_work(query, k_view, v_view, block_tables, context_lens, tol, k_scale=1.0, v_scale=1.0, host_lens=None,
-                loads=None, mma=None, share_align=None, workers=None):
+                loads=None, mma=None):
     """The planned kernel against float64: NaN-poisoned output and workspace, the plan made on
     the host from ``host_lens`` (default: the context lengths), run twice (every layer of a step
-    runs the same plan: the second run must not depend on what the first left in the workspace).
-    ``share_align``: the planner's (None: the geometry's); ``workers``: fewer than the geometry's
-    (several items a worker)."""
+    runs the same plan: the second run must not depend on what the first left in the workspace)."""
     geometry = debug.decode_work_geometry(query, k_view, loads=loads, mma=mma)
     if mma is not None:
         assert geometry.mma == mma
-    if workers is not None:
-        geometry = dataclasses.replace(geometry, workers=workers)
     lens = context_lens.tolist() if host_lens is None else host_lens
-    plan = debug.plan_decode_work(lens, geometry, share_align=share_align)
-    if share_align:
-        assert plan[1] == 0, "equal shares were not planned"
+    plan = cuda.plan_decode_work(lens, geometry)
     step = debug.decode_plan_on(DEV, plan, geometry, len(lens), num_q_heads=query.shape[1], head_dim=query.shape[2],
                                 poison_workspace=True)
     scale = query.shape[-1] ** -0.5
@@ -536,33 +529,6 @@ def test_work_list_decode_fp8_tensor_cores(dtype, head_dim, block_size, group):
     _check_work(*case, TOL[dtype], k_scale, v_scale, mma=True)
 
 
-@pytest.mark.parametrize("workers", [None, 7], ids=["resident", "7-workers"])
-@pytest.mark.parametrize("kind", ["bf16-fma", "f16-fma", "f32-fma", "bf16-mma16", "bf16-fp8-mma", "f16-fp8-fma"])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_work_list_decode_equal_shares(kind, block_size, workers):
-    """Equal-shares lists (stream-K cuts: items starting mid-block, shares across rows' ends, skip
-    records, padding rows' empty items) against float64, on every instance: the FMA one cut at
-    any token, the tensor-core one at multiples of 8."""
-    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[kind.split("-")[0]]
-    fp8 = "fp8" in kind
-    mma = "mma" in kind
-    seed = zlib.crc32(repr(("shares", kind, block_size, workers)).encode())
-    gen = torch.Generator().manual_seed(seed)
-    lens = [1, block_size - 1, block_size + 1, 0] + torch.randint(1, 3000, (9,), generator=gen).tolist() + [9000, 0]
-    k_scale, v_scale = (0.043, 0.021) if fp8 else (1.0, 1.0)
-    case = _case(dtype, 128, block_size, 2, 4, [max(n, 1) for n in lens], seed, reference.FP8 if fp8 else None,
-                 k_scale, v_scale)
-    query, k_view, v_view, tables, _ = case
-    context = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    align = decode_plan.SHARE_ALIGN_MMA if mma else 1
-    plan = _check_work(query, k_view, v_view, tables, context, TOL[dtype], k_scale, v_scale, host_lens=lens,
-                       mma=mma, share_align=align, workers=workers)
-    rec = decode_plan.records_of(plan, len(lens))
-    live = rec.seq != decode_plan.SKIP_SEQ
-    assert (rec.seq == decode_plan.SKIP_SEQ).any()
-    assert (rec.start[live] % block_size != 0).any() == (align < block_size)   # items starting mid-block
-
-
 def test_work_list_decode_padding_rows_and_the_llama_shape():
     """32q/8kv d128 bf16 (the serving shape): a long sequence split into many pieces beside short
     ones, and padding rows (context 0) that must come out as zeros."""
@@ -605,6 +571,7 @@ def test_work_list_takes_the_tables_row_stride_from_its_header(cache):
 
 def test_host_planners_agree():
     """The C++ planner the worker uses equals kernels/decode_plan.py's numpy one."""
+    from kvpager.kernels import decode_plan
     q, k = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=DEV), torch.empty(4, 8, 16, 128, dtype=torch.bfloat16,
                                                                                    device=DEV)
     geometry = cuda.decode_work_geometry(q, k)
@@ -619,6 +586,7 @@ def test_host_planners_agree():
 def test_fp8_work_lists_plan_with_the_fp8_item_cost():
     """Over an fp8 cache the geometry carries the fp8 item cost, and the worker's planner uses it
     (the numpy planner given the same cost plans the same)."""
+    from kvpager.kernels import decode_plan
     q = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=DEV)
     k8 = torch.empty(4, 8, 16, 128, dtype=cuda.FP8, device=DEV)
     geometry = cuda.decode_work_geometry(q, k8)

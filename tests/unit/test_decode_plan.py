@@ -16,12 +16,14 @@ from kvpager.numeric import ceil_div
 
 
 def _parts(plan: np.ndarray, rows: int):
-    """(n, size, seq, piece, end, spans) of a plan of pieces: its n items in the order dealt."""
-    capacity = (len(plan) - HEADER - 2 * rows) // decode_plan.RECORD
-    rec = decode_plan.records_of(plan, rows)
-    assert (plan[HEADER + decode_plan.RECORD * rec.n:HEADER + decode_plan.RECORD * capacity] == 0).all()
-    assert (rec.start == rec.piece * rec.piece_size).all()
-    return rec.n, rec.piece_size, rec.seq, rec.piece, rec.end, rec.spans
+    """(n, size, seq, piece, end, spans) of a plan: its n items in the order dealt."""
+    capacity = (len(plan) - HEADER - 2 * rows) // 2
+    n, size = int(plan[0]), int(plan[1])
+    records = plan[HEADER:HEADER + 2 * capacity].reshape(capacity, 2)
+    assert (records[n:] == 0).all()
+    codes = records[:n, 0].view(np.uint32).astype(np.int64)
+    spans = plan[HEADER + 2 * capacity:].reshape(rows, 2)
+    return n, size, codes >> 16, codes & 0xFFFF, records[:n, 1].astype(np.int64), spans
 
 
 def _worker_items(n: int, workers: int, y: int) -> list[int]:
@@ -107,84 +109,19 @@ def test_refusals_name_the_limit():
         plan_decode_work([5], 0, 4096)
 
 
-def _check_shares(lens, workers, share_align, longest_item=32768):
-    """An equal-shares plan: every token of every row in exactly one item, pieces numbered in
-    stream order and counted by the spans, every worker's tokens within share_align (and a row's
-    end) of total / workers, starts aligned, empty rows one empty item each, at most
-    MAX_PIECES pieces a row."""
-    plan = plan_decode_work(lens, workers, longest_item, share_align=share_align)
-    assert plan[1] == 0, "planned pieces, not equal shares"
-    rows = len(lens)
-    ctx = np.maximum(np.asarray(lens), 0)
-    rec = decode_plan.records_of(plan, rows)
-    assert rec.n % workers == 0 and rec.n <= decode_plan.capacity_for(rows, workers)
-    live = rec.seq != decode_plan.SKIP_SEQ
-    assert (rec.start[live] % share_align == 0).all() and (rec.start[~live] == 0).all()
-    assert (rec.end[live] - rec.start[live] <= longest_item - decode_plan.ALIGN).all()
-    for s in range(rows):
-        mine = np.flatnonzero(live & (rec.seq == s))
-        mine = mine[np.argsort(rec.piece[mine])]
-        assert (rec.piece[mine] == np.arange(len(mine))).all() and len(mine) == rec.spans[s, 1]
-        assert rec.spans[s, 0] == int(rec.spans[:s, 1].sum())
-        if ctx[s] == 0:
-            assert len(mine) == 1 and rec.start[mine[0]] == rec.end[mine[0]] == 0
-            continue
-        bounds = np.stack([rec.start[mine], rec.end[mine]], 1).ravel()
-        assert bounds[0] == 0 and bounds[-1] == ctx[s] and (bounds[1:-1:2] == bounds[2::2]).all()
-        assert (rec.end[mine] > rec.start[mine]).all()
-    tokens = np.zeros(workers, np.int64)
-    for y in range(workers):
-        items = [k for k in _worker_items(rec.n, workers, y) if live[k]]
-        tokens[y] = sum(int(rec.end[k] - rec.start[k]) for k in items)
-        assert [int(rec.seq[k]) for k in items if ctx[rec.seq[k]] > 0] == sorted(
-            int(rec.seq[k]) for k in items if ctx[rec.seq[k]] > 0)   # stream order
-    assert tokens.sum() == ctx.sum()
-    assert tokens.max() - tokens.min() <= share_align * (1 + int((ctx > 0).sum())), tokens
-    return rec
-
-
-@pytest.mark.parametrize("share_align", [1, 8])
-def test_equal_shares_give_every_worker_the_same_tokens(share_align):
-    rng = np.random.default_rng(share_align)
-    for lens, workers in (([4096] * 8, 66), ([32768], 66), ([4096] * 64, 66), (list(rng.integers(1, 9000, 50)), 132),
-                          (list(rng.integers(-3, 400, 300)), 7), ([0, 0, 5], 66), ([3, 0, 70000, 0, 1], 66)):
-        _check_shares(lens, workers, share_align)
-
-
-def test_equal_shares_of_8_x_4k():
-    """The stream-K cut of the decode benchmark's 8 x 4K: 66 shares of 496 or 497 tokens; of the 7
-    row ends inside the stream one falls on a cut (share 33 starts row 4), the 6 shares across the
-    others run as two items (72 in all), every row cut into 9 pieces."""
-    rec = _check_shares([4096] * 8, 66, 1)
-    live = rec.seq != decode_plan.SKIP_SEQ
-    assert rec.n == 132 and int(live.sum()) == 72 and (rec.spans[:, 1] == 9).all()
-    assert sorted({int(x) for x in rec.end[:66] - rec.start[:66]})[-1] <= 497
-
-
-def test_equal_shares_fall_back_to_pieces():
-    """Shares that cannot be planned (one longer than an item may be; a row in more than
-    MAX_PIECES pieces) plan pieces, as without share_align."""
-    for lens, workers, longest in (([40000, 40000], 2, 32768), ([300 * 64], 300, 32768)):
-        plan = plan_decode_work(lens, workers, longest, share_align=1)
-        assert plan[1] > 0
-        assert np.array_equal(plan, plan_decode_work(lens, workers, longest))
-
-
 def _run_plan(plan, workers, query, k_cache, v_cache, tables, lens, scale):
     """Float64 attention executed the way the kernel executes a plan: each item over its token
-    range (log-sum-exp partials), skip records skipped, the pieces of a row merged."""
+    range (log-sum-exp partials), the pieces of a row merged."""
     rows = len(lens)
-    n, _, seq, piece, start, end, spans = decode_plan.records_of(plan, rows)
+    n, size, seq, piece, end, spans = _parts(plan, rows)
     heads, dim = query.shape[1], query.shape[2]
     group = heads // k_cache.shape[1]
     bs = k_cache.shape[2]
     partial = {}
     for w in range(workers):
         for i in _worker_items(n, workers, w):
-            if seq[i] == decode_plan.SKIP_SEQ:
-                continue
             s, p = int(seq[i]), int(piece[i])
-            lo, hi = int(start[i]), int(end[i])
+            lo, hi = p * size, int(end[i])
             pos = torch.arange(lo, max(lo, hi))
             blocks = tables[s, pos // bs].long()
             k = k_cache[blocks, :, pos % bs].repeat_interleave(group, dim=1)   # [t, heads, dim]
@@ -218,10 +155,8 @@ def test_executing_a_plan_equals_attention():
     tables = torch.tensor([[perm.pop() for _ in range(k)] + [0] * (width - k) for k in need], dtype=torch.int32)
     query = torch.randn(len(lens), kv_heads * group, dim, dtype=torch.float64)
     scale = dim ** -0.5
-    for workers, longest_item, share_align in ((5, 256, 0), (40, 1024, 0), (1, 32768, 0), (5, 4096, 1),
-                                               (40, 1024, 1), (7, 4096, 8), (1, 32768, 1)):
-        plan = plan_decode_work(lens, workers, longest_item, min_item=64, share_align=share_align)
-        assert (plan[1] == 0) == (share_align > 0)   # every case here plans equal shares when asked
+    for workers, longest_item in ((5, 256), (40, 1024), (1, 32768)):
+        plan = plan_decode_work(lens, workers, longest_item, min_item=64)
         got = _run_plan(plan, workers, query, k_cache, v_cache, tables, lens, scale)
         live = [i for i, n in enumerate(lens) if n > 0]
         expect = reference.paged_decode_attention(query[live], k_cache, v_cache, tables[live],

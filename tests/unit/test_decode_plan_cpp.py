@@ -39,26 +39,21 @@ def test_cpp_planner_equals_the_python_one(planner):
         rows = int(rng.integers(1, 600))
         longest_ctx = [300, 5000, 40000, 2234][trial % 4]
         lens = rng.integers(-2, longest_ctx, rows)
-        cases.append((lens, int(rng.choice([1, 7, 49, 66, 132])), int(rng.choice([1024, 2048, 4096])),
-                      [0, 1, 8][trial % 3]))
-    cases.append((np.zeros(5, np.int64), 66, 1024, 0))   # all padding rows
-    cases.append((np.zeros(5, np.int64), 66, 1024, 1))
-    cases.append((np.array([300000, 5]), 66, 1024, 0))   # more than 256 pieces of 1024 tokens: refused
-    cases.append((np.array([4096] * 8), 66, 33280, 1))   # equal shares: 8 x 4K
+        cases.append((lens, int(rng.choice([1, 7, 49, 66, 132])), int(rng.choice([1024, 2048, 4096]))))
+    cases.append((np.zeros(5, np.int64), 66, 1024))   # all padding rows
+    cases.append((np.array([300000, 5]), 66, 1024))   # more than 256 pieces of 1024 tokens: refused
     text = "".join(f"{len(lens)} {workers} {longest} {decode_plan.capacity_for(len(lens), workers)} "
-                   f"{decode_plan.MIN_ITEM} {decode_plan.ITEM_COST} {align}\n{' '.join(map(str, lens))}\n"
-                   for lens, workers, longest, align in cases)
+                   f"{decode_plan.MIN_ITEM} {decode_plan.ITEM_COST}\n{' '.join(map(str, lens))}\n"
+                   for lens, workers, longest in cases)
     proc = subprocess.run([str(planner)], input=text, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == len(cases)
     refused = 0
-    shares = 0
-    for (lens, workers, longest, align), line in zip(cases, lines):
+    for (lens, workers, longest), line in zip(cases, lines):
         got = np.array(line.split(), dtype=np.int64)
         try:
-            want = decode_plan.plan_decode_work(lens, workers, longest, share_align=align)
-            shares += align > 0 and want[1] == 0
+            want = decode_plan.plan_decode_work(lens, workers, longest)
         except ValueError:
             refused += 1
             assert got[0] < 0, (len(lens), workers, longest)
@@ -66,4 +61,3 @@ def test_cpp_planner_equals_the_python_one(planner):
         assert got[0] == want[0] and np.array_equal(got[1:], want), (len(lens), workers, longest)
     # Both refuse the too-long context, and steps whose pieces overflow a small worker count's capacity.
     assert 1 <= refused <= len(cases) // 2
-    assert shares >= 50   # most of the share_align cases planned equal shares

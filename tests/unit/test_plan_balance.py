@@ -16,7 +16,7 @@ from kvpager.kernels import decode_plan  # noqa: E402
 def test_loads_add_up_to_the_tokens_and_item_costs():
     lens = np.array([4096] * 8)
     plan = decode_plan.plan_decode_work(lens, 66, 33280)
-    load = plan_balance.loads(plan, 8, 66, 96)
+    load = plan_balance.loads(plan, 66, 96)
     assert load.sum() == lens.sum() + 96 * int(plan[0])
     assert (load == 0).sum() == 66 - int(plan[0])   # 64 items of 512 tokens: two workers idle
 
