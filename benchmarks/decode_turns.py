@@ -8,7 +8,10 @@ the decode's merge is a programmatic dependent launch, so kernels.kernel_time do
     python3 benchmarks/decode_turns.py --mma --shapes 8x4096,1x32768,32x2048,64x4096,32x16384
 
 ``--mma`` adds, in the same turns, the tensor-core instance over the bf16 cache (its work list
-planned for that instance's geometry) beside the FMA one the planner picks by default.
+planned for that instance's geometry) beside the FMA one the planner picks by default;
+``--prefetch 0,2,4`` the default work list run with those L2 prefetch distances (block iterations
+whose K/V slabs go to L2 ahead of their loads; the default is 1); ``--loads4`` the work list of the
+4-loads instance (3 blocks an SM, twice the K/V in registers a lane).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma-separated")
     ap.add_argument("--mma", action="store_true", help="also the tensor-core instance over the bf16 cache")
+    ap.add_argument("--prefetch", default="", help="also these L2 prefetch distances, comma-separated")
+    ap.add_argument("--loads4", action="store_true", help="also the 4-loads instance's work list")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -35,11 +40,21 @@ def main() -> None:
         batch, ctx = (int(x) for x in spec.split("x"))
         c = bench.decode_layer(batch, ctx, gen)
         runs = {"ours": c.decode, "SDPA": c.sdpa}
+        scale = c.q.shape[-1] ** -0.5
+        for pd in (int(x) for x in args.prefetch.split(",") if x):
+            pd_out = torch.empty_like(c.out)
+            runs[f"ours, prefetch {pd}"] = (lambda pd=pd, pd_out=pd_out: debug.paged_decode_run(
+                c.step, c.q, c.k, c.v, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out))
+        if args.loads4:
+            geometry4 = debug.decode_work_geometry(c.q, c.k, loads=4)
+            step4 = bench.work_step(c.lens.tolist(), geometry4)
+            out4 = torch.empty_like(c.out)
+            runs["ours, 4 loads"] = lambda: cuda.paged_decode_run(step4, c.q, c.k, c.v, c.tables, c.lens, scale, out=out4)
+            print(f"{batch} x {ctx}: the 4-loads work list has {geometry4.workers} workers a KV head")
         if args.mma:
             geometry = debug.decode_work_geometry(c.q, c.k, mma=True)
             step = bench.work_step(c.lens.tolist(), geometry)
             mma_out = torch.empty_like(c.out)
-            scale = c.q.shape[-1] ** -0.5
             runs["ours, tensor cores"] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale,
                                                                        out=mma_out)
             fma = c.decode().float()

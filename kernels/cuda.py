@@ -220,13 +220,19 @@ def paged_decode_run(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tenso
     CUDA graph can capture it, and replays serve any plan of the same size written into
     ``plan.work``. GQA: q head h reads kv head h // (num_q_heads // num_kv_heads).
     """
+    return _run_work(plan, query, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale, v_scale, -1)
+
+
+def _run_work(plan: DecodePlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, out: torch.Tensor | None,
+              k_scale: float, v_scale: float, prefetch_steps: int) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     g = plan.geometry
     part_out, part_ml = plan.workspace
     load().paged_decode_work(out, query, k_cache, v_cache, block_tables, context_lens, plan.work, part_out, part_ml,
-                              g.workers, g.loads, g.head_tile, int(g.mma), float(scale), float(k_scale),
-                              float(v_scale))
+                              g.workers, g.loads, g.head_tile, int(g.mma), int(prefetch_steps), float(scale),
+                              float(k_scale), float(v_scale))
     return out
 
 

@@ -83,6 +83,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                           -1 if prefetch_steps is None else int(prefetch_steps))
 
 
+def paged_decode_run(plan: cuda.DecodePlan, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
+                     prefetch_steps: int | None = None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
+    """``cuda.paged_decode_run`` with the L2 prefetch distance in block iterations
+    (``prefetch_steps``; None: the default, 1, or 0 on the tensor-core instance)."""
+    return cuda._run_work(plan, query, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale, v_scale,
+                          -1 if prefetch_steps is None else int(prefetch_steps))
+
+
 def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int | None = None,
                          mma: bool | None = None) -> cuda.DecodeGeometry:
     """``cuda.decode_work_geometry`` with a forced kernel instance (``loads`` 2 or 4; ``mma`` as

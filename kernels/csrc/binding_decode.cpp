@@ -222,11 +222,13 @@ int64_t plan_decode_work(Tensor context_lens, int64_t workers, int64_t longest_i
 // and launches; never re-plans.
 void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables,
                        Tensor context_lens, Tensor work, Tensor part_out, Tensor part_ml, int64_t workers,
-                       int64_t loads, int64_t head_tile, int64_t mma, double scale, double k_scale, double v_scale) {
+                       int64_t loads, int64_t head_tile, int64_t mma, int64_t prefetch_steps, double scale,
+                       double k_scale, double v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   check_out(out, query);
   check_cuda(work, "work", query.device());
+  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
@@ -239,7 +241,8 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
   KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);
   KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
-  a.prefetch_steps = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
+  const int default_prefetch = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
+  a.prefetch_steps = prefetch_steps < 0 ? default_prefetch : static_cast<int>(prefetch_steps);
   a.loads = static_cast<int>(loads);
   a.mma = static_cast<int>(mma);
   a.head_tile = static_cast<int>(head_tile);
@@ -280,6 +283,6 @@ void bind_decode(pybind11::module_& m) {
   m.def("paged_decode_work", &paged_decode_work, "paged decode attention over a work list planned for the step",
         py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("work"), py::arg("part_out"), py::arg("part_ml"), py::arg("workers"),
-        py::arg("loads"), py::arg("head_tile"), py::arg("mma"), py::arg("scale"), py::arg("k_scale"),
-        py::arg("v_scale"));
+        py::arg("loads"), py::arg("head_tile"), py::arg("mma"), py::arg("prefetch_steps"), py::arg("scale"),
+        py::arg("k_scale"), py::arg("v_scale"));
 }

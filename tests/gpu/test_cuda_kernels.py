@@ -312,6 +312,21 @@ def test_one_grid_plan_serves_every_layer():
         cuda.paged_decode_grid_run(narrow, query, k_view, v_view, tables, lens, scale)
 
 
+def test_work_list_prefetch_distance_changes_no_bit():
+    """The L2 prefetch distance (kernels/debug.py's knob, for benchmarks) is a hint: every distance
+    gives the default's output bit for bit, and a distance out of range is refused."""
+    query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 8, 4, [700, 5000, 33, 4096], seed=23)
+    geometry = cuda.decode_work_geometry(query, k_view)
+    step = debug.decode_plan_on(DEV, cuda.plan_decode_work(lens.tolist(), geometry), geometry, 4, num_q_heads=32,
+                                head_dim=128)
+    want = cuda.paged_decode_run(step, query, k_view, v_view, tables, lens, 0.1)
+    for pd in (0, 1, 2, 4, 8):
+        assert torch.equal(debug.paged_decode_run(step, query, k_view, v_view, tables, lens, 0.1, prefetch_steps=pd),
+                           want), pd
+    with pytest.raises(ValueError, match="prefetch_steps"):
+        debug.paged_decode_run(step, query, k_view, v_view, tables, lens, 0.1, prefetch_steps=65)
+
+
 def test_work_list_run_checks_its_plan():
     query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 8, 4, [700, 5000, 33], seed=22)
     geometry = cuda.decode_work_geometry(query, k_view)
