@@ -18,8 +18,8 @@ reference) per KV head, with its workers' loads in tokens plus the planner's per
   session: with an item cost of 96 tokens, lighter than the planner's busiest worker by 0.2-2.5%
   on 7 of the 11 shapes and heavier by 4-13% on the other 4; with the planner's measured 192,
   lighter by 0.7-2.1% on 3 and heavier by up to 25% on 8). Built and timed on an H100 the
-  nineteenth session (docs/performance.md, "Equal shares (stream-K) for the short decode steps"):
-  no faster on any shape, so the planner cuts pieces only.
+  nineteenth session (docs/performance.md, "Equal shares (stream-K) and deeper prefetch for the
+  short decode steps"): no faster on any shape, so the planner cuts pieces only.
 
 The decode timeline (benchmarks/decode_timeline.py, docs/performance.md "Where a short decode
 step's time goes") found 8 x 4K and 64 x 4K ending late by their idle slots: 512 blocks on 528.
