@@ -10,8 +10,9 @@ the decode's merge is a programmatic dependent launch, so kernels.kernel_time do
 ``--mma`` adds, in the same turns, the tensor-core instance over the bf16 cache (its work list
 planned for that instance's geometry) beside the FMA one the planner picks by default;
 ``--prefetch 0,2,4`` the default work list run with those L2 prefetch distances (block iterations
-whose K/V slabs go to L2 ahead of their loads; the default is 1); ``--loads4`` the work list of the
-4-loads instance (3 blocks an SM, twice the K/V in registers a lane).
+whose K/V slabs go to L2 ahead of their loads; the default is 1); ``--loads 4`` (or 2) the work
+list of that instance (4: 3 blocks an SM, twice the K/V in registers a lane; the planner takes 2 on
+an H100, 4 where DRAM peaks at >= 4.2 TB/s, e.g. an H200).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma-separated")
     ap.add_argument("--mma", action="store_true", help="also the tensor-core instance over the bf16 cache")
     ap.add_argument("--prefetch", default="", help="also these L2 prefetch distances, comma-separated")
-    ap.add_argument("--loads4", action="store_true", help="also the 4-loads instance's work list")
+    ap.add_argument("--loads", type=int, choices=(2, 4), help="also this instance's work list (loads in flight a lane)")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -45,12 +46,14 @@ def main() -> None:
             pd_out = torch.empty_like(c.out)
             runs[f"ours, prefetch {pd}"] = (lambda pd=pd, pd_out=pd_out: debug.paged_decode_run(
                 c.step, c.q, c.k, c.v, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out))
-        if args.loads4:
-            geometry4 = debug.decode_work_geometry(c.q, c.k, loads=4)
-            step4 = bench.work_step(c.lens.tolist(), geometry4)
-            out4 = torch.empty_like(c.out)
-            runs["ours, 4 loads"] = lambda: cuda.paged_decode_run(step4, c.q, c.k, c.v, c.tables, c.lens, scale, out=out4)
-            print(f"{batch} x {ctx}: the 4-loads work list has {geometry4.workers} workers a KV head")
+        if args.loads:
+            geometry_l = debug.decode_work_geometry(c.q, c.k, loads=args.loads)
+            step_l = bench.work_step(c.lens.tolist(), geometry_l)
+            out_l = torch.empty_like(c.out)
+            runs[f"ours, {args.loads} loads"] = lambda: cuda.paged_decode_run(step_l, c.q, c.k, c.v, c.tables, c.lens,
+                                                                              scale, out=out_l)
+            print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
+                  f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
         if args.mma:
             geometry = debug.decode_work_geometry(c.q, c.k, mma=True)
             step = bench.work_step(c.lens.tolist(), geometry)
