@@ -7,8 +7,9 @@ the decode's merge is a programmatic dependent launch, so kernels.kernel_time do
     python3 benchmarks/decode_turns.py
     python3 benchmarks/decode_turns.py --mma --shapes 8x4096,1x32768,32x2048,64x4096,32x16384
 
-``--mma`` adds, in the same turns, the tensor-core instance over the bf16 cache (its work list
-planned for that instance's geometry) beside the FMA one the planner picks by default;
+``--mma`` adds, in the same turns, the other instance over the bf16 cache (its work list planned
+for that instance's geometry): the tensor-core one beside the FMA one the planner takes on an
+H100, the FMA one beside the tensor-core one it takes on an H200;
 ``--prefetch 0,2,4`` the default work list run with those L2 prefetch distances (block iterations
 whose K/V slabs go to L2 ahead of their loads; the default is 1); ``--loads 4`` (or 2) the work
 list of that instance (4: 3 blocks an SM, twice the K/V in registers a lane; the planner takes 2 on
@@ -55,14 +56,16 @@ def main() -> None:
             print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
                   f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
         if args.mma:
-            geometry = debug.decode_work_geometry(c.q, c.k, mma=True)
+            other = not c.step.geometry.mma
+            label = "ours, tensor cores" if other else "ours, FMA"
+            geometry = debug.decode_work_geometry(c.q, c.k, mma=other)
             step = bench.work_step(c.lens.tolist(), geometry)
             mma_out = torch.empty_like(c.out)
-            runs["ours, tensor cores"] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale,
-                                                                       out=mma_out)
-            fma = c.decode().float()
-            err = float(((runs["ours, tensor cores"]().float() - fma).norm(dim=-1) / fma.norm(dim=-1)).max())
-            print(f"{batch} x {ctx}: tensor cores against the FMA instance, largest row error {err:.1e}")
+            runs[label] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale, out=mma_out)
+            base = c.decode().float()
+            err = float(((runs[label]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            print(f"{batch} x {ctx}: the planner's instance is {'tensor cores' if c.step.geometry.mma else 'FMA'}; "
+                  f"{label} against it, largest row error {err:.1e}")
 
         def pct(t):
             return 100 * c.nbytes / t / ceiling

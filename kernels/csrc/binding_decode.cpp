@@ -264,6 +264,10 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
 }  // namespace
 
 void bind_decode(pybind11::module_& m) {
+  m.def("device_memory_bandwidth", [](int64_t device) { return kvpager::device_memory_bandwidth(static_cast<int>(device)); },
+        "peak DRAM bytes/s of a CUDA device (memory clock x bus width; 0 if unknown), as the decode planner reads it",
+        py::arg("device"));
+  m.attr("DECODE_MMA16_BANDWIDTH") = kvpager::kDecodeMma16Bandwidth;
   m.def("decode_grid_plan", &decode_grid_plan,
         "(num_splits, partition_tokens, head_tile, loads, mma) of a grid decode", py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("num_splits"), py::arg("loads"),

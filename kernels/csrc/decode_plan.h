@@ -35,12 +35,18 @@ constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-
 // Whether plans over fp8 e4m3 caches take the tensor-core instance (paged_decode_mma.cuh) where it
 // is built (head_dim 64/128); requested_mma overrides it (kernels/debug.py: side-by-side runs).
 constexpr bool kDecodeMmaDefault = true;
-// The same over 16-bit caches (the query's dtype, head_dim 64/128): KVPAGER_DECODE_MMA16=1 builds
-// plans that take it by default, for A/B timing against the FMA instance.
+// The same over 16-bit caches (the query's dtype, head_dim 64/128): taken where DRAM peaks at
+// kDecodeMma16Bandwidth or more (an H200's ~4.9 TB/s; not an H100's 3.35). There the FMA instance
+// is issue-bound at ~3.4 TB/s, 60-81% of the copy ceiling, and the tensor-core one, a fifth of the
+// instructions, reads 12-20% faster on every step (64 x 4K 92-93% against 77-78% with a clean L2;
+// 8 x 4K 71% against 60%); on the H100 it is no faster with a clean L2 and slower on long steps
+// (benchmarks/decode_turns.py --mma, docs/performance.md). KVPAGER_DECODE_MMA16=1 builds plans
+// that take it on every device, for A/B timing against the FMA instance.
 #ifndef KVPAGER_DECODE_MMA16
 #define KVPAGER_DECODE_MMA16 0
 #endif
 constexpr bool kDecodeMma16Default = KVPAGER_DECODE_MMA16 != 0;
+constexpr double kDecodeMma16Bandwidth = 4.2e12;
 
 // The launch sizes a plan is made for (the run's DecodeArgs must carry the same).
 struct DecodeSizes {
@@ -69,9 +75,11 @@ struct DecodeWorkGeometry {
   int longest_item;                // tokens one item may hold (its table slice fits the reserved smem)
 };
 
-// Whether plans for these take the tensor-core instance: requested_mma 0 no, 1 yes (when built),
-// -1 kDecodeMmaDefault where built. Returns -1 for a request of an instance that is not built.
-int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma);
+// Whether plans for these on `device` take the tensor-core instance: requested_mma 0 no, 1 yes
+// (when built), -1 where built: over fp8 caches kDecodeMmaDefault, over 16-bit ones
+// kDecodeMma16Default or DRAM peaking at >= kDecodeMma16Bandwidth. Returns -1 for a request of
+// an instance that is not built.
+int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int device);
 
 // Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group, instance): the
 // whole group up to 8 (1, 2, 4 or 8); the FMA instance at most the lanes sharing a token row and

@@ -132,7 +132,8 @@ def test_fp8_cache_decode_matches_float64(dtype, head_dim, block_size, group, nu
 
 def test_fp8_decode_planner_takes_tensor_cores():
     """The planner's default over fp8 caches: the tensor-core instance where it is built (head dims
-    64/128: the whole group of 8 in one tile), the FMA one elsewhere; never over 16-bit caches. The
+    64/128: the whole group of 8 in one tile), the FMA one elsewhere; over 16-bit caches only where
+    DRAM peaks at >= 4.2 TB/s (an H200: test_16bit_decode_planner_follows_the_device). The
     tensor-core instance with 16 tokens a warp iteration (loads 2) holds 4 blocks per SM (124
     registers, ptxas -v sm_90a), so its work-list geometry has 4 * SMs / 8 workers per KV head."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -145,9 +146,25 @@ def test_fp8_decode_planner_takes_tensor_cores():
         assert geometry.mma == expect
         if expect:
             assert debug.decode_work_geometry(case[0], case[1], loads=2).workers == 4 * sms // 8
-    bf16 = _case(torch.bfloat16, 128, 16, 2, 4, [70], 32)
-    assert not debug.plan_decode_grid(*bf16[:5]).mma
-    assert not cuda.decode_work_geometry(bf16[0], bf16[1]).mma
+
+
+def test_16bit_decode_planner_follows_the_device():
+    """Over bf16 / fp16 caches the planner takes the tensor-core instance by default exactly where
+    DRAM peaks at >= 4.2 TB/s (the extension's own reading of the device: an H200 yes, an H100 no),
+    head dims 64/128; fp32 and head dim 256 always the FMA one."""
+    bandwidth = cuda.load().device_memory_bandwidth(torch.device(DEV).index or 0)
+    expect = bandwidth >= 4.2e12
+    assert cuda.decode_takes_tensor_cores_over_16bit(DEV) == expect
+    name = torch.cuda.get_device_name(DEV)
+    assert ("H200" not in name or expect) and ("H100" not in name or not expect), (name, bandwidth)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for head_dim in (64, 128, 256):
+            case = _case(dtype, head_dim, 16, 2, 4, [70], 32)
+            want = expect and dtype != torch.float32 and head_dim in MMA_DIMS
+            assert debug.plan_decode_grid(*case[:5]).mma == want, (dtype, head_dim)
+            geometry = cuda.decode_work_geometry(case[0], case[1])
+            assert geometry.mma == want and (geometry.loads == 2 or not want), (dtype, head_dim)
+            assert not debug.plan_decode_grid(*case[:5], mma=False).mma
 
 
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
@@ -277,10 +294,11 @@ def test_fp8_write_kv_quantizes_like_the_reference(dtype, head_dim):
 
 
 def test_decode_planner_picks_few_loads_for_full_waves_and_many_for_small_grids():
+    """The FMA instance's loads (the planner's instance over bf16 on an H100; forced elsewhere)."""
     small = _case(torch.bfloat16, 128, 16, 8, 4, [32768], seed=11)
-    assert debug.decode_plan(*small[:5])[3] == 4
+    assert debug.decode_plan(*small[:5], mma=False)[3] == 4
     full = _case(torch.bfloat16, 128, 16, 8, 4, [1024] * 128, seed=12)
-    splits, _, _, loads = debug.decode_plan(*full[:5])
+    splits, _, _, loads = debug.decode_plan(*full[:5], mma=False)
     assert loads == 2
     _check_decode(*full, None, TOL[torch.bfloat16])
 
@@ -294,7 +312,7 @@ def test_two_loads_instance_runs_four_blocks_per_sm():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         q = torch.empty(1, 32, 128, dtype=dtype, device=DEV)
         k = torch.empty(4, 8, 16, 128, dtype=dtype, device=DEV)
-        assert debug.decode_work_geometry(q, k, loads=2).workers == 4 * sms // 8, dtype
+        assert debug.decode_work_geometry(q, k, loads=2, mma=False).workers == 4 * sms // 8, dtype
 
 
 def test_one_grid_plan_serves_every_layer():
