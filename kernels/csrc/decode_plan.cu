@@ -78,11 +78,14 @@ int64_t align_up(int64_t x) { return (x + kPartitionAlign - 1) / kPartitionAlign
 
 }  // namespace
 
-int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int device) {
+int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int requested_loads, int device) {
   const bool built = decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 1);
   if (requested_mma == 0) return 0;
   if (requested_mma > 0) return built ? 1 : -1;
   if (!built) return 0;
+  // 4 loads asked of an automatic choice: the instance that has them (the tensor-core one over a
+  // 16-bit cache has 2 only).
+  if (requested_loads == 4 && !decode_instance_built(dtype, cache_dtype, head_dim, 1, 4, 1)) return 0;
   if (cache_dtype == kFloat8E4M3) return kDecodeMmaDefault ? 1 : 0;
   return kDecodeMma16Default || device_memory_bandwidth(device) >= kDecodeMma16Bandwidth ? 1 : 0;
 }
@@ -104,7 +107,7 @@ cudaError_t plan_decode_grid(DType dtype, DType cache_dtype, const DecodeSizes& 
                              int requested_loads, int requested_mma, int device, DecodeGridPlan* plan) {
   if (!valid_sizes(z, requested_loads) || requested_splits < 0) return cudaErrorInvalidValue;
   const int group = z.num_q_heads / z.num_kv_heads;
-  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma, device);
+  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma, requested_loads, device);
   if (mma < 0) return cudaErrorInvalidValue;
   plan->mma = mma;
   plan->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);
@@ -163,7 +166,7 @@ cudaError_t plan_decode_work_geometry(DType dtype, DType cache_dtype, const Deco
                                       int requested_mma, int device, DecodeWorkGeometry* g) {
   if (!valid_sizes(z, requested_loads)) return cudaErrorInvalidValue;
   const int group = z.num_q_heads / z.num_kv_heads;
-  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma, device);
+  const int mma = decode_use_mma(dtype, cache_dtype, z.head_dim, requested_mma, requested_loads, device);
   if (mma < 0) return cudaErrorInvalidValue;
   g->mma = mma;
   g->head_tile = decode_head_tile(dtype, cache_dtype, z.head_dim, group, mma);

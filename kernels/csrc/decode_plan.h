@@ -76,10 +76,10 @@ struct DecodeWorkGeometry {
 };
 
 // Whether plans for these on `device` take the tensor-core instance: requested_mma 0 no, 1 yes
-// (when built), -1 where built: over fp8 caches kDecodeMmaDefault, over 16-bit ones
-// kDecodeMma16Default or DRAM peaking at >= kDecodeMma16Bandwidth. Returns -1 for a request of
-// an instance that is not built.
-int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int device);
+// (when built), -1 where built (and built with 4 loads if requested_loads is 4): over fp8 caches
+// kDecodeMmaDefault, over 16-bit ones kDecodeMma16Default or DRAM peaking at >=
+// kDecodeMma16Bandwidth. Returns -1 for a request of an instance that is not built.
+int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int requested_loads, int device);
 
 // Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group, instance): the
 // whole group up to 8 (1, 2, 4 or 8); the FMA instance at most the lanes sharing a token row and
