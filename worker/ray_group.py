@@ -33,6 +33,11 @@ log = logging.getLogger("kvpager.worker")
 LOOPBACK_NODE_IP = "127.0.0.2"
 STARTS = 3   # tries at starting a local Ray cluster that timed out starting (init_local_ray)
 STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
+# Tries at starting a tensor-parallel group whose rendezvous port was taken: the driver picks a
+# free port, rank 0 listens on it seconds later (its actor starting first), and another process may
+# bind it in between (seen once in CI: EADDRINUSE in rank 0's TCPStore).
+RENDEZVOUS_TRIES = 3
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
 # A model step that has not finished after this long is stuck (a stopped rank, or one waiting
 # in a collective for a dead peer): far above any real step, prefill of a long prompt included.
 DEFAULT_STEP_TIMEOUT_S = 300.0
@@ -69,6 +74,22 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace:
 def actor_name(rank: int) -> str:
     """The Ray name of a named group's rank (see ``RayWorkerGroup.attach``)."""
     return f"kvpager-worker-rank{rank}"
+
+
+def _wait_names_free(ray, ranks: int, timeout_s: float = 30.0) -> None:
+    """Return once no actor holds a named group's rank names (killed actors let go of them a
+    little after ``ray.kill``); TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for rank in range(ranks):
+        while True:
+            try:
+                ray.get_actor(actor_name(rank))
+            except ValueError:   # no such actor: the name is free
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the Ray actor name {actor_name(rank)!r} is still taken {timeout_s:g} s after "
+                                   f"its actor was killed")
+            time.sleep(0.1)
 
 
 def _free_port() -> int:
@@ -141,22 +162,45 @@ class RayWorkerGroup:
         if not use_gpu:  # a CPU actor on a GPU host still sees the GPUs: keep it off them
             config = dataclasses.replace(config, device=config.device or "cpu")
         actor = ray.remote(**resources)(CacheWorker)
-        rendezvous = f"tcp://127.0.0.1:{_free_port()}" if tensor_parallel_size > 1 else None
-        self.configs = [
-            dataclasses.replace(config, rank=rank, tensor_parallel_size=tensor_parallel_size,
-                                dist_init_method=rendezvous, metrics_port=_rank_metrics_port(config.metrics_port, rank))
-            for rank in range(tensor_parallel_size)
-        ]
         placement = {}
         if node_id is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        self.actors = [actor.options(**placement, **({"name": actor_name(c.rank)} if named else {})).remote(c)
-                       for c in self.configs]
-        self.addresses: list[str] = ray.get([a.start.remote() for a in self.actors])
+        for attempt in range(1, RENDEZVOUS_TRIES + 1):
+            rendezvous = f"tcp://127.0.0.1:{_free_port()}" if tensor_parallel_size > 1 else None
+            self.configs = [
+                dataclasses.replace(config, rank=rank, tensor_parallel_size=tensor_parallel_size,
+                                    dist_init_method=rendezvous,
+                                    metrics_port=_rank_metrics_port(config.metrics_port, rank))
+                for rank in range(tensor_parallel_size)
+            ]
+            self.actors = [actor.options(**placement, **({"name": actor_name(c.rank)} if named else {})).remote(c)
+                           for c in self.configs]
+            try:
+                self.addresses: list[str] = self._started()
+                break
+            except Exception as exc:  # noqa: BLE001 - Ray wraps the rank's error in a RayTaskError
+                for a in self.actors:   # the other ranks may wait on the rendezvous for ever
+                    ray.kill(a, no_restart=True)
+                if rendezvous is None or attempt == RENDEZVOUS_TRIES or not any(s in str(exc) for s in PORT_TAKEN):
+                    raise
+                if named:
+                    _wait_names_free(ray, tensor_parallel_size)
+                log.warning("rank 0 could not listen on the rendezvous %s (taken since it was chosen); starting "
+                            "the group again on another port (%d of %d)", rendezvous, attempt + 1, RENDEZVOUS_TRIES)
         # Each rank's /metrics host:port ("" where metrics are off).
         self.metrics_addresses: list[str] = [e["metrics"] for e in ray.get([a.endpoints.remote() for a in self.actors])]
+
+    def _started(self) -> list[str]:
+        """Every rank started (``CacheWorker.start``), their gRPC addresses; a rank's refusal
+        raised as soon as it comes, not after the others (which may wait on it in the rendezvous)."""
+        refs = [a.start.remote() for a in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = self._ray.wait(pending, num_returns=1)
+            self._ray.get(done)
+        return self._ray.get(refs)
 
     @classmethod
     def attach(cls, namespace: Optional[str] = None, timeout_s: float = 30.0) -> "RayWorkerGroup":

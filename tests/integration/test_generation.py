@@ -335,6 +335,34 @@ def test_a_refused_launch_is_raised_and_never_fetched(ray_cluster):
     ray_cluster.kill(group.actors[0])
 
 
+def test_a_taken_rendezvous_port_starts_the_group_again(ray_cluster, monkeypatch):
+    """The tensor-parallel rendezvous port is picked on the driver and bound by rank 0's TCPStore
+    seconds later, after its actor starts; another process may take it in between (CI saw
+    EADDRINUSE once). The group then kills both ranks (rank 1 would wait on the rendezvous for
+    ever) and starts them again on a fresh port: here the first port offered is held by a
+    listening socket. The started group serves: both ranks answer, on the second port."""
+    import socket
+
+    from kvpager.worker import ray_group
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        offered = [held]
+        real = ray_group._free_port
+        monkeypatch.setattr(ray_group, "_free_port", lambda: offered.pop() if offered else real())
+        config = WorkerConfig(model=MODEL, block_size=BLOCK, num_gpu_blocks=8, num_cpu_blocks=8)
+        group = ray_group.RayWorkerGroup(config, tensor_parallel_size=2, use_gpu=False)
+        try:
+            assert not offered
+            assert group.configs[0].dist_init_method != f"tcp://127.0.0.1:{held}"
+            assert len({c.dist_init_method for c in group.configs}) == 1
+            assert len(group.addresses) == 2 and all(stats.blocks_copied == 0 for stats in group.memory_stats())
+        finally:
+            group.stop()
+
+
 def test_a_stuck_rank_fails_the_model_step_at_its_deadline(ray_cluster):
     """A rank that never finishes its step (stopped, or waiting in a collective): the group's
     call raises WorkerDied at its deadline, naming the rank, instead of blocking forever."""
