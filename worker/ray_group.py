@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import socket
 import time
 import uuid
@@ -32,6 +33,10 @@ log = logging.getLogger("kvpager.worker")
 
 LOOPBACK_NODE_IP = "127.0.0.2"
 STARTS = 3   # tries at starting a local Ray cluster that timed out starting (init_local_ray)
+# Seconds Ray waits for its GCS to write its port file (Ray's default 30; an operator's
+# RAY_gcs_server_port_wait_time_s is kept): CI on a loaded 2-core machine once saw three starts in a
+# row time out, two of them here. With the raylet's fixed 30 s, three tries fit in five minutes.
+GCS_PORT_WAIT_S = "60"
 STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 # Tries at starting a tensor-parallel group whose rendezvous port was taken: the driver picks a
 # free port, rank 0 listens on it seconds later (its actor starting first), and another process may
@@ -52,6 +57,7 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace:
     ``address="local"`` starts a new cluster, never one that ``ray start`` left on this machine."""
     import ray
 
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
     for attempt in range(1, STARTS + 1):
         if ray.is_initialized():
             return
@@ -68,7 +74,7 @@ def init_local_ray(num_cpus: int = 4, num_gpus: Optional[int] = None, namespace:
             log.warning("the local Ray cluster did not start (%s); starting it again (%d of %d)", exc, attempt + 1,
                         STARTS)
             ray.shutdown()
-            time.sleep(2 * attempt)   # let the machine's load pass
+            time.sleep(3 * attempt)   # let the machine's load pass
 
 
 def actor_name(rank: int) -> str:

@@ -48,6 +48,18 @@ def test_startup_timeouts_past_the_last_try_are_raised(monkeypatch):
     assert calls.init == ray_group.STARTS and not calls.up
 
 
+def test_the_gcs_port_wait_is_lengthened_unless_an_operator_set_it(monkeypatch):
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "")   # (records the variable's state for undo)
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s")
+    fake_ray(monkeypatch, [])
+    ray_group.init_local_ray(num_cpus=2)
+    assert ray_group.os.environ["RAY_gcs_server_port_wait_time_s"] == ray_group.GCS_PORT_WAIT_S
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "7")
+    fake_ray(monkeypatch, [])
+    ray_group.init_local_ray(num_cpus=2)
+    assert ray_group.os.environ["RAY_gcs_server_port_wait_time_s"] == "7"
+
+
 def test_other_start_errors_are_raised_at_once(monkeypatch):
     calls = fake_ray(monkeypatch, ["address 127.0.0.2 is not a local address"])
     with pytest.raises(RuntimeError, match="not a local address"):
