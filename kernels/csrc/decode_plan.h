@@ -37,9 +37,10 @@ constexpr int kWorkRounds[] = {1, 2, 4, 8, 16};    // items per worker the work-
 constexpr bool kDecodeMmaDefault = true;
 // The same over 16-bit caches (the query's dtype, head_dim 64/128): taken where DRAM peaks at
 // kDecodeMma16Bandwidth or more (an H200's ~4.9 TB/s; not an H100's 3.35). There the FMA instance
-// is issue-bound at ~3.4 TB/s, 60-81% of the copy ceiling, and the tensor-core one, a fifth of the
-// instructions, reads 12-20% faster on every step (64 x 4K 92-93% against 77-78% with a clean L2;
-// 8 x 4K 71% against 60%); on the H100 it is no faster with a clean L2 and slower on long steps
+// tops out near 3.4 TB/s, 60-81% of the copy ceiling (most likely issue-bound), and the tensor-core
+// one, a fifth of the instructions, reads 6-24% faster on every step, 14-21% with a clean L2 (64 x
+// 4K 92-93% against 77-78%; 8 x 4K 71% against 60%); on the H100 it is no faster with a clean L2 and
+// slower on long steps
 // (benchmarks/decode_turns.py --mma, docs/performance.md). KVPAGER_DECODE_MMA16=1 builds plans
 // that take it on every device, for A/B timing against the FMA instance.
 #ifndef KVPAGER_DECODE_MMA16
