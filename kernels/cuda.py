@@ -149,15 +149,6 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
     return geometry
 
 
-def decode_takes_tensor_cores_over_16bit(device: torch.device | str | int) -> bool:
-    """Whether the decode planner takes the tensor-core instance over 16-bit caches on this device
-    by default: where its DRAM peaks at >= 4.2 TB/s (an H200, whose FMA decode is issue-bound;
-    kernels/csrc/decode_plan.h kDecodeMma16Bandwidth)."""
-    index = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    ext = load()
-    return ext.device_memory_bandwidth(index.index or 0) >= ext.DECODE_MMA16_BANDWIDTH
-
-
 def plan_decode_work(context_lens, geometry: DecodeGeometry, capacity: int | None = None, *,
                      out: np.ndarray | None = None) -> np.ndarray:
     """The step's work list (int32 numpy, ``decode_plan`` layout) for these host context lengths

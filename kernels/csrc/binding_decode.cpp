@@ -125,6 +125,14 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> decode_grid_plan(Tensor 
   return {plan.num_splits, plan.partition_tokens, plan.head_tile, plan.loads, plan.mma};
 }
 
+// The L2 prefetch distance a launch takes: `requested` (kernels/debug.py's knob, 0..64), or the
+// instance's default when it is -1.
+int prefetch_distance(int64_t requested, int64_t mma) {
+  KV_CHECK(requested >= -1 && requested <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
+  if (requested >= 0) return static_cast<int>(requested);
+  return mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
+}
+
 // Grid-mode decode as a plan says (decode_grid_plan, made once for the step's sizes): checks the
 // inputs and that the plan covers the table's width, then launches; never re-plans.
 // part_out / part_ml: the split-KV workspace (>= num_seqs * num_splits rows) when num_splits > 1.
@@ -135,9 +143,7 @@ void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tens
   const c10::cuda::CUDAGuard guard(query.device());
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   check_out(out, query);
-  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
-  const int default_prefetch = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
-  a.prefetch_steps = prefetch_steps < 0 ? default_prefetch : static_cast<int>(prefetch_steps);
+  a.prefetch_steps = prefetch_distance(prefetch_steps, mma);
   a.out = out.data_ptr();
   a.o_stride_seq = out.stride(0);
   a.o_stride_head = out.stride(1);
@@ -228,7 +234,6 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   kvpager::DecodeArgs a = decode_args(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
   check_out(out, query);
   check_cuda(work, "work", query.device());
-  KV_CHECK(prefetch_steps >= -1 && prefetch_steps <= 64, "prefetch_steps must be in [0, 64] (or -1: default)");
   KV_CHECK(work.scalar_type() == torch::kInt32 && work.dim() == 1 && work.is_contiguous(),
            "work must be a contiguous 1-d int32 tensor");
   KV_CHECK(workers >= 1 && workers <= 65535, "workers must be in [1, 65535], got ", workers);
@@ -241,8 +246,7 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
   KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);
   KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
-  const int default_prefetch = mma != 0 ? kvpager::kDefaultPrefetchStepsMma : kvpager::kDefaultPrefetchSteps;
-  a.prefetch_steps = prefetch_steps < 0 ? default_prefetch : static_cast<int>(prefetch_steps);
+  a.prefetch_steps = prefetch_distance(prefetch_steps, mma);
   a.loads = static_cast<int>(loads);
   a.mma = static_cast<int>(mma);
   a.head_tile = static_cast<int>(head_tile);
@@ -267,7 +271,6 @@ void bind_decode(pybind11::module_& m) {
   m.def("device_memory_bandwidth", [](int64_t device) { return kvpager::device_memory_bandwidth(static_cast<int>(device)); },
         "peak DRAM bytes/s of a CUDA device (memory clock x bus width; 0 if unknown), as the decode planner reads it",
         py::arg("device"));
-  m.attr("DECODE_MMA16_BANDWIDTH") = kvpager::kDecodeMma16Bandwidth;
   m.def("decode_grid_plan", &decode_grid_plan,
         "(num_splits, partition_tokens, head_tile, loads, mma) of a grid decode", py::arg("query"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("num_splits"), py::arg("loads"),
