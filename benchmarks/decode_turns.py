@@ -9,11 +9,17 @@ the decode's merge is a programmatic dependent launch, so kernels.kernel_time do
 
 ``--mma`` adds, in the same turns, the other instance over the bf16 cache (its work list planned
 for that instance's geometry): the tensor-core one beside the FMA one the planner takes on an
-H100, the FMA one beside the tensor-core one it takes on an H200;
-``--prefetch 0,2,4`` the default work list run with those L2 prefetch distances (block iterations
-whose K/V slabs go to L2 ahead of their loads; the default is 1); ``--loads 4`` (or 2) the work
-list of that instance (4: 3 blocks an SM, twice the K/V in registers a lane; the planner takes 2 on
-an H100, 4 where DRAM peaks at >= 4.2 TB/s, e.g. an H200).
+H100, the FMA one beside the tensor-core one it takes on an H200.
+``--loads 4`` (or 2) adds the FMA work list of that instance (4: 3 blocks an SM, twice the K/V in
+registers a lane; the H100's lists take 2).
+``--min-item 1024,2048`` adds work lists planned with pieces of at least that many tokens (the
+planner's ``min_item``, by default 256): fewer items than workers where that leaves sequences
+whole; with ``--loads``, that instance's lists too. ``--piece 1024`` adds lists cut into pieces of
+exactly that many tokens (the planner's numpy twin given that size only), likewise.
+``--prefetch 0,2,4`` runs the default list and those of ``--min-item`` and ``--piece`` with these L2
+prefetch distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the
+default is 1).
+``--grid`` adds the grid plan (split count and instance from the table's width).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import kernels as bench  # benchmarks/kernels.py (this script's folder): shapes,
 import torch
 
 from kvpager.kernels import cuda, debug
+from kvpager.kernels import decode_plan as work_plan
 
 SHAPES = "8x4096,1x32768,32x2048"
 TURNS = 4
@@ -35,6 +42,9 @@ def main() -> None:
     ap.add_argument("--mma", action="store_true", help="also the tensor-core instance over the bf16 cache")
     ap.add_argument("--prefetch", default="", help="also these L2 prefetch distances, comma-separated")
     ap.add_argument("--loads", type=int, choices=(2, 4), help="also this instance's work list (loads in flight a lane)")
+    ap.add_argument("--min-item", default="", help="also work lists with pieces of at least these tokens, comma-separated")
+    ap.add_argument("--piece", default="", help="also work lists cut in pieces of exactly these tokens, comma-separated")
+    ap.add_argument("--grid", action="store_true", help="also the grid plan")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -43,10 +53,6 @@ def main() -> None:
         c = bench.decode_layer(batch, ctx, gen)
         runs = {"ours": c.decode, "SDPA": c.sdpa}
         scale = c.q.shape[-1] ** -0.5
-        for pd in (int(x) for x in args.prefetch.split(",") if x):
-            pd_out = torch.empty_like(c.out)
-            runs[f"ours, prefetch {pd}"] = (lambda pd=pd, pd_out=pd_out: debug.paged_decode_run(
-                c.step, c.q, c.k, c.v, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out))
         if args.loads:
             geometry_l = debug.decode_work_geometry(c.q, c.k, loads=args.loads)
             step_l = bench.work_step(c.lens.tolist(), geometry_l)
@@ -55,6 +61,41 @@ def main() -> None:
                                                                               scale, out=out_l)
             print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
                   f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
+        lists = {"": c.step}   # the work lists --prefetch runs: the default one, and --min-item's
+        geometries = {"": c.step.geometry, **({f", {args.loads} loads": geometry_l} if args.loads else {})}
+        for min_item in (int(x) for x in args.min_item.split(",") if x):
+            for label, geometry_m in geometries.items():
+                host = debug.plan_decode_work(c.lens.tolist(), geometry_m, min_item=min_item)
+                step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
+                out_m = torch.empty_like(c.out)
+                suffix = f"{label}, min_item {min_item}"
+                runs[f"ours{suffix}"] = (lambda step_m=step_m, out_m=out_m: cuda.paged_decode_run(
+                    step_m, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_m))
+                lists[suffix] = step_m
+                print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items of {host[1]} tokens "
+                      f"(default: {int(c.step.work[0])} of {int(c.step.work[1])})")
+        for piece in (int(x) for x in args.piece.split(",") if x):
+            for label, geometry_p in geometries.items():   # the numpy twin, capped and floored at the piece
+                host = work_plan.plan_decode_work(c.lens.tolist(), geometry_p.workers, piece,
+                                                  geometry_p.capacity(batch), min_item=piece,
+                                                  item_cost=geometry_p.item_cost)
+                step_p = debug.decode_plan_on("cuda", host, geometry_p, batch, num_q_heads=bench.HQ, head_dim=bench.D)
+                out_p = torch.empty_like(c.out)
+                suffix = f"{label}, pieces of {piece}"
+                runs[f"ours{suffix}"] = (lambda step_p=step_p, out_p=out_p: cuda.paged_decode_run(
+                    step_p, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_p))
+                lists[suffix] = step_p
+                print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items")
+        for pd in (int(x) for x in args.prefetch.split(",") if x):
+            for suffix, step_p in lists.items():
+                pd_out = torch.empty_like(c.out)
+                runs[f"ours{suffix}, prefetch {pd}"] = (lambda pd=pd, pd_out=pd_out, step_p=step_p: debug.paged_decode_run(
+                    step_p, c.q, c.k, c.v, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out))
+        if args.grid:
+            grid = cuda.plan_decode_grid(c.q, c.k, c.v, c.tables, c.lens)
+            out_g = torch.empty_like(c.out)
+            runs["grid"] = lambda: cuda.paged_decode_grid_run(grid, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_g)
+            print(f"{batch} x {ctx}: grid plan {grid.num_splits} splits of {grid.partition_tokens} tokens")
         if args.mma:
             other = not c.step.geometry.mma
             label = "ours, tensor cores" if other else "ours, FMA"
