@@ -61,31 +61,25 @@ def main() -> None:
                                                                               scale, out=out_l)
             print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
                   f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
-        lists = {"": c.step}   # the work lists --prefetch runs: the default one, and --min-item's
         geometries = {"": c.step.geometry, **({f", {args.loads} loads": geometry_l} if args.loads else {})}
+        lens = c.lens.tolist()
+        planned = []   # (name suffix, host work list, geometry) of --min-item and --piece
         for min_item in (int(x) for x in args.min_item.split(",") if x):
-            for label, geometry_m in geometries.items():
-                host = debug.plan_decode_work(c.lens.tolist(), geometry_m, min_item=min_item)
-                step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
-                out_m = torch.empty_like(c.out)
-                suffix = f"{label}, min_item {min_item}"
-                runs[f"ours{suffix}"] = (lambda step_m=step_m, out_m=out_m: cuda.paged_decode_run(
-                    step_m, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_m))
-                lists[suffix] = step_m
-                print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items of {host[1]} tokens "
-                      f"(default: {int(c.step.work[0])} of {int(c.step.work[1])})")
-        for piece in (int(x) for x in args.piece.split(",") if x):
-            for label, geometry_p in geometries.items():   # the numpy twin, capped and floored at the piece
-                host = work_plan.plan_decode_work(c.lens.tolist(), geometry_p.workers, piece,
-                                                  geometry_p.capacity(batch), min_item=piece,
-                                                  item_cost=geometry_p.item_cost)
-                step_p = debug.decode_plan_on("cuda", host, geometry_p, batch, num_q_heads=bench.HQ, head_dim=bench.D)
-                out_p = torch.empty_like(c.out)
-                suffix = f"{label}, pieces of {piece}"
-                runs[f"ours{suffix}"] = (lambda step_p=step_p, out_p=out_p: cuda.paged_decode_run(
-                    step_p, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_p))
-                lists[suffix] = step_p
-                print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items")
+            planned += [(f"{label}, min_item {min_item}", debug.plan_decode_work(lens, g, min_item=min_item), g)
+                        for label, g in geometries.items()]
+        for piece in (int(x) for x in args.piece.split(",") if x):   # the numpy twin, capped and floored at the piece
+            planned += [(f"{label}, pieces of {piece}", work_plan.plan_decode_work(
+                lens, g.workers, piece, g.capacity(batch), min_item=piece, item_cost=g.item_cost), g)
+                for label, g in geometries.items()]
+        lists = {"": c.step}   # the work lists --prefetch runs: the default one, --min-item's and --piece's
+        for suffix, host, geometry_m in planned:
+            step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
+            out_m = torch.empty_like(c.out)
+            runs[f"ours{suffix}"] = (lambda step_m=step_m, out_m=out_m: cuda.paged_decode_run(
+                step_m, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_m))
+            lists[suffix] = step_m
+            print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items of {host[1]} tokens "
+                  f"(default: {int(c.step.work[0])} of {int(c.step.work[1])})")
         for pd in (int(x) for x in args.prefetch.split(",") if x):
             for suffix, step_p in lists.items():
                 pd_out = torch.empty_like(c.out)
