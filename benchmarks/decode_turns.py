@@ -16,7 +16,7 @@ registers a lane; the H100's lists take 2).
 planner's ``min_item``, by default 256): fewer items than workers where that leaves sequences
 whole; with ``--loads``, that instance's lists too. ``--piece 1024`` adds lists cut into pieces of
 exactly that many tokens (the planner's numpy twin given that size only), likewise.
-``--prefetch 0,2,4`` runs the default list and those of ``--min-item`` and ``--piece`` with these L2
+``--prefetch 0,2,4`` runs the default list and those of ``--loads``, ``--min-item`` and ``--piece`` with these L2
 prefetch distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the
 default is 1).
 ``--grid`` adds the grid plan (split count and instance from the table's width).
@@ -53,17 +53,15 @@ def main() -> None:
         c = bench.decode_layer(batch, ctx, gen)
         runs = {"ours": c.decode, "SDPA": c.sdpa}
         scale = c.q.shape[-1] ** -0.5
+        geometries = {"": c.step.geometry}
+        lens = c.lens.tolist()
+        planned = []   # (name suffix, host work list, geometry) of --loads, --min-item and --piece
         if args.loads:
             geometry_l = debug.decode_work_geometry(c.q, c.k, loads=args.loads)
-            step_l = bench.work_step(c.lens.tolist(), geometry_l)
-            out_l = torch.empty_like(c.out)
-            runs[f"ours, {args.loads} loads"] = lambda: cuda.paged_decode_run(step_l, c.q, c.k, c.v, c.tables, c.lens,
-                                                                              scale, out=out_l)
+            geometries[f", {args.loads} loads"] = geometry_l
+            planned.append((f", {args.loads} loads", cuda.plan_decode_work(lens, geometry_l), geometry_l))
             print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
                   f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
-        geometries = {"": c.step.geometry, **({f", {args.loads} loads": geometry_l} if args.loads else {})}
-        lens = c.lens.tolist()
-        planned = []   # (name suffix, host work list, geometry) of --min-item and --piece
         for min_item in (int(x) for x in args.min_item.split(",") if x):
             planned += [(f"{label}, min_item {min_item}", debug.plan_decode_work(lens, g, min_item=min_item), g)
                         for label, g in geometries.items()]
@@ -71,7 +69,7 @@ def main() -> None:
             planned += [(f"{label}, pieces of {piece}", work_plan.plan_decode_work(
                 lens, g.workers, piece, g.capacity(batch), min_item=piece, item_cost=g.item_cost), g)
                 for label, g in geometries.items()]
-        lists = {"": c.step}   # the work lists --prefetch runs: the default one, --min-item's and --piece's
+        lists = {"": c.step}   # the work lists --prefetch runs: the default one and the planned ones
         for suffix, host, geometry_m in planned:
             step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
             out_m = torch.empty_like(c.out)
