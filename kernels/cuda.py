@@ -22,8 +22,10 @@ Supported: float32, float16 and bfloat16, and float8_e4m3fn caches (per-tensor k
 v_scale) with float16/bfloat16 queries and K/V; head_dim 64, 128, 256; block_size 8, 16, 32;
 any GQA ratio (query heads a multiple of KV heads). Decode over float8_e4m3fn caches of head_dim
 64/128 runs on tensor cores (``mma`` in the plans; ``kernels/debug.py`` forces the FMA instance,
-or the tensor-core one over 16-bit caches, which plans take only when built with
-``-DKVPAGER_DECODE_MMA16=1``: docs/performance.md). Prefill (``paged_prefill_attention``, one
+or the tensor-core one over 16-bit caches, which plans take on devices whose DRAM peaks at
+4.2 TB/s or more (an H200) or when built with ``-DKVPAGER_DECODE_MMA16=1``; built with
+``-DKVPAGER_DECODE_MMA_BULK=1``, that instance is, on Hopper, the one whose K/V the copy engine
+stages in shared memory, ``paged_decode_bulk.cuh``: docs/performance.md). Prefill (``paged_prefill_attention``, one
 launch per ragged batch, tensor cores: wgmma on Hopper, mma.sync elsewhere): float16/bfloat16
 queries over caches of their dtype or float8_e4m3fn, head_dim 64/128, block_size 8-64; the rest
 falls back to ``kernels/prefill.py``'s gather + SDPA. Inputs are checked (device, dtype, shape, strides,

@@ -25,7 +25,7 @@ _SOURCES = ("binding.cpp", "binding_decode.cpp", "binding_prefill.cpp", "binding
             "decode_stage_binding.cpp", "decode_stage.cpp", "launch.cu", "decode_plan.cu", "layer_ops.cu",
             "paged_prefill.cu")
 _HEADERS = ("launch.h", "decode_plan.h", "decode_stage.h", "paged_decode.cuh", "paged_decode_merge.cuh",
-            "paged_decode_mma.cuh", "pdl.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh", "paged_prefill_ws.cuh",
+            "paged_decode_mma.cuh", "paged_decode_bulk.cuh", "mbarrier.cuh", "pdl.cuh", "cache_ops.cuh", "layer_ops.h", "paged_prefill.cuh", "paged_prefill_ws.cuh",
             "prefill_tensor_ops.cuh", "prefill_ws_shared.cuh", "prefill_ws_query.cuh", "prefill_ws_producer.cuh", "split_query.cuh",
             "fp8_convert.cuh", "pair_of.cuh", "mma_sync.cuh", "binding_checks.h", "decode_timeline.cuh")
 

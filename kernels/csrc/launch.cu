@@ -3,7 +3,9 @@
 // Instantiates the decode kernel for fp32/fp16/bf16 x head_dim 64/128/256 x head tile 1/2/4/8 x
 // 2/4 loads in flight, and the tensor-core decode kernel (paged_decode_mma.cuh) for fp16/bf16
 // queries over fp8 e4m3 caches x head_dim 64/128 x 16 or 32 tokens per warp iteration (the plan's
-// loads 2 or 4), and over caches of their own dtype x 16 tokens (loads 2), any head tile up to 8.
+// loads 2 or 4), and over caches of their own dtype x 16 tokens (loads 2), any head tile up to 8;
+// with KVPAGER_DECODE_MMA_BULK=1, the latter on Hopper is paged_decode_bulk.cuh's (K/V staged by
+// the copy engine).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include "paged_decode.cuh"
 #include "paged_decode_merge.cuh"
 #include "paged_decode_mma.cuh"
+#include "paged_decode_bulk.cuh"
 
 namespace kvpager {
 namespace {
@@ -38,6 +41,25 @@ struct MmaCfg {
   static constexpr auto kernel() { return paged_decode_mma_kernel<T_, C_, D_, CH_>; }
 };
 
+// The tensor-core instance over a 16-bit cache with its K/V staged by the copy engine (Hopper,
+// paged_decode_bulk.cuh): the table slice gets BulkShape<D>::TABLE_BYTES, which bounds a work
+// item's tokens.
+template <typename T_, int D_>
+struct BulkCfg {
+  using T = T_;
+  static constexpr int MERGE_SMEM = BulkShape<D_>::TABLE_BYTES;
+  static constexpr int EXTRA_SMEM = decode_bulk_extra_bytes<D_>();   // query fragments, mbarriers, rings
+  static constexpr auto kernel() { return paged_decode_bulk_kernel<T_, D_>; }
+};
+
+// KVPAGER_DECODE_MMA_BULK=1: the tensor-core instance over 16-bit caches is the bulk-staged one on
+// Hopper (the register one elsewhere).
+#ifndef KVPAGER_DECODE_MMA_BULK
+#define KVPAGER_DECODE_MMA_BULK 0
+#endif
+
+int current_device_major();
+
 // Build-time switch of the tensor-core instances (0: not built, so never planned).
 #ifndef KVPAGER_DECODE_MMA
 #define KVPAGER_DECODE_MMA 1
@@ -52,6 +74,9 @@ void dispatch_mma_chunks(int loads, F&& f) {
       f(MmaCfg<T, C, D, 2>{});
       return;
     }
+  } else if (KVPAGER_DECODE_MMA_BULK && current_device_major() >= 9) {
+    f(BulkCfg<T, D>{});
+    return;
   }
   f(MmaCfg<T, C, D, 1>{});
 }
@@ -179,6 +204,24 @@ int current_device_major() {
   return cudaGetDevice(&device) == cudaSuccess ? cached_device_attribute(kCcMajor, device, 0) : 0;
 }
 
+// Dynamic shared memory above 48 KB is opted into per kernel and device (the bulk-staged instance
+// asks for ~110 KB): once, for the most any launch of the kernel asks (grid mode: the longest table slice).
+template <typename Cfg>
+cudaError_t allow_dynamic_smem() {
+  constexpr int most = Cfg::EXTRA_SMEM + std::max(Cfg::MERGE_SMEM, kMaxTableEntries * static_cast<int>(sizeof(int)));
+  if constexpr (Cfg::EXTRA_SMEM + Cfg::MERGE_SMEM <= 48 * 1024) {
+    return cudaSuccess;
+  } else {
+    static std::atomic<bool> done[64] = {};
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return cudaErrorInvalidDevice;
+    if (device >= 0 && device < 64 && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
+    const cudaError_t err = cudaFuncSetAttribute(Cfg::kernel(), cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if (err == cudaSuccess && device >= 0 && device < 64) done[device].store(true, std::memory_order_relaxed);
+    return err;
+  }
+}
+
 template <typename Cfg>
 int decode_smem_bytes(int partition_tokens, int block_size) {
   const int table = (partition_tokens / block_size) * static_cast<int>(sizeof(int));
@@ -223,7 +266,8 @@ int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_
   int occupancy = 1;
   dispatch_decode(dtype, cache_dtype, head_dim, head_tile, loads, mma, [&](auto cfg) {
     using Cfg = decltype(cfg);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, Cfg::kernel(), kDecodeWarps * 32,
+    if (allow_dynamic_smem<Cfg>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occupancy, Cfg::kernel(), kDecodeWarps * 32,
                                                       Cfg::EXTRA_SMEM + Cfg::MERGE_SMEM) != cudaSuccess)
       occupancy = 1;
   });
@@ -270,7 +314,8 @@ cudaError_t launch_paged_decode(DType dtype, DType cache_dtype, const DecodeArgs
     decode.stream = stream;
     decode.attrs = pdl;
     decode.numAttrs = hopper && KVPAGER_DECODE_PDL_AFTER_WRITE ? 1 : 0;
-    err = cudaLaunchKernelEx(&decode, Cfg::kernel(), a);
+    err = allow_dynamic_smem<Cfg>();
+    if (err == cudaSuccess) err = cudaLaunchKernelEx(&decode, Cfg::kernel(), a);
     if (err != cudaSuccess || (!listed && a.num_splits == 1)) return;
     // grid: (num_q_heads, num_seqs); block: kMergeThreads threads.
     cudaLaunchConfig_t merge = {};

@@ -389,14 +389,14 @@ struct ItemTable {
 // decode_merge_smem_bytes<D, HT>()). T: query and output type; C: cache type (T, or fp8 e4m3
 // with 16-bit T).
 
-// The end of a work item, shared by both decode kernels: the warps' partial results (s_acc:
-// [kDecodeWarps][HT][D] fp32 accumulators, s_ml: [kDecodeWarps][HT][2] running max and sum, in
-// shared memory, filled and synced by the caller) merged per head, then written as the output rows
+// The end of a work item, shared by the decode kernels: the warps' partial results (s_acc: per
+// warp [HT][D] fp32 accumulators, warp w's at s_acc + w * warp_stride floats; s_ml:
+// [kDecodeWarps][HT][2] running max and sum; in shared memory, filled and synced by the caller) merged per head, then written as the output rows
 // where item_destination says: the output rows or a partial row for the merge kernel
 // (paged_decode_merge.cuh).
 template <typename T, int D, int HT>
 __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const float* s_acc, const float* s_ml,
-                                                  int nheads, int head0, const WorkItem& it) {
+                                                  int nheads, int head0, const WorkItem& it, int warp_stride = HT * D) {
   bool direct;
   int64_t item;
   item_destination(a, it, &direct, &item);
@@ -411,7 +411,7 @@ __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const flo
     for (int w = 0; w < kDecodeWarps; ++w) {
       const float wt = exp2_diff(s_ml[(w * HT + g) * 2], mm);
       ll += wt * s_ml[(w * HT + g) * 2 + 1];
-      o += wt * s_acc[(w * HT + g) * D + d];
+      o += wt * s_acc[w * warp_stride + g * D + d];
     }
     const float res = ll > 0.f ? o / ll * a.v_scale : 0.f;   // v_scale: 1 unless the cache is fp8
     const int h = head0 + g;

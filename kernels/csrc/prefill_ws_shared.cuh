@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "mbarrier.cuh"
 #include "paged_prefill.cuh"
 
 namespace kvpager {
@@ -131,25 +132,13 @@ constexpr int prefill_ws_smem_bytes() {
 namespace prefill_detail {
 #if KVPAGER_PREFILL_WGMMA
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // One arrival on bar once every cp.async this thread issued before has landed (.noinc: the
-// arrival is one of the barrier's expected count).
+// arrival is one of the barrier's expected count). (mbar_init, mbar_wait: mbarrier.cuh.)
 __device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Returns once the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 __device__ __forceinline__ void named_sync(int id, int threads) {
   if (KVPAGER_PREFILL_WS_PINGPONG) asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

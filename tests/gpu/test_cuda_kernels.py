@@ -389,6 +389,34 @@ def test_decode_out_of_range_ids_are_skipped_not_read():
     assert torch.isfinite(out[1]).all()
 
 
+@pytest.mark.parametrize("head_dim", list(MMA_DIMS))
+def test_tensor_core_decode_over_16bit_cache_skips_out_of_range_ids(head_dim):
+    """The tensor-core instance over a bf16 cache (on Hopper, K/V staged by bulk copies: rows of
+    invalid blocks are never copied, and their stale shared memory must not leak): an id outside
+    the cache mid-table, grid and work list, against float64 over the valid blocks only."""
+    query, k_view, v_view, tables, lens = _case(torch.bfloat16, head_dim, 16, 2, 4, [200, 200, 37], seed=12)
+    tables[1, 3] = 1 << 20                     # sequence 1's fourth block: not a cache block
+    scale = head_dim ** -0.5
+    ref = torch.empty(query.shape, dtype=torch.float64, device=DEV)
+    ref[[0, 2]] = reference.paged_decode_attention(query[[0, 2]].double(), k_view.double(), v_view.double(),
+                                                   tables[[0, 2]], lens[[0, 2]], scale)
+    rows = tables[1].tolist()                  # sequence 1 over its valid blocks' 184 tokens only
+    kept = [t for t in range(200) if not 48 <= t < 64]
+    k1 = torch.stack([k_view[rows[t // 16], :, t % 16] for t in kept]).double()
+    v1 = torch.stack([v_view[rows[t // 16], :, t % 16] for t in kept]).double()
+    q1 = query[1].double().view(2, 4, head_dim)
+    p = torch.softmax(torch.einsum("hgd,thd->hgt", q1, k1) * scale, dim=-1)
+    ref[1] = torch.einsum("hgt,thd->hgd", p, v1).reshape(8, head_dim)
+    geometry = debug.decode_work_geometry(query, k_view, mma=True)
+    step = debug.decode_plan_on(DEV, cuda.plan_decode_work(lens.tolist(), geometry), geometry, 3,
+                                num_q_heads=query.shape[1], head_dim=head_dim, poison_workspace=True)
+    for got in (debug.paged_decode_attention(query, k_view, v_view, tables, lens, scale, 3, mma=True),
+                cuda.paged_decode_run(step, query, k_view, v_view, tables, lens, scale)):
+        assert torch.isfinite(got).all()
+        for i in range(3):
+            assert float((got[i].double() - ref[i]).norm() / ref[i].norm()) < TOL[torch.bfloat16], i
+
+
 def test_decode_rejects_bad_inputs():
     query, k_view, v_view, tables, lens = _case(torch.bfloat16, 128, 16, 2, 4, [5, 20], seed=1)
     scale = 128 ** -0.5
