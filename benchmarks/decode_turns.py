@@ -20,6 +20,8 @@ exactly that many tokens (the planner's numpy twin given that size only), likewi
 prefetch distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the
 default is 1).
 ``--grid`` adds the grid plan (split count and instance from the table's width).
+``--bulk`` adds the tensor-core work list whose K/V the copy engine stages in shared memory
+(``mma=2``: Hopper, paged_decode_bulk.cuh), planned for that instance's geometry.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--min-item", default="", help="also work lists with pieces of at least these tokens, comma-separated")
     ap.add_argument("--piece", default="", help="also work lists cut in pieces of exactly these tokens, comma-separated")
     ap.add_argument("--grid", action="store_true", help="also the grid plan")
+    ap.add_argument("--bulk", action="store_true", help="also the tensor-core list staged by the copy engine (Hopper)")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -99,6 +102,16 @@ def main() -> None:
             err = float(((runs[label]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
             print(f"{batch} x {ctx}: the planner's instance is {'tensor cores' if c.step.geometry.mma else 'FMA'}; "
                   f"{label} against it, largest row error {err:.1e}")
+
+        if args.bulk:
+            geometry_b = debug.decode_work_geometry(c.q, c.k, mma=2)
+            step_b = bench.work_step(c.lens.tolist(), geometry_b)
+            bulk_out = torch.empty_like(c.out)
+            runs["ours, bulk"] = lambda: cuda.paged_decode_run(step_b, c.q, c.k, c.v, c.tables, c.lens, scale, out=bulk_out)
+            base = c.decode().float()
+            err = float(((runs["ours, bulk"]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            print(f"{batch} x {ctx}: bulk-staged list, {geometry_b.workers} workers a KV head (default "
+                  f"{c.step.geometry.workers}), largest row error against the default {err:.1e}")
 
         def pct(t):
             return 100 * c.nbytes / t / ceiling

@@ -81,14 +81,14 @@ def supports_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class DecodeGeometry:
     """A work-list decode launch's fixed shape for one (model, cache, device): ``workers`` thread
-    blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: the tensor-core
-    instance), query heads per block, the most tokens one item may hold, and the planner's cost of
+    blocks per (KV head, head chunk), the kernel instance (``loads``; ``mma``: 1, the tensor-core
+    instance; 2, the one whose K/V the copy engine stages, Hopper), query heads per block, the most tokens one item may hold, and the planner's cost of
     an item in tokens (``decode_plan.item_cost_for`` the cache's element size)."""
     workers: int
     loads: int
     head_tile: int
     longest_item: int
-    mma: bool = False
+    mma: int = 0                # 0 FMA, 1 tensor cores, 2 tensor cores staged by the copy engine (Hopper)
     item_cost: int = work_plan.ITEM_COST
 
     def capacity(self, num_seqs: int) -> int:
@@ -123,7 +123,7 @@ class DecodeGridPlan:
     partition_tokens: int       # tokens per split
     head_tile: int              # query heads per thread block
     loads: int                  # kernel instance: 16-byte K (and V) loads in flight per lane
-    mma: bool                   # the tensor-core instance (head_dim 64/128; fp8 caches by default)
+    mma: int                    # 0 FMA; 1, 2 tensor cores (head_dim 64/128; fp8 caches by default), as DecodeGeometry
     num_seqs: int
     table_width: int            # block-table width (entries) the plan covers
     workspace: Workspace | None   # [num_seqs * num_splits, ...] rows when num_splits > 1
@@ -145,7 +145,7 @@ def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loa
         q = query_like.new_empty(1, *query_like.shape[1:])
         workers, chosen, tile, longest, use_mma = (int(x) for x in load().decode_work_geometry(q, k_cache, int(loads),
                                                                                               int(mma)))
-        geometry = DecodeGeometry(workers, chosen, tile, longest, bool(use_mma),
+        geometry = DecodeGeometry(workers, chosen, tile, longest, use_mma,
                                   work_plan.item_cost_for(k_cache.element_size()))
         _geometries[key] = geometry
     return geometry
@@ -253,7 +253,7 @@ def _plan_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits: 
         query, k_cache, v_cache, block_tables, context_lens, int(num_splits), int(loads), int(mma)))
     rows = query.shape[0] * splits
     workspace = decode_workspace(rows, query.shape[1], query.shape[2], query.device) if splits > 1 and rows else None
-    return DecodeGridPlan(splits, partition, tile, chosen, bool(use_mma), query.shape[0], block_tables.shape[1],
+    return DecodeGridPlan(splits, partition, tile, chosen, use_mma, query.shape[0], block_tables.shape[1],
                           workspace)
 
 

@@ -3,7 +3,8 @@ turns, kept off the serving signatures of ``kernels/cuda.py``.
 
 - decode: a forced split count and kernel instance (2 or 4 16-byte loads in flight per lane;
   ``mma``: the tensor-core instance (True; over fp8 caches the default, over 16-bit ones an
-  option) or the FMA one (False)),
+  option), the tensor-core one whose K/V the copy engine stages (2; 16-bit caches, Hopper) or the
+  FMA one (False)),
   the L2 prefetch distance, the split-KV workspace filled with NaN before the launch (a merge
   that reads a partial no split wrote then shows up as NaN), the work-list planner's knobs;
 - prefill: the kernel instance (4 or 8 warps, mma.sync or wgmma);
@@ -35,29 +36,33 @@ def _count(name: str, value: int | None, allowed: tuple[int, ...] | None = None)
     return value
 
 
-def _mma(value: bool | None) -> int:
-    """-1 for None (the planner's choice), else 1 (the tensor-core instance) or 0 (the FMA one)."""
+def _mma(value: bool | int | None) -> int:
+    """-1 for None (the planner's choice), 1 for True (the tensor-core instance), 0 for False (the
+    FMA one), or 2 (the tensor-core instance whose K/V the copy engine stages: 16-bit caches, Hopper)."""
     if value is None:
         return -1
-    if not isinstance(value, bool):
-        raise ValueError(f"mma must be True, False or None, got {value!r}")
-    return int(value)
+    if isinstance(value, bool):
+        return int(value)
+    if value != 2:
+        raise ValueError(f"mma must be True, False, 2 or None, got {value!r}")
+    return 2
 
 
 def plan_decode_grid(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, *, num_splits: int | None = None, loads: int | None = None,
-                     mma: bool | None = None) -> cuda.DecodeGridPlan:
+                     mma: bool | int | None = None) -> cuda.DecodeGridPlan:
     """``cuda.plan_decode_grid`` with a forced split count (about ``num_splits`` partitions:
     fewer when the table is too narrow to give each one) and/or kernel instance (``loads``;
     ``mma``: True, the tensor-core instance (fp8 or 16-bit caches, head_dim 64/128; over a 16-bit
-    cache loads 2 only), ValueError where not built; False, the FMA one)."""
+    cache loads 2 only), ValueError where not built; 2, the one staged by the copy engine (16-bit
+    caches, Hopper); False, the FMA one)."""
     return cuda._plan_grid(query, k_cache, v_cache, block_tables, context_lens, _count("num_splits", num_splits),
                            _count("loads", loads, (2, 4)), _mma(mma))
 
 
 def decode_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 context_lens: torch.Tensor, num_splits: int | None = None, *, loads: int | None = None,
-                mma: bool | None = None) -> tuple[int, int, int, int]:
+                mma: bool | int | None = None) -> tuple[int, int, int, int]:
     """``(num_splits, partition_tokens, head_tile, loads)`` of the grid plan for these inputs."""
     plan = plan_decode_grid(query, k_cache, v_cache, block_tables, context_lens, num_splits=num_splits, loads=loads,
                             mma=mma)
@@ -69,7 +74,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None, *, loads: int | None = None,
                            prefetch_steps: int | None = None, poison_workspace: bool = False,
                            out: torch.Tensor | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0, mma: bool | None = None) -> torch.Tensor:
+                           v_scale: float = 1.0, mma: bool | int | None = None) -> torch.Tensor:
     """``cuda.paged_decode_attention`` (grid plan + run) with its knobs: ``num_splits``, ``loads``
     and ``mma`` as in :func:`plan_decode_grid`; ``prefetch_steps``: the L2 prefetch distance in
     block iterations (None: the default, 1, or 0 on the tensor-core instance); ``poison_workspace``:
@@ -94,7 +99,7 @@ def paged_decode_run(plan: cuda.DecodePlan, query: torch.Tensor, k_cache: torch.
 
 
 def decode_work_geometry(query_like: torch.Tensor, k_cache: torch.Tensor, *, loads: int | None = None,
-                         mma: bool | None = None) -> cuda.DecodeGeometry:
+                         mma: bool | int | None = None) -> cuda.DecodeGeometry:
     """``cuda.decode_work_geometry`` with a forced kernel instance (``loads`` 2 or 4; ``mma`` as
     in :func:`plan_decode_grid`)."""
     return cuda.decode_work_geometry(query_like, k_cache, loads=_count("loads", loads, (2, 4)), mma=_mma(mma))

@@ -100,7 +100,7 @@ void check_workspace(const Tensor& part_out, const Tensor& part_ml, const Tensor
 }
 
 void check_mma(int64_t mma) {
-  KV_CHECK(mma >= -1 && mma <= 1, "mma must be -1 (the planner's choice), 0 or 1, got ", mma);
+  KV_CHECK(mma >= -1 && mma <= 2, "mma must be -1 (the planner's choice), 0, 1 or 2, got ", mma);
 }
 
 // The grid plan (decode_plan.h plan_decode_grid) for these inputs: (num_splits, partition_tokens,
@@ -155,7 +155,7 @@ void paged_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, Tens
            "the decode plan (", num_splits, " splits of ", partition_tokens, " tokens) does not cover tables of ",
            width, " tokens: plan for these inputs");
   check_loads(loads);
-  KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
+  KV_CHECK(mma >= 0 && mma <= 2, "mma must be 0, 1 or 2, got ", mma);
   a.loads = static_cast<int>(loads);
   a.mma = static_cast<int>(mma);
   a.head_tile = static_cast<int>(head_tile);
@@ -245,7 +245,7 @@ void paged_decode_work(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache,
   check_workspace(part_out, part_ml, query, capacity);
   KV_CHECK(loads == 2 || loads == 4, "loads must be 2 or 4, got ", loads);
   KV_CHECK(head_tile >= 1 && head_tile <= 8, "head_tile must be 1, 2, 4 or 8, got ", head_tile);
-  KV_CHECK(mma == 0 || mma == 1, "mma must be 0 or 1, got ", mma);
+  KV_CHECK(mma >= 0 && mma <= 2, "mma must be 0, 1 or 2, got ", mma);
   a.prefetch_steps = prefetch_distance(prefetch_steps, mma);
   a.loads = static_cast<int>(loads);
   a.mma = static_cast<int>(mma);

@@ -79,15 +79,16 @@ int64_t align_up(int64_t x) { return (x + kPartitionAlign - 1) / kPartitionAlign
 }  // namespace
 
 int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int requested_loads, int device) {
-  const bool built = decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 1);
   if (requested_mma == 0) return 0;
-  if (requested_mma > 0) return built ? 1 : -1;
-  if (!built) return 0;
-  // 4 loads asked of an automatic choice: the instance that has them (the tensor-core one over a
-  // 16-bit cache has 2 only).
+  if (requested_mma > 0)
+    return decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, requested_mma) ? requested_mma : -1;
+  if (!decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 1)) return 0;
+  // 4 loads asked of an automatic choice: the instance that has them (the tensor-core ones over a
+  // 16-bit cache have 2 only).
   if (requested_loads == 4 && !decode_instance_built(dtype, cache_dtype, head_dim, 1, 4, 1)) return 0;
   if (cache_dtype == kFloat8E4M3) return kDecodeMmaDefault ? 1 : 0;
-  return kDecodeMma16Default || device_memory_bandwidth(device) >= kDecodeMma16Bandwidth ? 1 : 0;
+  if (!kDecodeMma16Default && device_memory_bandwidth(device) < kDecodeMma16Bandwidth) return 0;
+  return kDecodeMmaBulkDefault && decode_instance_built(dtype, cache_dtype, head_dim, 1, 2, 2) ? 2 : 1;
 }
 
 int decode_head_tile(DType dtype, DType cache_dtype, int head_dim, int group, int mma) {

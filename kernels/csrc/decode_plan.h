@@ -47,6 +47,15 @@ constexpr bool kDecodeMmaDefault = true;
 #define KVPAGER_DECODE_MMA16 0
 #endif
 constexpr bool kDecodeMma16Default = KVPAGER_DECODE_MMA16 != 0;
+// Where plans take a tensor-core instance over a 16-bit cache on Hopper: the one whose K/V the
+// copy engine stages (mma 2, paged_decode_bulk.cuh) with KVPAGER_DECODE_MMA_BULK=1, else the
+// register one (mma 1). Not the default: on an H200 it reads large steps 3-8 points nearer the copy
+// ceiling and small steps and short ragged batches 2-6 points further (docs/performance.md, "The
+// tensor-core decode staged by the copy engine").
+#ifndef KVPAGER_DECODE_MMA_BULK
+#define KVPAGER_DECODE_MMA_BULK 0
+#endif
+constexpr bool kDecodeMmaBulkDefault = KVPAGER_DECODE_MMA_BULK != 0;
 constexpr double kDecodeMma16Bandwidth = 4.2e12;
 
 // The launch sizes a plan is made for (the run's DecodeArgs must carry the same).
@@ -62,7 +71,7 @@ struct DecodeSizes {
 struct DecodeGridPlan {
   int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
-  int mma;                         // 1: the tensor-core instance (DecodeArgs::mma)
+  int mma;                         // 1, 2: a tensor-core instance (DecodeArgs::mma)
   int num_splits;                  // 1 = unsplit (no merge kernel, no workspace)
   int partition_tokens;            // tokens per split (a multiple of kPartitionAlign and of block_size)
 };
@@ -71,15 +80,16 @@ struct DecodeGridPlan {
 // step), so a CUDA graph captured with it serves every later plan of the same size.
 struct DecodeWorkGeometry {
   int loads, head_tile;
-  int mma;                         // 1: the tensor-core instance (DecodeArgs::mma)
+  int mma;                         // 1, 2: a tensor-core instance (DecodeArgs::mma)
   int workers;                     // thread blocks per (KV head, head chunk): one resident wave
   int longest_item;                // tokens one item may hold (its table slice fits the reserved smem)
 };
 
-// Whether plans for these on `device` take the tensor-core instance: requested_mma 0 no, 1 yes
-// (when built), -1 where built (and built with 4 loads if requested_loads is 4): over fp8 caches
-// kDecodeMmaDefault, over 16-bit ones kDecodeMma16Default or DRAM peaking at >=
-// kDecodeMma16Bandwidth. Returns -1 for a request of an instance that is not built.
+// Which instance plans for these on `device` take (0 FMA, 1 tensor cores, 2 tensor cores staged by
+// the copy engine): requested_mma 0 no tensor cores, 1 or 2 that one (when built), -1 where built
+// (and built with 4 loads if requested_loads is 4): over fp8 caches kDecodeMmaDefault, over 16-bit
+// ones kDecodeMma16Default or DRAM peaking at >= kDecodeMma16Bandwidth (then 2 with
+// kDecodeMmaBulkDefault, where built). Returns -1 for a request of an instance that is not built.
 int decode_use_mma(DType dtype, DType cache_dtype, int head_dim, int requested_mma, int requested_loads, int device);
 
 // Query heads per thread block for this (dtype, cache dtype, head_dim, GQA group, instance): the

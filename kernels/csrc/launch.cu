@@ -4,8 +4,7 @@
 // 2/4 loads in flight, and the tensor-core decode kernel (paged_decode_mma.cuh) for fp16/bf16
 // queries over fp8 e4m3 caches x head_dim 64/128 x 16 or 32 tokens per warp iteration (the plan's
 // loads 2 or 4), and over caches of their own dtype x 16 tokens (loads 2), any head tile up to 8;
-// with KVPAGER_DECODE_MMA_BULK=1, the latter on Hopper is paged_decode_bulk.cuh's (K/V staged by
-// the copy engine).
+// and on Hopper paged_decode_bulk.cuh's over 16-bit caches (mma 2: K/V staged by the copy engine).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -52,12 +51,6 @@ struct BulkCfg {
   static constexpr auto kernel() { return paged_decode_bulk_kernel<T_, D_>; }
 };
 
-// KVPAGER_DECODE_MMA_BULK=1: the tensor-core instance over 16-bit caches is the bulk-staged one on
-// Hopper (the register one elsewhere).
-#ifndef KVPAGER_DECODE_MMA_BULK
-#define KVPAGER_DECODE_MMA_BULK 0
-#endif
-
 int current_device_major();
 
 // Build-time switch of the tensor-core instances (0: not built, so never planned).
@@ -67,32 +60,39 @@ int current_device_major();
 
 // 16 tokens a warp iteration for loads 2, 32 for loads 4. Over a 16-bit cache only 16 are built:
 // 32 would double the K and V registers of a lane that already holds twice the fp8 instance's.
+// mma 2 names the instance whose K/V the copy engine stages (16-bit caches, loads 2, Hopper only).
 template <typename T, typename C, int D, typename F>
-void dispatch_mma_chunks(int loads, F&& f) {
+bool dispatch_mma_chunks(int loads, int mma, F&& f) {
   if constexpr (std::is_same_v<C, __nv_fp8_e4m3>) {
+    if (mma != 1) return false;
     if (loads == 4) {
       f(MmaCfg<T, C, D, 2>{});
-      return;
+      return true;
     }
-  } else if (KVPAGER_DECODE_MMA_BULK && current_device_major() >= 9) {
-    f(BulkCfg<T, D>{});
-    return;
+  } else {
+    if (mma == 2) {
+      if (current_device_major() < 9) return false;
+      f(BulkCfg<T, D>{});
+      return true;
+    }
+    if (mma != 1) return false;
   }
   f(MmaCfg<T, C, D, 1>{});
+  return true;
 }
 
 template <typename T, typename C, typename F>
-bool dispatch_mma(int head_dim, int head_tile, int loads, F&& f) {
+bool dispatch_mma(int head_dim, int head_tile, int loads, int mma, F&& f) {
 #if KVPAGER_DECODE_MMA
   if (head_tile != 1 && head_tile != 2 && head_tile != 4 && head_tile != 8) return false;
   if (loads != 2 && (loads != 4 || !std::is_same_v<C, __nv_fp8_e4m3>)) return false;
   switch (head_dim) {
-    case 64: dispatch_mma_chunks<T, C, 64>(loads, f); return true;
-    case 128: dispatch_mma_chunks<T, C, 128>(loads, f); return true;
+    case 64: return dispatch_mma_chunks<T, C, 64>(loads, mma, f);
+    case 128: return dispatch_mma_chunks<T, C, 128>(loads, mma, f);
     default: return false;
   }
 #else
-  (void)head_dim; (void)head_tile; (void)loads; (void)f;
+  (void)head_dim; (void)head_tile; (void)loads; (void)mma; (void)f;
   return false;
 #endif
 }
@@ -139,22 +139,22 @@ bool dispatch_dim(int head_dim, int head_tile, int loads, F&& f) {
   }
 }
 
-// (query, cache) types: the same 32/16-bit type, or a 16-bit query over an fp8 e4m3 cache (there,
-// mma != 0 names the tensor-core instance).
+// (query, cache) types: the same 32/16-bit type, or a 16-bit query over an fp8 e4m3 cache; mma 1
+// names the tensor-core instance, 2 the one staged by the copy engine (16-bit caches, Hopper).
 template <typename F>
 bool dispatch_decode(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma, F&& f) {
   if (mma != 0) {
     if (cache_dtype == kFloat8E4M3) {
       switch (dtype) {
-        case kFloat16: return dispatch_mma<__half, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
-        case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, head_tile, loads, f);
+        case kFloat16: return dispatch_mma<__half, __nv_fp8_e4m3>(head_dim, head_tile, loads, mma, f);
+        case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_fp8_e4m3>(head_dim, head_tile, loads, mma, f);
         default: return false;
       }
     }
     if (cache_dtype != dtype) return false;
     switch (dtype) {
-      case kFloat16: return dispatch_mma<__half, __half>(head_dim, head_tile, loads, f);
-      case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_bfloat16>(head_dim, head_tile, loads, f);
+      case kFloat16: return dispatch_mma<__half, __half>(head_dim, head_tile, loads, mma, f);
+      case kBFloat16: return dispatch_mma<__nv_bfloat16, __nv_bfloat16>(head_dim, head_tile, loads, mma, f);
       default: return false;
     }
   }
@@ -255,12 +255,12 @@ int decode_merge_smem(DType dtype, DType cache_dtype, int head_dim, int head_til
 int decode_blocks_per_sm(DType dtype, DType cache_dtype, int head_dim, int head_tile, int loads, int mma,
                         int device) {
   constexpr int kDevices = 16;
-  static std::atomic<int> cache[kDevices][3][2][3][4][2][2];   // [device][dtype][fp8?][dim][tile][loads][mma]; 0 = unknown
+  static std::atomic<int> cache[kDevices][3][2][3][4][2][3];   // [device][dtype][fp8?][dim][tile][loads][mma]; 0 = unknown
   const int dim_i = head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2;
   const int tile_i = head_tile == 1 ? 0 : head_tile == 2 ? 1 : head_tile == 4 ? 2 : 3;
   const bool cacheable = device >= 0 && device < kDevices && dtype >= 0 && dtype < 3;
   const int fp8_i = cache_dtype == kFloat8E4M3 ? 1 : 0;
-  std::atomic<int>* slot = cacheable ? &cache[device][dtype][fp8_i][dim_i][tile_i][loads == 2 ? 0 : 1][mma != 0 ? 1 : 0]
+  std::atomic<int>* slot = cacheable ? &cache[device][dtype][fp8_i][dim_i][tile_i][loads == 2 ? 0 : 1][mma == 2 ? 2 : mma != 0 ? 1 : 0]
                                        : nullptr;
   if (slot != nullptr && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
   int occupancy = 1;

@@ -80,7 +80,8 @@ struct DecodeArgs {
   int loads;                       // 16-byte K (and V) loads in flight per lane: 2 or 4 (tensor-core
                                    // instance: 16 or 32 tokens per warp iteration)
   int head_tile;                   // query heads per thread block (1, 2, 4 or 8)
-  int mma;                         // 1: the tensor-core instance (fp8 e4m3 caches, head_dim 64/128; paged_decode_mma.cuh)
+  int mma;                         // 1: the tensor-core instance (head_dim 64/128; paged_decode_mma.cuh); 2: the one
+                                   // staged by the copy engine (16-bit caches, Hopper; paged_decode_bulk.cuh)
   int head_chunks;                 // ceil(group / head_tile) thread blocks per KV head
   int num_splits;                  // grid mode: 1 = unsplit path (no merge kernel)
   int partition_tokens;            // grid mode: tokens per split (multiple of kPartitionAlign and of block_size)

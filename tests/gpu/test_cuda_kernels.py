@@ -105,6 +105,18 @@ def test_decode_matches_float64(dtype, head_dim, block_size, group, num_splits, 
 MMA_DIMS = (64, 128)   # head dims of the tensor-core fp8 instance (paged_decode_mma.cuh)
 
 
+@pytest.fixture(params=[True, 2], ids=["mma", "bulk"])
+def tc16(request):
+    """The tensor-core instances over 16-bit caches: registers (True) and, on Hopper, K/V staged
+    by the copy engine (2; elsewhere refused, then the test is skipped)."""
+    if request.param == 2 and torch.cuda.get_device_capability(DEV) < (9, 0):
+        q, k = _case(torch.bfloat16, 128, 16, 2, 4, [20], 1)[:2]
+        with pytest.raises(ValueError, match="mma"):
+            debug.decode_work_geometry(q, k, mma=2)
+        pytest.skip("the bulk-staged instance is Hopper's")
+    return request.param
+
+
 @pytest.mark.parametrize("mma", [True, False], ids=["mma", "fma"])
 @pytest.mark.parametrize("num_splits", [1, 5, None], ids=["unsplit", "split5", "auto"])
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -161,9 +173,9 @@ def test_16bit_decode_planner_follows_the_device():
         for head_dim in (64, 128, 256):
             case = _case(dtype, head_dim, 16, 2, 4, [70], 32)
             want = expect and dtype != torch.float32 and head_dim in MMA_DIMS
-            assert debug.plan_decode_grid(*case[:5]).mma == want, (dtype, head_dim)
+            assert bool(debug.plan_decode_grid(*case[:5]).mma) == want, (dtype, head_dim)
             geometry = cuda.decode_work_geometry(case[0], case[1])
-            assert geometry.mma == want and (geometry.loads == 2 or not want), (dtype, head_dim)
+            assert bool(geometry.mma) == want and (geometry.loads == 2 or not want), (dtype, head_dim)
             assert not debug.plan_decode_grid(*case[:5], mma=False).mma
 
 
@@ -172,7 +184,7 @@ def test_16bit_decode_planner_follows_the_device():
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_tensor_core_decode_over_16bit_cache_matches_float64(dtype, head_dim, block_size, group, num_splits):
+def test_tensor_core_decode_over_16bit_cache_matches_float64(dtype, head_dim, block_size, group, num_splits, tc16):
     """The tensor-core instance over a cache of the query's dtype (mma.sync in that dtype, P
     rounded to it): against float64, head dims 64/128, 16 tokens a warp iteration (loads 2; 4 is
     refused, as is head_dim 256)."""
@@ -181,13 +193,13 @@ def test_tensor_core_decode_over_16bit_cache_matches_float64(dtype, head_dim, bl
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
     if head_dim not in MMA_DIMS:
         with pytest.raises(ValueError, match="mma"):
-            debug.plan_decode_grid(*case[:5], mma=True)
+            debug.plan_decode_grid(*case[:5], mma=tc16)
         return
-    plan = debug.plan_decode_grid(*case[:5], num_splits=num_splits, mma=True)
-    assert plan.mma and plan.loads == 2 and plan.head_tile == min(group, 8)
+    plan = debug.plan_decode_grid(*case[:5], num_splits=num_splits, mma=tc16)
+    assert plan.mma == tc16 and plan.loads == 2 and plan.head_tile == min(group, 8)
     with pytest.raises(ValueError, match="mma"):
-        debug.plan_decode_grid(*case[:5], num_splits=num_splits, loads=4, mma=True)
-    _check_decode(*case, num_splits, TOL[dtype], mma=True)
+        debug.plan_decode_grid(*case[:5], num_splits=num_splits, loads=4, mma=tc16)
+    _check_decode(*case, num_splits, TOL[dtype], mma=tc16)
 
 
 @pytest.mark.parametrize("group", [2, 3, 6, 16])
@@ -390,10 +402,10 @@ def test_decode_out_of_range_ids_are_skipped_not_read():
 
 
 @pytest.mark.parametrize("head_dim", list(MMA_DIMS))
-def test_tensor_core_decode_over_16bit_cache_skips_out_of_range_ids(head_dim):
-    """The tensor-core instance over a bf16 cache (on Hopper, K/V staged by bulk copies: rows of
-    invalid blocks are never copied, and their stale shared memory must not leak): an id outside
-    the cache mid-table, grid and work list, against float64 over the valid blocks only."""
+def test_tensor_core_decode_over_16bit_cache_skips_out_of_range_ids(head_dim, tc16):
+    """The tensor-core instances over a bf16 cache (the bulk-staged one never copies the rows of
+    invalid blocks, and their stale shared memory must not leak): an id outside the cache
+    mid-table, grid and work list, against float64 over the valid blocks only."""
     query, k_view, v_view, tables, lens = _case(torch.bfloat16, head_dim, 16, 2, 4, [200, 200, 37], seed=12)
     tables[1, 3] = 1 << 20                     # sequence 1's fourth block: not a cache block
     scale = head_dim ** -0.5
@@ -407,10 +419,10 @@ def test_tensor_core_decode_over_16bit_cache_skips_out_of_range_ids(head_dim):
     q1 = query[1].double().view(2, 4, head_dim)
     p = torch.softmax(torch.einsum("hgd,thd->hgt", q1, k1) * scale, dim=-1)
     ref[1] = torch.einsum("hgt,thd->hgd", p, v1).reshape(8, head_dim)
-    geometry = debug.decode_work_geometry(query, k_view, mma=True)
+    geometry = debug.decode_work_geometry(query, k_view, mma=tc16)
     step = debug.decode_plan_on(DEV, cuda.plan_decode_work(lens.tolist(), geometry), geometry, 3,
                                 num_q_heads=query.shape[1], head_dim=head_dim, poison_workspace=True)
-    for got in (debug.paged_decode_attention(query, k_view, v_view, tables, lens, scale, 3, mma=True),
+    for got in (debug.paged_decode_attention(query, k_view, v_view, tables, lens, scale, 3, mma=tc16),
                 cuda.paged_decode_run(step, query, k_view, v_view, tables, lens, scale)):
         assert torch.isfinite(got).all()
         for i in range(3):
@@ -561,17 +573,17 @@ def test_work_list_decode_fp8_cache(dtype, head_dim, loads, mma):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", list(MMA_DIMS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_work_list_decode_16bit_tensor_cores(dtype, head_dim, block_size, group):
+def test_work_list_decode_16bit_tensor_cores(dtype, head_dim, block_size, group, tc16):
     """The tensor-core instance over a 16-bit cache on ragged work lists; loads 4 refused."""
     seed = zlib.crc32(repr(("work-mma16", dtype, head_dim, block_size, group)).encode())
     gen = torch.Generator().manual_seed(seed)
     lens = [1, block_size - 1, block_size, block_size + 1] + torch.randint(1, 3000, (8,), generator=gen).tolist()
     lens.append(9000)
     case = _case(dtype, head_dim, block_size, 2, group, lens, seed)
-    assert debug.decode_work_geometry(case[0], case[1], mma=True).loads == 2
+    assert debug.decode_work_geometry(case[0], case[1], mma=tc16).loads == 2
     with pytest.raises(ValueError, match="mma"):
-        debug.decode_work_geometry(case[0], case[1], loads=4, mma=True)
-    _check_work(*case, TOL[dtype], mma=True)
+        debug.decode_work_geometry(case[0], case[1], loads=4, mma=tc16)
+    _check_work(*case, TOL[dtype], mma=tc16)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
