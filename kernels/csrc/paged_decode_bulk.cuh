@@ -13,7 +13,7 @@
 // with the stage's byte count). No register holds data in flight and a copy costs one instruction
 // per 256 bytes, not per 16.
 //
-// Stage layout: 32 rows (K rows 0-15, V rows 16-31) of kBulkRowStride = D * 2 + 16 bytes. The
+// Stage layout: 32 rows (K rows 0-15, V rows 16-31) of BulkShape::ROW_STRIDE = D * 2 + 16 bytes. The
 // 16-byte pad puts consecutive rows 4 banks apart, and the lanes' chunks are chosen so that every
 // quarter-warp's 16-byte shared loads hit 32 distinct banks:
 //   - K: lane (g, c) reads row g of each n-tile, chunks (16-byte, 8 elements) 2c, 2c + 1, 2c + 8,
@@ -30,9 +30,17 @@
 //
 // Synchronization, per warp: the mbarrier of a stage completes when lane 0 has arrived (with the
 // expected bytes) and the copies have landed; every lane waits on it (parity = the fill's round).
-// A stage is refilled only after a __syncwarp that follows its last reads. The ring counter `fills`
-// runs across the worker's items. Between items the warps' merge area (which reuses the rings)
-// is written by ordinary stores: a proxy fence before the next copies orders them.
+// A stage is refilled only after a __syncwarp that follows its last reads. The ring position
+// `fills` runs across the worker's items: the next item's first kBulkStages - 1 iterations are
+// copied behind the current item's last ones (KVPAGER_DECODE_BULK_NEXT), so at an item's end the
+// one stage no copy is in flight to, its last iteration's, takes the warp's accumulators for the
+// cross-warp merge. Those are ordinary stores: a proxy fence orders them before later copies.
+//
+// Shared memory bounds it: 2 blocks of 4 warps an SM at D = 128 (3 stages, ~110 KB a block), one
+// fewer than the register instance. Measured on an H200 (docs/performance.md, "The tensor-core
+// decode staged by the copy engine"): large steps 3-8 points nearer the copy ceiling, small steps
+// and short ragged batches 2-6 points further. So plans take it (mma 2) only when asked, or by
+// default when built with KVPAGER_DECODE_MMA_BULK=1 (decode_plan.h).
 #pragma once
 
 #include "mbarrier.cuh"
@@ -87,8 +95,8 @@ struct BulkShape {
   static __device__ __forceinline__ int v_chunk(int g, int j) { return g + 8 * j; }
 };
 
-// Dynamic shared memory: the query fragments, the mbarriers, the rings (the merge area at the end of
-// an item), then the table slice.
+// Dynamic shared memory: the query fragments, the warps' (max, sum) pairs, the mbarriers, the rings
+// (each warp's accumulators at an item's end), then the table slice.
 template <int D>
 __host__ __device__ constexpr int decode_bulk_extra_bytes() {
   return BulkShape<D>::EXTRA_BYTES;
@@ -158,10 +166,10 @@ __device__ __forceinline__ void store_warp_partials(float* s_acc_warp, float* s_
 }  // namespace bulk_detail
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// One work item (decode_item's contract), as decode_item_mma<T, T, D, 1> computes it.
+// One work item (decode_item's contract), as decode_item_mma<T, T, D, 1> computes it. fills: the
+// warp's ring position (in: this item's iteration 0; out: the next item's); pre: this item's
+// iterations already filled (in), the next item's (out); next: the worker's next item, if has_next.
 template <typename T, int D>
-// fills: the warp's ring position (in: this item's iteration 0; out: the next item's); pre: this
-// item's iterations already filled (in), the next item's (out); next: the worker's next item, if has_next.
 __device__ __forceinline__ void decode_item_bulk(const DecodeArgs& a, unsigned char* smem, const WorkItem& it,
                                                  uint32_t& fills, int& pre, const WorkItem& next, bool has_next) {
   using S = BulkShape<D>;
