@@ -91,25 +91,24 @@ def main() -> None:
             out_g = torch.empty_like(c.out)
             runs["grid"] = lambda: cuda.paged_decode_grid_run(grid, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_g)
             print(f"{batch} x {ctx}: grid plan {grid.num_splits} splits of {grid.partition_tokens} tokens")
+        def add_instance(label, mma):
+            """The work list of instance ``mma``, planned for its own geometry, as run ``label``;
+            returns (its geometry, its largest row error against the planner's list)."""
+            geometry = debug.decode_work_geometry(c.q, c.k, mma=mma)
+            step = bench.work_step(c.lens.tolist(), geometry)
+            out = torch.empty_like(c.out)
+            runs[label] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale, out=out)
+            base = c.decode().float()
+            return geometry, float(((runs[label]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+
         if args.mma:
             other = not c.step.geometry.mma
             label = "ours, tensor cores" if other else "ours, FMA"
-            geometry = debug.decode_work_geometry(c.q, c.k, mma=other)
-            step = bench.work_step(c.lens.tolist(), geometry)
-            mma_out = torch.empty_like(c.out)
-            runs[label] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale, out=mma_out)
-            base = c.decode().float()
-            err = float(((runs[label]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            _, err = add_instance(label, other)
             print(f"{batch} x {ctx}: the planner's instance is {'tensor cores' if c.step.geometry.mma else 'FMA'}; "
                   f"{label} against it, largest row error {err:.1e}")
-
         if args.bulk:
-            geometry_b = debug.decode_work_geometry(c.q, c.k, mma=2)
-            step_b = bench.work_step(c.lens.tolist(), geometry_b)
-            bulk_out = torch.empty_like(c.out)
-            runs["ours, bulk"] = lambda: cuda.paged_decode_run(step_b, c.q, c.k, c.v, c.tables, c.lens, scale, out=bulk_out)
-            base = c.decode().float()
-            err = float(((runs["ours, bulk"]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            geometry_b, err = add_instance("ours, bulk", 2)
             print(f"{batch} x {ctx}: bulk-staged list, {geometry_b.workers} workers a KV head (default "
                   f"{c.step.geometry.workers}), largest row error against the default {err:.1e}")
 
