@@ -391,9 +391,9 @@ struct ItemTable {
 
 // The end of a work item, shared by the decode kernels: the warps' partial results (s_acc: per
 // warp [HT][D] fp32 accumulators, warp w's at s_acc + w * warp_stride floats; s_ml:
-// [kDecodeWarps][HT][2] running max and sum; in shared memory, filled and synced by the caller) merged per head, then written as the output rows
-// where item_destination says: the output rows or a partial row for the merge kernel
-// (paged_decode_merge.cuh).
+// [kDecodeWarps][HT][2] running max and sum; in shared memory, filled and synced by the caller)
+// merged per head, then written where item_destination says: the output rows or a partial row for
+// the merge kernel (paged_decode_merge.cuh).
 template <typename T, int D, int HT>
 __device__ __forceinline__ void write_item_output(const DecodeArgs& a, const float* s_acc, const float* s_ml,
                                                   int nheads, int head0, const WorkItem& it, int warp_stride = HT * D) {
