@@ -22,6 +22,15 @@ default is 1).
 ``--grid`` adds the grid plan (split count and instance from the table's width).
 ``--bulk`` adds the tensor-core work list whose K/V the copy engine stages in shared memory
 (``mma=2``: Hopper, paged_decode_bulk.cuh), planned for that instance's geometry.
+``--bars`` adds kernels that only load (Triton), the bars a decode of these bytes can reach:
+``contiguous``, the same bytes from one buffer, 64 KiB a program; ``paged``, every K and V page the
+decode reads through the same shuffled block tables, 8 blocks a program, the programs of one
+block's heads launched together (``paged, heads last``: all of one head's programs first);
+``streamed``, persistent programs laid out as the work list (4 an SM, KV heads fastest) streaming
+equal shares of the step's pages, one block an iteration (``streamed, 8 blocks, 2 an SM``: 8 blocks
+an iteration, 2 programs an SM).
+``--streams 3x1,6x1,4x4h2`` adds streamed bars of other shapes: programs an SM x blocks an
+iteration, and ``hG`` to read G heads of each block together (a program per G heads).
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ def main() -> None:
     ap.add_argument("--piece", default="", help="also work lists cut in pieces of exactly these tokens, comma-separated")
     ap.add_argument("--grid", action="store_true", help="also the grid plan")
     ap.add_argument("--bulk", action="store_true", help="also the tensor-core list staged by the copy engine (Hopper)")
+    ap.add_argument("--bars", action="store_true", help="also loads-only reads of the same pages and of as many "
+                    "contiguous bytes")
+    ap.add_argument("--streams", default="", help="also streamed bars: programs an SM x blocks an iteration[hG], "
+                    "comma-separated")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -111,6 +124,22 @@ def main() -> None:
             geometry_b, err = add_instance("ours, bulk", 2)
             print(f"{batch} x {ctx}: bulk-staged list, {geometry_b.workers} workers a KV head (default "
                   f"{c.step.geometry.workers}), largest row error against the default {err:.1e}")
+
+        if args.bars:
+            runs["contiguous"] = bench.contiguous_loads(c.nbytes)
+            runs["paged"] = bench.paged_loads(c.k, c.v, c.tables)
+            runs["paged, heads last"] = bench.paged_loads(c.k, c.v, c.tables, heads_first=False)
+            runs["streamed"] = bench.streamed_loads(c.k, c.v, c.tables)
+            runs["streamed, 8 blocks, 2 an SM"] = bench.streamed_loads(c.k, c.v, c.tables, pages=8, programs_per_sm=2)
+            if runs["paged"] is None:
+                raise SystemExit("--bars needs Triton")
+        for spec_s in (x for x in args.streams.split(",") if x):
+            per_sm, _, rest = spec_s.partition("x")
+            pages, _, heads = rest.partition("h")
+            runs[f"streamed {spec_s}"] = bench.streamed_loads(c.k, c.v, c.tables, heads=int(heads or 1), pages=int(pages),
+                                                              programs_per_sm=int(per_sm))
+            if runs[f"streamed {spec_s}"] is None:
+                raise SystemExit("--streams needs Triton")
 
         def pct(t):
             return 100 * c.nbytes / t / ceiling

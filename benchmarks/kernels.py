@@ -528,6 +528,96 @@ if triton is not None:
             acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
         tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
+    @triton.jit
+    def _paged_read_kernel(k_ptr, v_ptr, table_ptr, out_ptr, blocks_per_seq, table_stride, block_stride, head_stride,
+                           PAGES: tl.constexpr, PAGE: tl.constexpr, HEADS_FIRST: tl.constexpr):
+        # Program (piece, head), or (head, piece) with HEADS_FIRST: XORs the K and V pages of PAGES
+        # consecutive entries of one sequence's table row (head `head`'s PAGE words of each) into
+        # one word it stores.
+        pieces = blocks_per_seq // PAGES
+        if HEADS_FIRST:
+            piece, head = tl.program_id(1), tl.program_id(0)
+        else:
+            piece, head = tl.program_id(0), tl.program_id(1)
+        seq, first = piece // pieces, (piece % pieces) * PAGES
+        words = tl.arange(0, PAGE)
+        acc = tl.zeros([PAGE], dtype=tl.int32)
+        for i in tl.static_range(PAGES):
+            block = tl.load(table_ptr + seq * table_stride + first + i).to(tl.int64)
+            page = block * block_stride + head * head_stride + words
+            acc ^= tl.load(k_ptr + page) ^ tl.load(v_ptr + page)
+        tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.xor_sum(acc, 0))
+
+    @triton.jit
+    def _streamed_read_kernel(k_ptr, v_ptr, flat_ptr, out_ptr, n_blocks, units, block_stride, head_stride,
+                              G: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr):
+        # Persistent program (unit fast, as the decode's grid): worker `program_id // units` streams
+        # its equal share of the step's table entries (whole PAGES-entry iterations), reading head
+        # group `unit`'s G consecutive heads of PAGES blocks an iteration, XORed into one word.
+        unit, worker = tl.program_id(0) % units, tl.program_id(0) // units
+        workers = tl.num_programs(0) // units
+        start = worker * (n_blocks // PAGES) // workers * PAGES
+        end = (worker + 1) * (n_blocks // PAGES) // workers * PAGES
+        words = tl.arange(0, G * PAGE)
+        acc = tl.zeros([G * PAGE], dtype=tl.int32)
+        for j in range(start, end, PAGES):
+            for i in tl.static_range(PAGES):
+                page = tl.load(flat_ptr + j + i).to(tl.int64) * block_stride + unit * G * head_stride + words
+                acc ^= tl.load(k_ptr + page) ^ tl.load(v_ptr + page)
+        tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def paged_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, pages: int = 8, heads_first: bool = True):
+    """A loads-only read of every K and V page a decode over these block tables reads (k, v:
+    [num_blocks, kv_heads, block_size, head_dim] 16-bit views sharing strides; every row of
+    ``tables`` read whole): the bar a paged decode's reads can reach, beside the same bytes read
+    contiguously. Returns the launch as a function of no arguments (None without Triton)."""
+    if triton is None:
+        return None
+    k32, v32 = k.view(torch.int32), v.view(torch.int32)
+    batch, width = tables.shape
+    if width % pages:
+        raise ValueError(f"paged_loads reads {pages} pages a program: a table width of {width} is not a multiple")
+    grid = (batch * width // pages, k.shape[1])[::-1 if heads_first else 1]
+    words = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=k.device)
+    page = k32.shape[2] * k32.shape[3]
+    return lambda: _paged_read_kernel[grid](k32, v32, tables, words, width, tables.stride(0), k32.stride(0),
+                                            k32.stride(1), PAGES=pages, PAGE=page, HEADS_FIRST=heads_first)
+
+
+def streamed_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, heads: int = 1, pages: int = 1,
+                   programs_per_sm: int = 4):
+    """A loads-only read of the same pages as ``paged_loads``, by persistent programs laid out as the
+    decode's work list (programs_per_sm an SM, KV head groups fastest), each streaming an equal share
+    of the step's table entries, ``pages`` blocks an iteration, ``heads`` heads of each block read
+    together. As a function of no arguments (None without Triton)."""
+    if triton is None:
+        return None
+    k32, v32 = k.view(torch.int32), v.view(torch.int32)
+    flat = tables.flatten().contiguous()
+    if flat.numel() % pages or k32.shape[1] % heads:
+        raise ValueError(f"streamed_loads: {flat.numel()} blocks, {k32.shape[1]} heads do not divide by "
+                         f"{pages} pages and {heads} heads")
+    units = k32.shape[1] // heads
+    sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4   # (CPU: Triton's interpreter)
+    grid = (max(1, sms * programs_per_sm // units) * units,)
+    words = torch.empty(grid[0], dtype=torch.int32, device=k.device)
+    return lambda: _streamed_read_kernel[grid](k32, v32, flat, words, flat.numel(), units, k32.stride(0), k32.stride(1),
+                                               G=heads, PAGES=pages, PAGE=k32.shape[2] * k32.shape[3])
+
+
+def contiguous_loads(nbytes: int, device: str = "cuda"):
+    """The Triton loads-only read of ``nbytes`` (a multiple of 64 KiB) in one buffer, as a function of
+    no arguments (None without Triton)."""
+    if triton is None:
+        return None
+    block, steps = 2048, 8   # int32 words per load and loads per program: 64 KiB a program
+    if nbytes % (4 * block * steps):
+        raise ValueError(f"contiguous_loads reads 64 KiB a program: {nbytes} bytes is not a multiple")
+    x32 = torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), dtype=torch.int32, device=device)
+    words = torch.empty(nbytes // (4 * block * steps), dtype=torch.int32, device=device)
+    return lambda: _read_kernel[(words.numel(),)](x32, words, x32.numel(), BLOCK=block, STEPS=steps)
+
 
 def bench_small_reads(ceiling: float) -> None:
     """What plain reads and copies reach at the byte counts of the short decode shapes, in % of
