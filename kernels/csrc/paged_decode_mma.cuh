@@ -42,12 +42,15 @@
 //   |q| in [2^13, 2^14), and the scores are multiplied by 2^-e after the mma (exact).
 //
 // A 16-bit cache (C == T, f16 or bf16; mma.sync in T): the same fragments without conversions.
-// Lane (g, c)'s K slice of token g is D/4 elements (D/2 bytes); k-step s takes its words 2s and
-// 2s + 1 as b0b1 and b2b3 as they are. The query's fragments are its own 16-bit values, unscaled
-// (exact), and the scores are multiplied by scale_log2 in fp32 after the mma. V: lane (g, c)
-// reads D/8 elements (from element g * D/8) of each token row; word w of rows (t0, t1) gives, by
-// two 16-bit permutes, (t0[2w], t1[2w]) -> a0a1 and (t0[2w+1], t1[2w+1]) -> a2a3 of m-tile w,
-// whose rows g, g + 8 are dims g * D/8 + 2w, + 1: the fp8 path's dims (4 (m/2) + 2 (m%2) = 2m).
+// Lane (g, c)'s K slice of token g is D/4 elements (D/2 bytes), its 16-byte chunks j taken from
+// chunk 4j + c of the row so that a warp's load reads whole sectors (MmaShape::k_dim; the query's
+// loads follow it); k-step s takes the slice's words 2s and 2s + 1 as b0b1 and b2b3 as they are.
+// The query's fragments are its own 16-bit values, unscaled (exact), and the scores are
+// multiplied by scale_log2 in fp32 after the mma. V: lane (g, c) reads D/8 elements of each token
+// row, its chunks j from chunk 8j + g (MmaShape::v_dim); word w of its slices of rows (t0, t1)
+// gives, by two 16-bit permutes, (t0[2w], t1[2w]) -> a0a1 and (t0[2w+1], t1[2w+1]) -> a2a3 of
+// m-tile w, whose rows g, g + 8 are the dims v_dim(g, 2w), + 1 (at D = 64, one chunk: g * D/8 +
+// 2w, the fp8 path's dims, 4 (m/2) + 2 (m%2) = 2m).
 // P goes to the mma as T pairs. Against the FMA instance it issues far fewer instructions per
 // byte (ncu, H100, 8 x 4K: the FMA kernel 27.2 M instructions and 59% of issue slots, cuDNN's
 // tensor-core decode 5.4 M and 14%).
@@ -70,6 +73,12 @@ namespace kvpager {
 
 constexpr int kMmaHeads = 8;   // query heads of one tensor-core tile (the N of O^T = V^T P^T)
 
+// KVPAGER_DECODE_MMA_FULL_SECTORS=0: a lane's K and V chunks contiguous over 16-bit caches too
+// (MmaShape::FULL), to A/B the whole-sector layout.
+#ifndef KVPAGER_DECODE_MMA_FULL_SECTORS
+#define KVPAGER_DECODE_MMA_FULL_SECTORS 1
+#endif
+
 template <typename C, int D, int CH>
 struct MmaShape {
   static_assert(D == 64 || D == 128, "tensor-core decode: head_dim 64 or 128");
@@ -84,6 +93,24 @@ struct MmaShape {
   static constexpr int MT = D / 16;             // m-tiles of O^T
   static constexpr int QVECS = D / 4 * 2 / 16;  // 16-byte loads of the lane's D/4 query elements (16-bit)
   static constexpr int STEP = kDecodeWarps * TOK;   // tokens per block iteration
+  // Where a lane's 16-byte chunks lie in its rows. Over a 16-bit cache (KVPAGER_DECODE_MMA_FULL_SECTORS),
+  // each load instruction of the warp reads whole 32-byte sectors: lane c's K chunk j is chunk
+  // 4j + c of its token row (the row's 4 lanes side by side), lane g's V chunk j is chunk 8j + g.
+  // Otherwise (and over fp8, not measured that way) a lane's chunks are contiguous, from element
+  // c * D/4 (K) or g * D/8 (V): each instruction then reads half of every sector it touches and
+  // the next instruction the other half. On an H200 the half-sector loads read as fast at best
+  // but dropped up to 12 points in some turns (docs/performance.md, twenty-second session).
+  static constexpr bool FULL = KVPAGER_DECODE_MMA_FULL_SECTORS != 0 && ES == 2;
+  static constexpr int VCHUNK = VELEMS < 16 / ES ? VELEMS : 16 / ES;   // elements of one V load
+  static constexpr int KSTRIDE = FULL ? 4 * KVEC : KVEC;              // elements between a lane's K chunks
+  static constexpr int VSTRIDE = FULL ? 8 * VCHUNK : VCHUNK;          // ... and V chunks
+  // The first element of lane c's K slice, and the row element holding its slice element e (the
+  // query's loads follow it).
+  __device__ static int k_first(int c) { return FULL ? c * KVEC : c * (D / 4); }
+  __device__ static int k_dim(int c, int e) { return k_first(c) + e / KVEC * KSTRIDE + e % KVEC; }
+  // The same for lane g's V slice (the output's dims follow it).
+  __device__ static int v_first(int g) { return FULL ? g * VCHUNK : g * VELEMS; }
+  __device__ static int v_dim(int g, int e) { return v_first(g) + e / VCHUNK * VSTRIDE + e % VCHUNK; }
 };
 
 // Shared memory of the query fragments (before the table slice / merge area of decode_merge_smem_bytes<D, kMmaHeads>()).
@@ -109,12 +136,13 @@ __device__ __forceinline__ uint2 load_kv8(const void* ptr, bool pred) {
   return v;
 }
 
-// A lane's VWORDS (a multiple of 4) words of a V row at p by 16-byte loads (zeros where !pred).
-template <typename C, int VWORDS>
+// A lane's VWORDS (a multiple of 4) words of a V row by 16-byte loads at p, p + STRIDE, ... elements
+// (zeros where !pred).
+template <typename C, int VWORDS, int STRIDE>
 __device__ __forceinline__ void load_v_row(uint32_t (&dst)[VWORDS], const C* p, bool pred) {
 #pragma unroll
   for (int j = 0; j < VWORDS / 4; ++j) {
-    const uint4 u = load_kv16(p + j * (16 / sizeof(C)), pred);
+    const uint4 u = load_kv16(p + j * STRIDE, pred);
     dst[4 * j] = u.x; dst[4 * j + 1] = u.y; dst[4 * j + 2] = u.z; dst[4 * j + 3] = u.w;
   }
 }
@@ -131,8 +159,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   const int seq = it.seq, start = it.start, end = it.end;
   using namespace mma_detail;
   using S = MmaShape<C, D, CH>;
-  constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, KVEC = S::KVEC, VELEMS = S::VELEMS,
-                VWORDS = S::VWORDS, MT = S::MT, HT = kMmaHeads;
+  constexpr int NT = S::NT, KSTEPS = S::KSTEPS, KVECS = S::KVECS, VWORDS = S::VWORDS, MT = S::MT, HT = kMmaHeads;
   constexpr int NTHREADS = kDecodeWarps * 32;
   constexpr bool kFp8 = std::is_same_v<C, __nv_fp8_e4m3>;
   static_assert(kFp8 || std::is_same_v<C, T>, "a 16-bit cache holds the query's dtype");
@@ -166,7 +193,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   {   // The first iteration's K and V right away, their block ids straight from the block table
       // (the same loads as locate(0), load_k() and load_v() below).
     wait_for_prerequisite_grids();
-    const int k_lane = g * D + c * (D / 4), v_lane = 2 * c * D + g * VELEMS;
+    const int k_lane = g * D + S::k_first(c), v_lane = 2 * c * D + S::v_first(g);
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int t = start + warp * S::TOK + 8 * n;
@@ -178,7 +205,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const bool ok = blk[n] >= 0 && tb[n] + g < end;
       const C* p = kslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) + k_lane;
 #pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + KVEC * j, ok);
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + S::KSTRIDE * j, ok);
     }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -194,13 +221,13 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
           const uint2 u = load_kv8(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y;
         } else {
-          load_v_row<C, VWORDS>(vr[n][r], p, ok);
+          load_v_row<C, VWORDS, S::VSTRIDE>(vr[n][r], p, ok);
         }
       }
   }
 #endif
 
-  // Query: lane (g, c) takes head g's physical dims c * D/4 .. + D/4 (zeros past the tile's heads),
+  // Query: lane (g, c) takes head g's dims of its K slice (S::k_dim; zeros past the tile's heads),
   // loaded first (in flight with the table's loads below), then times scale_log2 and 2^e (per
   // warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs, into shared memory
   // (s_q[warp][k-step][lane]: conflict-free 8-byte reads, and 16 (D = 128) registers fewer in the
@@ -209,11 +236,11 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   {
     const bool live = g < nheads;
     const T* qp = static_cast<const T*>(a.query) + static_cast<int64_t>(seq) * a.q_stride_seq +
-                  static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head + c * (D / 4);
+                  static_cast<int64_t>(head0 + (live ? g : 0)) * a.q_stride_head;
 #pragma unroll
-    for (int i = 0; i < S::QVECS; ++i) {
+    for (int i = 0; i < S::QVECS; ++i) {   // slice elements 8i .. 8i + 7, where the lane's K has them
       qraw[i] = make_uint4(0, 0, 0, 0);
-      if (live) qraw[i] = *reinterpret_cast<const uint4*>(qp + i * 8);
+      if (live) qraw[i] = *reinterpret_cast<const uint4*>(qp + S::k_dim(c, 8 * i));
     }
   }
 
@@ -259,8 +286,8 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     for (int e = 0; e < 4; ++e) acc[m][e] = 0.f;
   float m_run = -INFINITY, l_run = 0.f;   // head g's running max (quad-uniform) and this lane's part of its sum
 
-  const int k_lane = g * D + c * (D / 4);               // lane's K elements of token g of an n-tile
-  const int v_lane = 2 * c * D + g * VELEMS;            // lane's V elements of token 2c of an n-tile
+  const int k_lane = g * D + S::k_first(c);             // lane's first K element of token g of an n-tile
+  const int v_lane = 2 * c * D + S::v_first(g);         // lane's first V element of token 2c of an n-tile
   const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
   const int warp_tok0 = start + warp * S::TOK;
 
@@ -281,7 +308,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
       const bool ok = blk[n] >= 0 && tb[n] + g < end;
       const C* p = kslab + row_off(n, ok) + k_lane;
 #pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + KVEC * j, ok);
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + S::KSTRIDE * j, ok);
     }
   };
   auto load_v = [&]() {
@@ -298,7 +325,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
           const uint2 u = load_kv8(p, ok);
           vr[n][r][0] = u.x; vr[n][r][1] = u.y;
         } else {
-          load_v_row<C, VWORDS>(vr[n][r], p, ok);
+          load_v_row<C, VWORDS, S::VSTRIDE>(vr[n][r], p, ok);
         }
       }
   };
@@ -408,7 +435,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   float* s_ml = s_acc + kDecodeWarps * HT * D;              // [kDecodeWarps][HT][2]
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
-    const int dim = g * VELEMS + 2 * m;   // row g of m-tile m; row g + 8 is dim + 1
+    const int dim = S::v_dim(g, 2 * m);   // row g of m-tile m (V slice element 2m); row g + 8 is dim + 1
     float* lo = s_acc + (warp * HT + 2 * c) * D + dim;       // head 2c
     float* hi = lo + D;                                      // head 2c + 1
     lo[0] = acc[m][0];
