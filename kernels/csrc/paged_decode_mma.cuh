@@ -106,11 +106,29 @@ struct MmaShape {
   static constexpr int VSTRIDE = FULL ? 8 * VCHUNK : VCHUNK;          // ... and V chunks
   // The first element of lane c's K slice, and the row element holding its slice element e (the
   // query's loads follow it).
-  __device__ static int k_first(int c) { return FULL ? c * KVEC : c * (D / 4); }
-  __device__ static int k_dim(int c, int e) { return k_first(c) + e / KVEC * KSTRIDE + e % KVEC; }
+  __host__ __device__ static constexpr int k_first(int c) { return FULL ? c * KVEC : c * (D / 4); }
+  __host__ __device__ static constexpr int k_dim(int c, int e) { return k_first(c) + e / KVEC * KSTRIDE + e % KVEC; }
   // The same for lane g's V slice (the output's dims follow it).
-  __device__ static int v_first(int g) { return FULL ? g * VCHUNK : g * VELEMS; }
-  __device__ static int v_dim(int g, int e) { return v_first(g) + e / VCHUNK * VSTRIDE + e % VCHUNK; }
+  __host__ __device__ static constexpr int v_first(int g) { return FULL ? g * VCHUNK : g * VELEMS; }
+  __host__ __device__ static constexpr int v_dim(int g, int e) { return v_first(g) + e / VCHUNK * VSTRIDE + e % VCHUNK; }
+  // Whether the 4 lanes' K slices (and the 8 lanes' V slices) of a row hold each of its D elements
+  // exactly once, each 16-byte chunk whole (checked at compile time in decode_item_mma).
+  __host__ __device__ static constexpr bool slices_tile_the_row() {
+    bool k_seen[D] = {}, v_seen[D] = {};
+    for (int c = 0; c < 4; ++c)
+      for (int e = 0; e < D / 4; ++e) {
+        const int d = k_dim(c, e);
+        if (d < 0 || d >= D || k_seen[d] || (e % KVEC == 0 && d % KVEC != 0)) return false;
+        k_seen[d] = true;
+      }
+    for (int g = 0; g < 8; ++g)
+      for (int e = 0; e < VELEMS; ++e) {
+        const int d = v_dim(g, e);
+        if (d < 0 || d >= D || v_seen[d] || (e % VCHUNK == 0 && d % VCHUNK != 0)) return false;
+        v_seen[d] = true;
+      }
+    return true;
+  }
 };
 
 // Shared memory of the query fragments (before the table slice / merge area of decode_merge_smem_bytes<D, kMmaHeads>()).
@@ -163,6 +181,7 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   constexpr int NTHREADS = kDecodeWarps * 32;
   constexpr bool kFp8 = std::is_same_v<C, __nv_fp8_e4m3>;
   static_assert(kFp8 || std::is_same_v<C, T>, "a 16-bit cache holds the query's dtype");
+  static_assert(S::slices_tile_the_row(), "the lanes' K and V chunks cover every row element once");
   int* s_table = reinterpret_cast<int*>(smem + decode_mma_q_bytes<D>());   // after the query fragments
 
   // Laundered through empty asm: nothing derived from them is hoisted out of the work-list loop
