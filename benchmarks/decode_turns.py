@@ -126,7 +126,7 @@ def main() -> None:
                   f"{c.step.geometry.workers}), largest row error against the default {err:.1e}")
 
         if args.bars:
-            runs["contiguous"] = bench.contiguous_loads(c.nbytes)
+            runs["contiguous"] = bench.contiguous_loads(torch.randn(c.nbytes // 2, dtype=torch.bfloat16, device="cuda"))
             runs["paged"] = bench.paged_loads(c.k, c.v, c.tables)
             runs["paged, heads last"] = bench.paged_loads(c.k, c.v, c.tables, heads_first=False)
             runs["streamed"] = bench.streamed_loads(c.k, c.v, c.tables)

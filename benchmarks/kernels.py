@@ -606,16 +606,16 @@ def streamed_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, heads
                                                G=heads, PAGES=pages, PAGE=k32.shape[2] * k32.shape[3])
 
 
-def contiguous_loads(nbytes: int, device: str = "cuda"):
-    """The Triton loads-only read of ``nbytes`` (a multiple of 64 KiB) in one buffer, as a function of
-    no arguments (None without Triton)."""
+def contiguous_loads(x: torch.Tensor):
+    """The Triton loads-only read of contiguous ``x`` (its bytes a multiple of 64 KiB), each program
+    XORing 64 KiB into one word, as a function of no arguments (None without Triton)."""
     if triton is None:
         return None
     block, steps = 2048, 8   # int32 words per load and loads per program: 64 KiB a program
-    if nbytes % (4 * block * steps):
-        raise ValueError(f"contiguous_loads reads 64 KiB a program: {nbytes} bytes is not a multiple")
-    x32 = torch.randint(-2 ** 31, 2 ** 31 - 1, (nbytes // 4,), dtype=torch.int32, device=device)
-    words = torch.empty(nbytes // (4 * block * steps), dtype=torch.int32, device=device)
+    x32 = x.view(-1).view(torch.int32)
+    if x32.numel() % (block * steps):
+        raise ValueError(f"contiguous_loads reads 64 KiB a program: {x32.numel() * 4} bytes is not a multiple")
+    words = torch.empty(x32.numel() // (block * steps), dtype=torch.int32, device=x.device)
     return lambda: _read_kernel[(words.numel(),)](x32, words, x32.numel(), BLOCK=block, STEPS=steps)
 
 
@@ -628,18 +628,12 @@ def bench_small_reads(ceiling: float) -> None:
     print("\nplain reads and copies of N MiB (us and % of the copy ceiling; sum and loads: N read, copy: N read + "
           "N written; w: write flush, c: clean):")
     print(f"{'MiB':>5} | {'sum w':>16} {'sum c':>16} | {'loads w':>16} {'loads c':>16} | {'copy w':>16} {'copy c':>16}")
-    block, steps = 2048, 8   # int32 words per load and loads per Triton program: 64 KiB a program
     for mib in SMALL_READ_MIB:
         x = torch.randn(mib << 19, dtype=torch.bfloat16, device="cuda")   # 2 bytes each
         y = torch.empty_like(x)
-        x32, words = x.view(torch.int32), torch.empty(mib << 4, dtype=torch.int32, device="cuda")
-
-        def loads():
-            _read_kernel[(mib << 4,)](x32, words, x32.numel(), BLOCK=block, STEPS=steps)
-
         cells = []
         for fn, nbytes in ((lambda: x.sum(dtype=torch.float32), mib << 20),
-                           (loads if triton is not None else None, mib << 20),
+                           (contiguous_loads(x), mib << 20),
                            (lambda: y.copy_(x), 2 * (mib << 20))):
             if fn is None:
                 cells += ["n/a", "n/a"]
@@ -652,7 +646,7 @@ def bench_small_reads(ceiling: float) -> None:
             except Exception as e:
                 cells += [type(e).__name__[:16]] * (2 - len(cells) % 2)
         print(f"{mib:>5} | " + " | ".join(f"{cells[i]:>16} {cells[i + 1]:>16}" for i in (0, 2, 4)))
-        del x, y, x32, words
+        del x, y
 
 
 PLAN_ONCE_CONFIGS = [(8, 512), (32, 2048), (128, 2048)]
