@@ -28,11 +28,14 @@ PLAN_TIMEOUT = 2.0
 # load, a block every 4 tokens) never run the pool dry on a fast machine: the test is about
 # latency, and RESOURCE_EXHAUSTED would fail it (one CI run made 4,023 appends into 1,024 blocks).
 GPU_BLOCKS = 8192
-# p99 of Ping, GetStats, health and heartbeats while the step waits. On a small machine the 64
-# clients alone take the CPUs: with 2 busy cores the same load measured 45-75 ms at p99 with a
-# healthy worker, and 50-120 ms with the rank stuck, so the bound there only tells CPU
-# contention (tens of ms) from waiting behind the stuck plan (PLAN_TIMEOUT, seconds).
-LATENCY_LIMIT = 0.05 if (os.cpu_count() or 1) >= 8 else 0.3
+# p99 of Ping, GetStats, health, heartbeats and appends while the step waits. On a small machine
+# the 64 clients alone take the CPUs: with 2 busy cores the same load measured 45-75 ms at p99 with
+# a healthy worker and 50-120 ms with the rank stuck, and CI (2 cores, another test file running
+# beside this one) saw 306-313 ms for the appends. So the bound there only tells CPU contention
+# from waiting behind the stuck plan: a call queued behind it would wait up to PLAN_TIMEOUT, and
+# the calls of those 2 s, most of the samples, would put the p99 near PLAN_TIMEOUT, far over a
+# quarter of it.
+LATENCY_LIMIT = 0.05 if (os.cpu_count() or 1) >= 8 else PLAN_TIMEOUT / 4
 
 
 class StuckWorker(worker_pb2_grpc.CacheWorkerServicer):
