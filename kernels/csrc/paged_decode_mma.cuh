@@ -73,8 +73,9 @@ namespace kvpager {
 
 constexpr int kMmaHeads = 8;   // query heads of one tensor-core tile (the N of O^T = V^T P^T)
 
-// KVPAGER_DECODE_MMA_FULL_SECTORS=0: a lane's K and V chunks contiguous over 16-bit caches too
-// (MmaShape::FULL), to A/B the whole-sector layout.
+// Where a lane's K and V chunks lie (MmaShape::FULL): KVPAGER_DECODE_MMA_FULL_SECTORS=0 contiguous
+// over every cache (half sectors a load), 1 whole sectors over 16-bit caches, 2 over fp8 caches too
+// (only the K slice at D = 128 differs there), to A/B the layouts.
 #ifndef KVPAGER_DECODE_MMA_FULL_SECTORS
 #define KVPAGER_DECODE_MMA_FULL_SECTORS 1
 #endif
@@ -100,7 +101,7 @@ struct MmaShape {
   // c * D/4 (K) or g * D/8 (V): each instruction then reads half of every sector it touches and
   // the next instruction the other half. On an H200 the half-sector loads read as fast at best
   // but dropped up to 12 points in some turns (docs/performance.md, twenty-second session).
-  static constexpr bool FULL = KVPAGER_DECODE_MMA_FULL_SECTORS != 0 && ES == 2;
+  static constexpr bool FULL = KVPAGER_DECODE_MMA_FULL_SECTORS >= 2 || (KVPAGER_DECODE_MMA_FULL_SECTORS == 1 && ES == 2);
   static constexpr int VCHUNK = VELEMS < 16 / ES ? VELEMS : 16 / ES;   // elements of one V load
   static constexpr int KSTRIDE = FULL ? 4 * KVEC : KVEC;              // elements between a lane's K chunks
   static constexpr int VSTRIDE = FULL ? 8 * VCHUNK : VCHUNK;          // ... and V chunks
