@@ -31,6 +31,9 @@ equal shares of the step's pages, one block an iteration (``streamed, 8 blocks, 
 an iteration, 2 programs an SM).
 ``--streams 3x1,6x1,4x4h2`` adds streamed bars of other shapes: programs an SM x blocks an
 iteration, and ``hG`` to read G heads of each block together (a program per G heads).
+``--fp8`` adds our decode over an e4m3 copy of the same cache (scale 0.05, the planner's work list
+for it), its % of the ceiling counted in fp8 bytes (issue 13's fp8 target), and with ``--bars`` the
+contiguous, paged and streamed bars over as many fp8 bytes and its pages.
 """
 
 from __future__ import annotations
@@ -40,11 +43,21 @@ import argparse
 import kernels as bench  # benchmarks/kernels.py (this script's folder): shapes, flush and timers
 import torch
 
-from kvpager.kernels import cuda, debug
+from kvpager.kernels import cuda, debug, reference
 from kvpager.kernels import decode_plan as work_plan
 
 SHAPES = "8x4096,1x32768,32x2048"
 TURNS = 4
+FP8_SCALE = 0.05
+
+
+def fp8_views(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 copies of layer-0 views ``k``, ``v`` (quantized with FP8_SCALE), as the same views of a
+    block-major fp8 cache of bench.LAYERS layers (the block stride a real cache has)."""
+    cache8 = torch.empty(k.shape[0], bench.LAYERS, 2, *k.shape[1:], dtype=reference.FP8, device=k.device)
+    cache8[:, 0, 0] = bench.quantize_in_chunks(k, FP8_SCALE)
+    cache8[:, 0, 1] = bench.quantize_in_chunks(v, FP8_SCALE)
+    return cache8[:, 0, 0], cache8[:, 0, 1]
 
 
 def main() -> None:
@@ -61,6 +74,8 @@ def main() -> None:
                     "contiguous bytes")
     ap.add_argument("--streams", default="", help="also streamed bars: programs an SM x blocks an iteration[hG], "
                     "comma-separated")
+    ap.add_argument("--fp8", action="store_true", help="also our decode over an e4m3 copy of the cache (%% in fp8 "
+                    "bytes), and with --bars the bars over its bytes")
     args = ap.parse_args()
     ceiling = bench.copy_ceiling()
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -68,6 +83,7 @@ def main() -> None:
         batch, ctx = (int(x) for x in spec.split("x"))
         c = bench.decode_layer(batch, ctx, gen)
         runs = {"ours": c.decode, "SDPA": c.sdpa}
+        sizes = {}   # the bytes a run reads, where not c.nbytes (the fp8 runs)
         scale = c.q.shape[-1] ** -0.5
         geometries = {"": c.step.geometry}
         lens = c.lens.tolist()
@@ -133,6 +149,22 @@ def main() -> None:
             runs["streamed, 8 blocks, 2 an SM"] = bench.streamed_loads(c.k, c.v, c.tables, pages=8, programs_per_sm=2)
             if runs["paged"] is None:
                 raise SystemExit("--bars needs Triton")
+        if args.fp8:
+            k8, v8 = fp8_views(c.k, c.v)
+            geometry8 = cuda.decode_work_geometry(c.q, k8)
+            step8, out8 = bench.work_step(lens, geometry8), torch.empty_like(c.out)
+            runs["ours, fp8"] = lambda: cuda.paged_decode_run(step8, c.q, k8, v8, c.tables, c.lens, scale, out=out8,
+                                                              k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+            base = c.decode().float()
+            err = float(((runs["ours, fp8"]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
+                  f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
+            if args.bars:
+                runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
+                                                                              device="cuda"))
+                runs["fp8 paged"] = bench.paged_loads(k8, v8, c.tables)
+                runs["fp8 streamed"] = bench.streamed_loads(k8, v8, c.tables)
+            sizes.update({name: c.nbytes // 2 for name in runs if name.startswith(("fp8", "ours, fp8"))})
         for spec_s in (x for x in args.streams.split(",") if x):
             per_sm, _, rest = spec_s.partition("x")
             pages, _, heads = rest.partition("h")
@@ -141,8 +173,8 @@ def main() -> None:
             if runs[f"streamed {spec_s}"] is None:
                 raise SystemExit("--streams needs Triton")
 
-        def pct(t):
-            return 100 * c.nbytes / t / ceiling
+        def pct(name, t):
+            return 100 * sizes.get(name, c.nbytes) / t / ceiling
 
         for mode in ("write", "clean"):
             times = {name: [] for name in runs}
@@ -150,7 +182,8 @@ def main() -> None:
                 for name, fn in runs.items():
                     bench.warm_up(fn, 0.1)
                     times[name].append(bench.timed(fn, flush=mode))
-            cells = [f"{name} {min(map(pct, t)):.1f}-{max(map(pct, t)):.1f}%" for name, t in times.items()]
+            cells = [f"{name} {min(pct(name, x) for x in t):.1f}-{max(pct(name, x) for x in t):.1f}%"
+                     for name, t in times.items()]
             ratios = [f"SDPA time / {name} {min(b / a for a, b in zip(t, times['SDPA'])):.3f}-"
                       f"{max(b / a for a, b in zip(t, times['SDPA'])):.3f}"
                       for name, t in times.items() if name != "SDPA"]

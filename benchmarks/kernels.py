@@ -569,7 +569,7 @@ if triton is not None:
 
 def paged_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, pages: int = 8, heads_first: bool = True):
     """A loads-only read of every K and V page a decode over these block tables reads (k, v:
-    [num_blocks, kv_heads, block_size, head_dim] 16-bit views sharing strides; every row of
+    [num_blocks, kv_heads, block_size, head_dim] 16-bit or fp8 views sharing strides; every row of
     ``tables`` read whole): the bar a paged decode's reads can reach, beside the same bytes read
     contiguously. Returns the launch as a function of no arguments (None without Triton)."""
     if triton is None:
