@@ -51,6 +51,12 @@ TURNS = 4
 FP8_SCALE = 0.05
 
 
+def row_error(out: torch.Tensor, base: torch.Tensor) -> float:
+    """The largest relative L2 error of a row (a head's output) of ``out`` against ``base``."""
+    out, base = out.float(), base.float()
+    return float(((out - base).norm(dim=-1) / base.norm(dim=-1)).max())
+
+
 def fp8_views(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 copies of layer-0 views ``k``, ``v`` (quantized with FP8_SCALE), as the same views of a
     block-major fp8 cache of bench.LAYERS layers (the block stride a real cache has)."""
@@ -127,8 +133,7 @@ def main() -> None:
             step = bench.work_step(c.lens.tolist(), geometry)
             out = torch.empty_like(c.out)
             runs[label] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale, out=out)
-            base = c.decode().float()
-            return geometry, float(((runs[label]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            return geometry, row_error(runs[label](), c.decode())
 
         if args.mma:
             other = not c.step.geometry.mma
@@ -155,8 +160,7 @@ def main() -> None:
             step8, out8 = bench.work_step(lens, geometry8), torch.empty_like(c.out)
             runs["ours, fp8"] = lambda: cuda.paged_decode_run(step8, c.q, k8, v8, c.tables, c.lens, scale, out=out8,
                                                               k_scale=FP8_SCALE, v_scale=FP8_SCALE)
-            base = c.decode().float()
-            err = float(((runs["ours, fp8"]().float() - base).norm(dim=-1) / base.norm(dim=-1)).max())
+            err = row_error(runs["ours, fp8"](), c.decode())
             print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
             if args.bars:
