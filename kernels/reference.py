@@ -82,7 +82,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query:            [num_seqs, num_q_heads, head_dim]
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
-    block_tables:     [num_seqs, max_blocks] int32, padded rows
+    block_tables:     [num_seqs, max_blocks] int32, padded rows (entries within a context: block
+                      ids, as in ``paged_prefill_attention``)
     context_lens:     [num_seqs] int32, ragged, each >= 1
     returns           [num_seqs, num_q_heads, head_dim] in query's dtype
 
@@ -106,7 +107,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     query:            [total_query_tokens, num_q_heads, head_dim], sequence after sequence
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (views allowed)
-    block_tables:     [num_seqs, max_blocks] int32, padded rows
+    block_tables:     [num_seqs, max_blocks] int32, padded rows; an entry within a context that is
+                      not a block id (negative or >= num_blocks) is refused with ValueError (the
+                      CUDA kernels never dereference one: decode leaves its tokens out, prefill
+                      reads them as zeros)
     context_lens:     [num_seqs] int32: tokens in cache after the write, the new ones included
     query_start_loc:  [num_seqs + 1] int32 CSR offsets; sequence i's queries are
                       query[query_start_loc[i]:query_start_loc[i + 1]]
@@ -130,15 +134,21 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     q_lens = starts[1:] - starts[:-1]
 
     # One host sync for every data-dependent check and size.
-    first, last, max_ctx, max_q, min_q, too_long = torch.stack(
-        [starts[0], starts[-1], ctx.max(), q_lens.max(), q_lens.min(), (q_lens > ctx).sum()]).tolist()
+    entries = block_tables.to(dev, torch.int64)
+    within = torch.arange(entries.shape[1], device=dev) * block_size < ctx[:, None]    # entries a context covers
+    not_ids = (within & ((entries < 0) | (entries >= k_cache.shape[0]))).sum()
+    first, last, max_ctx, max_q, min_q, too_long, bad_entries = torch.stack(
+        [starts[0], starts[-1], ctx.max(), q_lens.max(), q_lens.min(), (q_lens > ctx).sum(), not_ids]).tolist()
     _check_lengths(first, last, min_q, too_long > 0, max_ctx, num_tokens, block_tables.shape[1] * block_size)
+    if bad_entries:
+        raise ValueError(f"{bad_entries} block_tables entries within their sequences' contexts are not block ids "
+                         f"(negative or >= {k_cache.shape[0]}): a context's every block must be in its table")
     if num_tokens == 0:
         return out
 
     # Gather each sequence's K/V: [num_seqs, num_kv_heads, max_ctx_pad, head_dim].
     n_blocks = ceil_div(max_ctx, block_size)
-    tables = block_tables[:, :n_blocks].to(dev, torch.int64)                         # [S, n_blocks]
+    tables = entries[:, :n_blocks]                                                   # [S, n_blocks]
     used = torch.arange(n_blocks, device=dev) * block_size < ctx[:, None]            # [S, n_blocks]
     tables = torch.where(used, tables, torch.zeros_like(tables))  # padding entries never dereferenced
     acc = torch.promote_types(query.dtype, torch.float32)

@@ -319,6 +319,10 @@ def _decode(**over):
     (lambda: _decode(block_tables=torch.zeros(3, 3, dtype=torch.int32)), "block_tables"),
     (lambda: _decode(context_lens=torch.tensor([3, 25], dtype=torch.int32)), "exceeds"),
     (lambda: _decode(context_lens=torch.tensor([3, 0], dtype=torch.int32)), "more queries than context"),
+    # An entry within a context that is no block of the 4 (past one, PAD_BLOCK-like ids are padding).
+    (lambda: _decode(block_tables=torch.tensor([[-1, 0, 0], [1, 2, 0]], dtype=torch.int32)), "1 block_tables entries"),
+    (lambda: _decode(block_tables=torch.tensor([[0, 9, 9], [1, 4, 9]], dtype=torch.int32),
+                     context_lens=torch.tensor([3, 12], dtype=torch.int32)), r"not block ids \(negative or >= 4\)"),
     (lambda: paged_prefill_attention(torch.zeros(5, 2, 64), *_cache()[1:], torch.zeros(2, 3, dtype=torch.int32),
                                      torch.tensor([3, 5], dtype=torch.int32), torch.tensor([0, 2, 4]), 1.0),
      "query_start_loc"),
