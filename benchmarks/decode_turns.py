@@ -14,8 +14,9 @@ H100, the FMA one beside the tensor-core one it takes on an H200.
 registers a lane; the H100's lists take 2).
 ``--min-item 1024,2048`` adds work lists planned with pieces of at least that many tokens (the
 planner's ``min_item``, by default 256): fewer items than workers where that leaves sequences
-whole; with ``--loads``, that instance's lists too. ``--piece 1024`` adds lists cut into pieces of
-exactly that many tokens (the planner's numpy twin given that size only), likewise.
+whole; with ``--loads``, that instance's lists too, and with ``--fp8`` the fp8 list's. ``--piece
+1024`` adds lists cut into pieces of exactly that many tokens (the planner's numpy twin given that
+size only), likewise.
 ``--prefetch 0,2,4`` runs the default list and those of ``--loads``, ``--min-item`` and ``--piece`` with these L2
 prefetch distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the
 default is 1).
@@ -100,13 +101,17 @@ def main() -> None:
             planned.append((f", {args.loads} loads", cuda.plan_decode_work(lens, geometry_l), geometry_l))
             print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
                   f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
-        for min_item in (int(x) for x in args.min_item.split(",") if x):
-            planned += [(f"{label}, min_item {min_item}", debug.plan_decode_work(lens, g, min_item=min_item), g)
-                        for label, g in geometries.items()]
-        for piece in (int(x) for x in args.piece.split(",") if x):   # the numpy twin, capped and floored at the piece
-            planned += [(f"{label}, pieces of {piece}", work_plan.plan_decode_work(
-                lens, g.workers, piece, g.capacity(batch), min_item=piece, item_cost=g.item_cost), g)
-                for label, g in geometries.items()]
+
+        def variant_lists(g):
+            """(name suffix, host work list) of --min-item and --piece for geometry ``g``."""
+            by_min = [(f", min_item {m}", debug.plan_decode_work(lens, g, min_item=m))
+                      for m in (int(x) for x in args.min_item.split(",") if x)]
+            return by_min + [(f", pieces of {p}", work_plan.plan_decode_work(   # the numpy twin, capped and floored at p
+                lens, g.workers, p, g.capacity(batch), min_item=p, item_cost=g.item_cost))
+                for p in (int(x) for x in args.piece.split(",") if x)]
+
+        for label, g in list(geometries.items()):
+            planned += [(label + suffix, host, g) for suffix, host in variant_lists(g)]
         lists = {"": c.step}   # the work lists --prefetch runs: the default one and the planned ones
         for suffix, host, geometry_m in planned:
             step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
@@ -163,6 +168,13 @@ def main() -> None:
             err = row_error(runs["ours, fp8"](), c.decode())
             print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
+            for suffix, host in variant_lists(geometry8):   # --min-item and --piece over the fp8 cache too
+                step_v, out_v = debug.decode_plan_on("cuda", host, geometry8, batch, num_q_heads=bench.HQ,
+                                                     head_dim=bench.D), torch.empty_like(c.out)
+                runs[f"ours, fp8{suffix}"] = (lambda step_v=step_v, out_v=out_v: cuda.paged_decode_run(
+                    step_v, c.q, k8, v8, c.tables, c.lens, scale, out=out_v, k_scale=FP8_SCALE, v_scale=FP8_SCALE))
+                print(f"{batch} x {ctx}: fp8{suffix}: {host[0]} items of {host[1]} tokens "
+                      f"(default: {int(step8.work[0])} of {int(step8.work[1])})")
             if args.bars:
                 runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
                                                                               device="cuda"))
