@@ -110,17 +110,24 @@ def main() -> None:
                 lens, g.workers, p, g.capacity(batch), min_item=p, item_cost=g.item_cost))
                 for p in (int(x) for x in args.piece.split(",") if x)]
 
+        def list_run(step, k=c.k, v=c.v, kv_scale=1.0):
+            """Our decode over work list ``step`` and the cache (k, v), into its own output."""
+            out = torch.empty_like(c.out)
+            return lambda: cuda.paged_decode_run(step, c.q, k, v, c.tables, c.lens, scale, out=out, k_scale=kv_scale,
+                                                 v_scale=kv_scale)
+
+        def uploaded(label, host, geometry, default):
+            """``host`` (a list planned for ``geometry``) on the device, said beside the ``default`` step's."""
+            print(f"{batch} x {ctx}: {label}: {host[0]} items of {host[1]} tokens "
+                  f"(default: {int(default.work[0])} of {int(default.work[1])})")
+            return debug.decode_plan_on("cuda", host, geometry, batch, num_q_heads=bench.HQ, head_dim=bench.D)
+
         for label, g in list(geometries.items()):
             planned += [(label + suffix, host, g) for suffix, host in variant_lists(g)]
         lists = {"": c.step}   # the work lists --prefetch runs: the default one and the planned ones
         for suffix, host, geometry_m in planned:
-            step_m = debug.decode_plan_on("cuda", host, geometry_m, batch, num_q_heads=bench.HQ, head_dim=bench.D)
-            out_m = torch.empty_like(c.out)
-            runs[f"ours{suffix}"] = (lambda step_m=step_m, out_m=out_m: cuda.paged_decode_run(
-                step_m, c.q, c.k, c.v, c.tables, c.lens, scale, out=out_m))
-            lists[suffix] = step_m
-            print(f"{batch} x {ctx}: {suffix[2:]}: {host[0]} items of {host[1]} tokens "
-                  f"(default: {int(c.step.work[0])} of {int(c.step.work[1])})")
+            lists[suffix] = uploaded(suffix[2:], host, geometry_m, c.step)
+            runs[f"ours{suffix}"] = list_run(lists[suffix])
         for pd in (int(x) for x in args.prefetch.split(",") if x):
             for suffix, step_p in lists.items():
                 pd_out = torch.empty_like(c.out)
@@ -135,9 +142,7 @@ def main() -> None:
             """The work list of instance ``mma``, planned for its own geometry, as run ``label``;
             returns (its geometry, its largest row error against the planner's list)."""
             geometry = debug.decode_work_geometry(c.q, c.k, mma=mma)
-            step = bench.work_step(c.lens.tolist(), geometry)
-            out = torch.empty_like(c.out)
-            runs[label] = lambda: cuda.paged_decode_run(step, c.q, c.k, c.v, c.tables, c.lens, scale, out=out)
+            runs[label] = list_run(bench.work_step(lens, geometry))
             return geometry, row_error(runs[label](), c.decode())
 
         if args.mma:
@@ -162,19 +167,13 @@ def main() -> None:
         if args.fp8:
             k8, v8 = fp8_views(c.k, c.v)
             geometry8 = cuda.decode_work_geometry(c.q, k8)
-            step8, out8 = bench.work_step(lens, geometry8), torch.empty_like(c.out)
-            runs["ours, fp8"] = lambda: cuda.paged_decode_run(step8, c.q, k8, v8, c.tables, c.lens, scale, out=out8,
-                                                              k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+            step8 = bench.work_step(lens, geometry8)
+            runs["ours, fp8"] = list_run(step8, k8, v8, FP8_SCALE)
             err = row_error(runs["ours, fp8"](), c.decode())
             print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
             for suffix, host in variant_lists(geometry8):   # --min-item and --piece over the fp8 cache too
-                step_v, out_v = debug.decode_plan_on("cuda", host, geometry8, batch, num_q_heads=bench.HQ,
-                                                     head_dim=bench.D), torch.empty_like(c.out)
-                runs[f"ours, fp8{suffix}"] = (lambda step_v=step_v, out_v=out_v: cuda.paged_decode_run(
-                    step_v, c.q, k8, v8, c.tables, c.lens, scale, out=out_v, k_scale=FP8_SCALE, v_scale=FP8_SCALE))
-                print(f"{batch} x {ctx}: fp8{suffix}: {host[0]} items of {host[1]} tokens "
-                      f"(default: {int(step8.work[0])} of {int(step8.work[1])})")
+                runs[f"ours, fp8{suffix}"] = list_run(uploaded(f"fp8{suffix}", host, geometry8, step8), k8, v8, FP8_SCALE)
             if args.bars:
                 runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
                                                                               device="cuda"))

@@ -149,8 +149,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     # Gather each sequence's K/V: [num_seqs, num_kv_heads, max_ctx_pad, head_dim].
     n_blocks = ceil_div(max_ctx, block_size)
     tables = entries[:, :n_blocks]                                                   # [S, n_blocks]
-    used = torch.arange(n_blocks, device=dev) * block_size < ctx[:, None]            # [S, n_blocks]
-    tables = torch.where(used, tables, torch.zeros_like(tables))  # padding entries never dereferenced
+    tables = torch.where(within[:, :n_blocks], tables, torch.zeros_like(tables))  # padding entries never dereferenced
     acc = torch.promote_types(query.dtype, torch.float32)
     k_pos = torch.arange(n_blocks * block_size, device=dev)                          # [P]
     in_ctx = k_pos < ctx[:, None]                                                    # [S, P]
