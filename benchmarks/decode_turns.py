@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="batch x context, comma-separated")
     ap.add_argument("--mma", action="store_true", help="also the tensor-core instance over the bf16 cache")
     ap.add_argument("--prefetch", default="", help="also these L2 prefetch distances, comma-separated")
-    ap.add_argument("--loads", type=int, choices=(2, 4), help="also this instance's work list (loads in flight a lane)")
+    ap.add_argument("--loads", type=int, choices=(2, 4), help="also this instance's work list (loads in flight a lane; with --fp8, the fp8 list's too)")
     ap.add_argument("--min-item", default="", help="also work lists with pieces of at least these tokens, comma-separated")
     ap.add_argument("--piece", default="", help="also work lists cut in pieces of exactly these tokens, comma-separated")
     ap.add_argument("--grid", action="store_true", help="also the grid plan")
@@ -174,6 +174,12 @@ def main() -> None:
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
             for suffix, host in variant_lists(geometry8):   # --min-item and --piece over the fp8 cache too
                 runs[f"ours, fp8{suffix}"] = list_run(uploaded(f"fp8{suffix}", host, geometry8, step8), k8, v8, FP8_SCALE)
+            if args.loads:   # the fp8 list of that instance too (tensor cores: 16 or 32 tokens a warp iteration)
+                geometry8_l = debug.decode_work_geometry(c.q, k8, loads=args.loads)
+                step8_l = bench.work_step(lens, geometry8_l)
+                runs[f"ours, fp8, {args.loads} loads"] = list_run(step8_l, k8, v8, FP8_SCALE)
+                print(f"{batch} x {ctx}: the fp8 list has {geometry8.loads} loads and {geometry8.workers} workers a KV "
+                      f"head, the {args.loads}-loads one {geometry8_l.workers}")
             if args.bars:
                 runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
                                                                               device="cuda"))

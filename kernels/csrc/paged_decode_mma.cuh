@@ -15,10 +15,10 @@
 //   S = Q K^T per n-tile: M = query heads (rows 0..7 = the tile's heads, rows 8..15 zero padding),
 //   N = 8 tokens, K = head dims, D / 16 k-steps. The reduction dims are permuted (the sum does not
 //   care, as long as Q and K agree): at k-step s, lane c's logical dims (2c, 2c+1, 2c+8, 2c+9)
-//   are the physical dims c * D/4 + 4s + (0, 1, 2, 3) (MmaShape::k_dim(c, 4s + ...); built with
-//   KVPAGER_DECODE_MMA_FULL_SECTORS=2, at D = 128 the lane's two chunks are the row's chunks c and
-//   4 + c). So lane (g, c) reads D/4 bytes of token g's K row (one or two 16-byte loads,
-//   contiguous by default), and k-step s takes its 32-bit word s: the low
+//   are the physical dims c * D/4 + 4s + (0, 1, 2, 3) (MmaShape::k_dim(c, 4s + ...); by default
+//   (whole sectors), at D = 128 the lane's two chunks are the row's chunks c and 4 + c). So lane
+//   (g, c) reads D/4 bytes of token g's K row (one or two 16-byte loads), and k-step s takes its
+//   32-bit word s: the low
 //   two bytes -> f16x2 -> b0b1, the high two -> b2b3. The Q fragment (a0a1 = Q[g][c*D/4 + 4s +
 //   0..1], a4a5 = ... + 2..3, a2a3 = a6a7 = 0) is converted once per item. The C fragment gives
 //   lane (g, c) the scores of head g for tokens 2c, 2c+1 of the n-tile.
@@ -76,10 +76,10 @@ namespace kvpager {
 constexpr int kMmaHeads = 8;   // query heads of one tensor-core tile (the N of O^T = V^T P^T)
 
 // Where a lane's K and V chunks lie (MmaShape::FULL): KVPAGER_DECODE_MMA_FULL_SECTORS=0 contiguous
-// over every cache (half sectors a load), 1 whole sectors over 16-bit caches, 2 over fp8 caches too
-// (only the K slice at D = 128 differs there), to A/B the layouts.
+// over every cache (half sectors a load), 1 whole sectors over 16-bit caches only, 2 (the default)
+// over fp8 caches too (only the K slice at D = 128 differs there), to A/B the layouts.
 #ifndef KVPAGER_DECODE_MMA_FULL_SECTORS
-#define KVPAGER_DECODE_MMA_FULL_SECTORS 1
+#define KVPAGER_DECODE_MMA_FULL_SECTORS 2
 #endif
 
 template <typename C, int D, int CH>
@@ -96,14 +96,15 @@ struct MmaShape {
   static constexpr int MT = D / 16;             // m-tiles of O^T
   static constexpr int QVECS = D / 4 * 2 / 16;  // 16-byte loads of the lane's D/4 query elements (16-bit)
   static constexpr int STEP = kDecodeWarps * TOK;   // tokens per block iteration
-  // Where a lane's 16-byte chunks lie in its rows. Over a 16-bit cache (KVPAGER_DECODE_MMA_FULL_SECTORS
-  // 1 or 2; over fp8 only with 2), each load instruction of the warp reads whole 32-byte sectors:
-  // lane c's K chunk j is chunk 4j + c of its token row (the row's 4 lanes side by side), lane g's
-  // V chunk j is chunk 8j + g. Otherwise (fp8 by default: whole sectors there are not timed yet)
-  // a lane's chunks are contiguous, from element c * D/4 (K) or g * D/8 (V): each instruction then
-  // reads half of every sector it touches and the next instruction the other half. On an H200
-  // the half-sector loads read as fast at best but dropped up to 12 points in some turns
-  // (docs/performance.md, twenty-second session).
+  // Where a lane's 16-byte chunks lie in its rows. By default (KVPAGER_DECODE_MMA_FULL_SECTORS 2;
+  // 1: 16-bit caches only) each load instruction of the warp reads whole 32-byte sectors: lane c's
+  // K chunk j is chunk 4j + c of its token row (the row's 4 lanes side by side), lane g's V chunk j
+  // is chunk 8j + g. Otherwise a lane's chunks are contiguous, from element c * D/4 (K) or g * D/8
+  // (V): each instruction then reads half of every sector it touches and the next instruction the
+  // other half. On an H200 the half-sector loads over 16-bit caches read as fast at best but
+  // dropped up to 12 points in some turns (twenty-second session); on an H100 over fp8 caches
+  // whole sectors gain 1-2.5 points on steps of at most 64K tokens and tie on larger ones
+  // (docs/performance.md, twenty-fourth session).
   static constexpr bool FULL = KVPAGER_DECODE_MMA_FULL_SECTORS >= 2 || (KVPAGER_DECODE_MMA_FULL_SECTORS == 1 && ES == 2);
   static constexpr int VCHUNK = VELEMS < 16 / ES ? VELEMS : 16 / ES;   // elements of one V load
   static constexpr int KSTRIDE = FULL ? 4 * KVEC : KVEC;              // elements between a lane's K chunks
