@@ -25,6 +25,18 @@ constexpr int kWriteKVThreads = 128;
 constexpr int kCopyThreads = 256;
 constexpr int kCopyUnroll = 4;   // 16-byte vectors in flight per thread
 
+// Token t's cache slot as (block, row in the block); false for a slot outside the cache (a padding
+// token's -1, or any id past the last block): that token is not written.
+template <typename Idx>
+__device__ __forceinline__ bool token_slot(const WriteKVArgs& a, int t, int64_t* blk, int* off) {
+  const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
+  const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
+  if (slot < 0 || slot >= num_slots) return false;
+  *blk = slot / a.block_size;
+  *off = static_cast<int>(slot - *blk * a.block_size);
+  return true;
+}
+
 // grid: (num_tokens, ceil(num_heads * head_dim * elem_size / 16 / kWriteKVThreads));
 // block: kWriteKVThreads threads; thread i moves vector i of the token's [num_heads, head_dim]
 // K and V (consecutive threads, consecutive 16 bytes of one head's row: coalesced).
@@ -34,11 +46,9 @@ __global__ void __launch_bounds__(kWriteKVThreads) write_kv_kernel(const WriteKV
   allow_dependent_launch();   // the decode kernel after it may start (pdl.cuh)
 #endif
   const int t = blockIdx.x;
-  const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
-  const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
-  if (slot < 0 || slot >= num_slots) return;
-  const int64_t blk = slot / a.block_size;
-  const int off = static_cast<int>(slot - blk * a.block_size);
+  int64_t blk;
+  int off;
+  if (!token_slot<Idx>(a, t, &blk, &off)) return;
   const int row_vecs = a.head_dim * a.elem_size / 16;
   const int total = a.num_heads * row_vecs;
   const int64_t es = a.elem_size;
@@ -95,11 +105,9 @@ __global__ void __launch_bounds__(kWriteKVThreads) write_kv_fp8_kernel(const Wri
   allow_dependent_launch();   // the decode kernel after it may start (pdl.cuh)
 #endif
   const int t = blockIdx.x;
-  const int64_t slot = static_cast<int64_t>(static_cast<const Idx*>(a.slot_mapping)[t]);
-  const int64_t num_slots = static_cast<int64_t>(a.num_cache_blocks) * a.block_size;
-  if (slot < 0 || slot >= num_slots) return;
-  const int64_t blk = slot / a.block_size;
-  const int off = static_cast<int>(slot - blk * a.block_size);
+  int64_t blk;
+  int off;
+  if (!token_slot<Idx>(a, t, &blk, &off)) return;
   const int row_chunks = a.head_dim / 8;
   const int total = a.num_heads * row_chunks;
   const TIn* key = static_cast<const TIn*>(a.key);

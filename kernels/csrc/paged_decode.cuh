@@ -44,14 +44,6 @@ namespace kvpager {
 #define KVPAGER_DECODE_WARPS 4
 #endif
 
-// KVPAGER_DECODE_DIRECT_FIRST=1: a work item's first iteration takes its block ids straight from
-// the block table in global memory (validity-checked as the staged slice is) and issues its K and
-// V loads before the slice is staged and the query loaded; later iterations read the staged slice
-// as before. 0 (default): every iteration's block ids come from the staged slice.
-#ifndef KVPAGER_DECODE_DIRECT_FIRST
-#define KVPAGER_DECODE_DIRECT_FIRST 0
-#endif
-
 // KVPAGER_DECODE_STAGE_BATCH: block-table entries a thread reads at once when it stages an item's
 // slice (ItemTable::stage); 1 reads them one at a time, each store waiting on its load (the code
 // before 2026-11-26, fifth session; docs/performance.md has both timed).
@@ -331,12 +323,6 @@ struct ItemTable {
     pd = a.prefetch_steps;
   }
 
-  // Entry i (0 <= i < nblk) read straight from the block table, as stage() stores it.
-  __device__ __forceinline__ int entry(const DecodeArgs& a, int i) const {
-    const int b = trow[i];
-    return b >= 0 && b < a.num_cache_blocks ? b : -1;
-  }
-
   // The slice into s_table (thread tid of NTHREADS), the first iterations' slabs into L2. The
   // caller syncs before anyone reads s_table. A thread's entries are read kStageBatch at a time,
   // all loads issued before the first store waits on one (indices clamped into the slice, so the
@@ -463,30 +449,6 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   bool valid[U];
   int64_t off[U];
   uint4 kr[U][VPL], vr[U][VPL];
-#if KVPAGER_DECODE_DIRECT_FIRST
-  {   // The first iteration's K and V right away, their block ids straight from the block table.
-    wait_for_prerequisite_grids();   // (pdl.cuh: the K/V a write_kv before this launch writes)
-    const C* kb = tbl.kslab + r * VEC;
-    const C* vb = tbl.vslab + r * VEC;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tok = start + warp * S::WARP_TOKENS + grp + u * TPW;
-      bool ok = tok < end;
-      const int blk = ok ? tbl.entry(a, (tok >> log2b) - first_blk) : -1;
-      ok = ok && blk >= 0;
-      valid[u] = ok;
-      off[u] = ok ? static_cast<int64_t>(blk) * a.kv_stride_block + (tok & (a.block_size - 1)) * D : 0;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) kr[u][j] = load_kv16(kb + off[u] + j * LPT * VEC, valid[u]);
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vb + off[u] + j * LPT * VEC, valid[u]);
-  }
-#endif
 
   // Query slice for every head of the tile: its loads issued first, in flight with the table's.
   uint4 qraw[HT][VPL][VEC / QVEC];
@@ -554,7 +516,6 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
     }
   };
 
-#if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
   // Everything above read only what was written before the kernel before this one (pdl.cuh): the
   // K/V (a write_kv launched just before may still be writing them) only from here.
@@ -567,7 +528,6 @@ __device__ __forceinline__ void decode_item(const DecodeArgs& a, unsigned char* 
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int j = 0; j < VPL; ++j) vr[u][j] = load_kv16(vbase + off[u] + j * LPT * VEC, valid[u]);
-#endif
 
   for (int it = 0; it < n_iter; ++it) {
     tbl.prefetch_ahead(a, s_table, it, tid);

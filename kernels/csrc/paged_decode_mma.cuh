@@ -213,43 +213,6 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   int tb[NT], blk[NT];
   uint4 kr[NT][KVECS];
   uint32_t vr[NT][2][VWORDS];
-#if KVPAGER_DECODE_DIRECT_FIRST
-  {   // The first iteration's K and V right away, their block ids straight from the block table
-      // (the same loads as locate(0), load_k() and load_v() below).
-    wait_for_prerequisite_grids();
-    const int k_lane = g * D + S::k_first(c), v_lane = 2 * c * D + S::v_first(g);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int t = start + warp * S::TOK + 8 * n;
-      tb[n] = t;
-      blk[n] = t < end ? tbl.entry(a, (t >> log2b) - first_blk) : -1;
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const bool ok = blk[n] >= 0 && tb[n] + g < end;
-      const C* p = kslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) + k_lane;
-#pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + S::KSTRIDE * j, ok);
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const bool ok = blk[n] >= 0 && tb[n] + 2 * c + r < end;
-        const C* p = vslab + (ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0) +
-                     v_lane + r * D;
-        if constexpr (VWORDS == 4) {
-          const uint4 u = load_kv16(p, ok);
-          vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
-        } else if constexpr (VWORDS == 2) {
-          const uint2 u = load_kv8(p, ok);
-          vr[n][r][0] = u.x; vr[n][r][1] = u.y;
-        } else {
-          load_v_row<C, VWORDS, S::VSTRIDE>(vr[n][r], p, ok);
-        }
-      }
-  }
-#endif
 
   // Query: lane (g, c) takes head g's dims of its K slice (S::k_dim; zeros past the tile's heads),
   // loaded first (in flight with the table's loads below), then times scale_log2 and 2^e (per
@@ -353,12 +316,10 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
         }
       }
   };
-#if !KVPAGER_DECODE_DIRECT_FIRST
   locate(0);
   wait_for_prerequisite_grids();   // the K/V only from here (pdl.cuh; paged_decode.cuh decode_item)
   load_k();
   load_v();
-#endif
 
   for (int it = 0; it < n_iter; ++it) {
     tbl.prefetch_ahead(a, s_table, it, tid);   // L2: blocks of iteration it + a.prefetch_steps
