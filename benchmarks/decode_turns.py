@@ -11,7 +11,8 @@ the decode's merge is a programmatic dependent launch, so kernels.kernel_time do
 for that instance's geometry): the tensor-core one beside the FMA one the planner takes on an
 H100, the FMA one beside the tensor-core one it takes on an H200.
 ``--loads 4`` (or 2) adds the FMA work list of that instance (4: 3 blocks an SM, twice the K/V in
-registers a lane; the H100's lists take 2).
+registers a lane; the H100's lists take 2); with ``--fp8``, the fp8 (tensor-core) list of that
+instance too (4: 32 tokens a warp iteration, 3 blocks an SM; the planner takes 2).
 ``--min-item 1024,2048`` adds work lists planned with pieces of at least that many tokens (the
 planner's ``min_item``, by default 256): fewer items than workers where that leaves sequences
 whole; with ``--loads``, that instance's lists too, and with ``--fp8`` the fp8 list's. ``--piece
