@@ -93,15 +93,7 @@ def main() -> None:
         runs = {"ours": c.decode, "SDPA": c.sdpa}
         sizes = {}   # the bytes a run reads, where not c.nbytes (the fp8 runs)
         scale = c.q.shape[-1] ** -0.5
-        geometries = {"": c.step.geometry}
         lens = c.lens.tolist()
-        planned = []   # (name suffix, host work list, geometry) of --loads, --min-item and --piece
-        if args.loads:
-            geometry_l = debug.decode_work_geometry(c.q, c.k, loads=args.loads)
-            geometries[f", {args.loads} loads"] = geometry_l
-            planned.append((f", {args.loads} loads", cuda.plan_decode_work(lens, geometry_l), geometry_l))
-            print(f"{batch} x {ctx}: the default work list has {c.step.geometry.loads} loads and "
-                  f"{c.step.geometry.workers} workers a KV head, the {args.loads}-loads one {geometry_l.workers}")
 
         def variant_lists(g):
             """(name suffix, host work list) of --min-item and --piece for geometry ``g``."""
@@ -110,6 +102,21 @@ def main() -> None:
             return by_min + [(f", pieces of {p}", work_plan.plan_decode_work(   # the numpy twin, capped and floored at p
                 lens, g.workers, p, g.capacity(batch), min_item=p, item_cost=g.item_cost))
                 for p in (int(x) for x in args.piece.split(",") if x)]
+
+        def planned_lists(k, default):
+            """(name suffix, host work list, geometry) over cache ``k`` beside the planner's list of
+            geometry ``default``: --loads' instance, then --min-item and --piece for both geometries."""
+            geometries = {"": default}
+            planned = []
+            if args.loads:
+                g = debug.decode_work_geometry(c.q, k, loads=args.loads)
+                geometries[f", {args.loads} loads"] = g
+                planned.append((f", {args.loads} loads", cuda.plan_decode_work(lens, g), g))
+                print(f"{batch} x {ctx}: the {k.dtype} cache's default list has {default.loads} loads and "
+                      f"{default.workers} workers a KV head, the {args.loads}-loads one {g.workers}")
+            for label, g in geometries.items():
+                planned += [(label + suffix, host, g) for suffix, host in variant_lists(g)]
+            return planned
 
         def list_run(step, k=c.k, v=c.v, kv_scale=1.0):
             """Our decode over work list ``step`` and the cache (k, v), into its own output."""
@@ -123,10 +130,8 @@ def main() -> None:
                   f"(default: {int(default.work[0])} of {int(default.work[1])})")
             return debug.decode_plan_on("cuda", host, geometry, batch, num_q_heads=bench.HQ, head_dim=bench.D)
 
-        for label, g in list(geometries.items()):
-            planned += [(label + suffix, host, g) for suffix, host in variant_lists(g)]
         lists = {"": c.step}   # the work lists --prefetch runs: the default one and the planned ones
-        for suffix, host, geometry_m in planned:
+        for suffix, host, geometry_m in planned_lists(c.k, c.step.geometry):
             lists[suffix] = uploaded(suffix[2:], host, geometry_m, c.step)
             runs[f"ours{suffix}"] = list_run(lists[suffix])
         for pd in (int(x) for x in args.prefetch.split(",") if x):
@@ -173,14 +178,8 @@ def main() -> None:
             err = row_error(runs["ours, fp8"](), c.decode())
             print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
-            for suffix, host in variant_lists(geometry8):   # --min-item and --piece over the fp8 cache too
-                runs[f"ours, fp8{suffix}"] = list_run(uploaded(f"fp8{suffix}", host, geometry8, step8), k8, v8, FP8_SCALE)
-            if args.loads:   # the fp8 list of that instance too (tensor cores: 16 or 32 tokens a warp iteration)
-                geometry8_l = debug.decode_work_geometry(c.q, k8, loads=args.loads)
-                step8_l = bench.work_step(lens, geometry8_l)
-                runs[f"ours, fp8, {args.loads} loads"] = list_run(step8_l, k8, v8, FP8_SCALE)
-                print(f"{batch} x {ctx}: the fp8 list has {geometry8.loads} loads and {geometry8.workers} workers a KV "
-                      f"head, the {args.loads}-loads one {geometry8_l.workers}")
+            for suffix, host, g in planned_lists(k8, geometry8):   # --loads, --min-item and --piece over fp8 too
+                runs[f"ours, fp8{suffix}"] = list_run(uploaded(f"fp8{suffix}", host, g, step8), k8, v8, FP8_SCALE)
             if args.bars:
                 runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
                                                                               device="cuda"))
