@@ -33,6 +33,8 @@ equal shares of the step's pages, one block an iteration (``streamed, 8 blocks, 
 an iteration, 2 programs an SM).
 ``--streams 3x1,6x1,4x4h2`` adds streamed bars of other shapes: programs an SM x blocks an
 iteration, and ``hG`` to read G heads of each block together (a program per G heads).
+``--evict-first`` (with ``--bars``) adds the contiguous and streamed bars with Triton's evict-first
+load policy, the bars of a build with ``-DKVPAGER_DECODE_KV_EVICT_FIRST=1`` (fp8's too with ``--fp8``).
 ``--fp8`` adds our decode over an e4m3 copy of the same cache (scale 0.05, the planner's work list
 for it), its % of the ceiling counted in fp8 bytes (issue 13's fp8 target), and with ``--bars`` the
 contiguous, paged and streamed bars over as many fp8 bytes and its pages.
@@ -82,6 +84,8 @@ def main() -> None:
                     "contiguous bytes")
     ap.add_argument("--streams", default="", help="also streamed bars: programs an SM x blocks an iteration[hG], "
                     "comma-separated")
+    ap.add_argument("--evict-first", action="store_true", help="with --bars, also the contiguous and streamed "
+                    "bars with evict-first loads")
     ap.add_argument("--fp8", action="store_true", help="also our decode over an e4m3 copy of the cache (%% in fp8 "
                     "bytes), and with --bars the bars over its bytes")
     args = ap.parse_args()
@@ -168,6 +172,10 @@ def main() -> None:
             runs["paged, heads last"] = bench.paged_loads(c.k, c.v, c.tables, heads_first=False)
             runs["streamed"] = bench.streamed_loads(c.k, c.v, c.tables)
             runs["streamed, 8 blocks, 2 an SM"] = bench.streamed_loads(c.k, c.v, c.tables, pages=8, programs_per_sm=2)
+            if args.evict_first:
+                runs["contiguous, evict first"] = bench.contiguous_loads(
+                    torch.randn(c.nbytes // 2, dtype=torch.bfloat16, device="cuda"), evict_first=True)
+                runs["streamed, evict first"] = bench.streamed_loads(c.k, c.v, c.tables, evict_first=True)
             if runs["paged"] is None:
                 raise SystemExit("--bars needs Triton")
         if args.fp8:
@@ -185,6 +193,8 @@ def main() -> None:
                                                                               device="cuda"))
                 runs["fp8 paged"] = bench.paged_loads(k8, v8, c.tables)
                 runs["fp8 streamed"] = bench.streamed_loads(k8, v8, c.tables)
+                if args.evict_first:
+                    runs["fp8 streamed, evict first"] = bench.streamed_loads(k8, v8, c.tables, evict_first=True)
             sizes.update({name: c.nbytes // 2 for name in runs if name.startswith(("fp8", "ours, fp8"))})
         for spec_s in (x for x in args.streams.split(",") if x):
             per_sm, _, rest = spec_s.partition("x")

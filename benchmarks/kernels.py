@@ -520,12 +520,15 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
         start = tl.program_id(0) * BLOCK * STEPS
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for i in tl.static_range(STEPS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
+            if EVICT_FIRST:
+                acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0, eviction_policy="evict_first")
+            else:
+                acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
         tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
     @triton.jit
@@ -550,7 +553,7 @@ if triton is not None:
 
     @triton.jit
     def _streamed_read_kernel(k_ptr, v_ptr, flat_ptr, out_ptr, n_blocks, units, block_stride, head_stride,
-                              G: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr):
+                              G: tl.constexpr, PAGES: tl.constexpr, PAGE: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
         # Persistent program (unit fast, as the decode's grid): worker `program_id // units` streams
         # its equal share of the step's table entries (whole PAGES-entry iterations), reading head
         # group `unit`'s G consecutive heads of PAGES blocks an iteration, XORed into one word.
@@ -563,7 +566,11 @@ if triton is not None:
         for j in range(start, end, PAGES):
             for i in tl.static_range(PAGES):
                 page = tl.load(flat_ptr + j + i).to(tl.int64) * block_stride + unit * G * head_stride + words
-                acc ^= tl.load(k_ptr + page) ^ tl.load(v_ptr + page)
+                if EVICT_FIRST:   # as the decode's K/V loads built with KVPAGER_DECODE_KV_EVICT_FIRST
+                    acc ^= tl.load(k_ptr + page, eviction_policy="evict_first") ^ tl.load(
+                        v_ptr + page, eviction_policy="evict_first")
+                else:
+                    acc ^= tl.load(k_ptr + page) ^ tl.load(v_ptr + page)
         tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
 
@@ -586,11 +593,12 @@ def paged_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, pages: i
 
 
 def streamed_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, heads: int = 1, pages: int = 1,
-                   programs_per_sm: int = 4):
+                   programs_per_sm: int = 4, evict_first: bool = False):
     """A loads-only read of the same pages as ``paged_loads``, by persistent programs laid out as the
     decode's work list (programs_per_sm an SM, KV head groups fastest), each streaming an equal share
     of the step's table entries, ``pages`` blocks an iteration, ``heads`` heads of each block read
-    together. As a function of no arguments (None without Triton)."""
+    together (``evict_first``: the K/V loads with Triton's evict-first policy). As a function of no
+    arguments (None without Triton)."""
     if triton is None:
         return None
     k32, v32 = k.view(torch.int32), v.view(torch.int32)
@@ -603,12 +611,14 @@ def streamed_loads(k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, heads
     grid = (max(1, sms * programs_per_sm // units) * units,)
     words = torch.empty(grid[0], dtype=torch.int32, device=k.device)
     return lambda: _streamed_read_kernel[grid](k32, v32, flat, words, flat.numel(), units, k32.stride(0), k32.stride(1),
-                                               G=heads, PAGES=pages, PAGE=k32.shape[2] * k32.shape[3])
+                                               G=heads, PAGES=pages, PAGE=k32.shape[2] * k32.shape[3],
+                                               EVICT_FIRST=evict_first)
 
 
-def contiguous_loads(x: torch.Tensor):
+def contiguous_loads(x: torch.Tensor, evict_first: bool = False):
     """The Triton loads-only read of contiguous ``x`` (its bytes a multiple of 64 KiB), each program
-    XORing 64 KiB into one word, as a function of no arguments (None without Triton)."""
+    XORing 64 KiB into one word (``evict_first``: loads with Triton's evict-first policy), as a
+    function of no arguments (None without Triton)."""
     if triton is None:
         return None
     block, steps = 2048, 8   # int32 words per load and loads per program: 64 KiB a program
@@ -616,7 +626,8 @@ def contiguous_loads(x: torch.Tensor):
     if x32.numel() % (block * steps):
         raise ValueError(f"contiguous_loads reads 64 KiB a program: {x32.numel() * 4} bytes is not a multiple")
     words = torch.empty(x32.numel() // (block * steps), dtype=torch.int32, device=x.device)
-    return lambda: _read_kernel[(words.numel(),)](x32, words, x32.numel(), BLOCK=block, STEPS=steps)
+    return lambda: _read_kernel[(words.numel(),)](x32, words, x32.numel(), BLOCK=block, STEPS=steps,
+                                                  EVICT_FIRST=evict_first)
 
 
 def bench_small_reads(ceiling: float) -> None:

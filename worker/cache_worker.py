@@ -243,9 +243,9 @@ class CacheWorker:
     def execute_model(self, step: StepInput) -> Optional[torch.Tensor]:
         """Run one step (``kvpager.step``); rank 0 returns, on the CPU, for each sequence that
         computed tokens, its last token's float32 logits ``[S, vocab]`` or, for a greedy step,
-        their argmax ``[S]`` (int64). Raises ValueError for an inconsistent
-        input and PlanNotApplied when the plan the step needs has not been applied here; in
-        both cases nothing ran. ``launch_model`` and ``fetch_output`` are its two halves."""
+        their argmax ``[S]`` (int64). Raises ValueError for an inconsistent input (one naming
+        a block or slot outside the cache included) and PlanNotApplied when the plan the step
+        needs has not been applied here; in both cases nothing ran. ``launch_model`` and ``fetch_output`` are its two halves."""
         ticket = ("execute", next(self._tickets))
         self.launch_model(step, ticket)
         return self.fetch_output(ticket)
@@ -257,6 +257,7 @@ class CacheWorker:
         it. Refuses as ``execute_model`` does, with nothing run and nothing kept."""
         called = time.perf_counter()
         step.check()
+        self.cache.check_step(step)
         metrics = self.metrics
         with self._lock:
             if ticket in self._launched:   # before anything runs: a refusal writes no K/V

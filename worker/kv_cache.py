@@ -25,6 +25,9 @@ On CUDA a plan runs asynchronously on the cache's own swap stream, ordered by ev
 ``execute`` returns once the work is enqueued. The host must call ``synchronize()`` before it
 reads ``swap_space`` itself (tests do); nothing in the serving path reads it from the host. On the
 CPU the plan runs synchronously through the reference.
+
+A model step is checked against the cache before it runs (``check_step``): every block it names
+and every slot it writes must lie in the cache.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvpager.kernels import ops
+from kvpager.step import StepInput
 
 from .block_plan import BlockMoves, BlockPlan
 
@@ -94,6 +99,26 @@ class KVCache:
     @property
     def num_swap_blocks(self) -> int:
         return self.swap_space.shape[0]
+
+    def check_step(self, step: StepInput) -> None:
+        """Raise ValueError naming the first block table entry of ``step`` that is not a block of
+        this cache (padding included: the manager pads rows with block 0) or the first slot it
+        writes outside the cache. The kernels never touch memory outside the cache, but each path
+        would answer such an entry its own way (write_kv drops the token, the decode leaves it
+        out, the prefill reads zeros, the reference raises), so a step naming one is refused
+        whole, before anything runs. O(S * max_blocks + T), in C: numpy's min and max over a
+        packed table, Python's over lists; the position only on refusal."""
+        bad_block = _first_outside(step.block_tables, self.num_blocks)
+        if bad_block is not None:
+            at, block = bad_block
+            raise ValueError(f"step {step.step_id}: block table row {at // max(step.max_blocks, 1)} names block "
+                             f"{block}, not a block of this cache (0 to {self.num_blocks - 1})")
+        num_slots = self.num_blocks * self.spec.block_size
+        bad_slot = _first_outside(step.slot_mapping, num_slots)
+        if bad_slot is not None:
+            at, slot = bad_slot
+            raise ValueError(f"step {step.step_id}: token {at} is written to slot {slot}, outside this cache's "
+                             f"{num_slots} slots (0 to {num_slots - 1})")
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer: two views ``[num_blocks, num_kv_heads, block_size, head_dim]``.
@@ -172,6 +197,22 @@ class KVCache:
                 raise PlanRejected(f"{what}: {side} block {bad[0]} out of range [0, {limit})")
         if len(set(dst)) != len(dst):
             raise PlanRejected(f"{what}: a destination block is written twice")
+
+
+def _first_outside(values: Sequence[int], limit: int) -> Optional[tuple[int, int]]:
+    """(index, value) of the first of ``values`` (a list or an integer array) outside [0, limit),
+    or None. O(n) in C: their min and max, then the position only when one is outside."""
+    if len(values) == 0:
+        return None
+    if isinstance(values, np.ndarray):
+        low, high = int(values.min()), int(values.max())
+    else:
+        low, high = min(values), max(values)
+    if low >= 0 and high < limit:
+        return None
+    array = np.asarray(values, dtype=np.int64)
+    at = int(np.flatnonzero((array < 0) | (array >= limit))[0])
+    return at, int(array[at])
 
 
 def _untimed(kind: str) -> AbstractContextManager:

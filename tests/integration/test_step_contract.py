@@ -11,6 +11,7 @@ undisturbed worker.
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,13 @@ def test_reordered_plans_run_each_step_after_its_own(worker):
     (dict(query_lens=[4], context_lens=[3]), "computes 4 tokens of a 3-token context"),
     (dict(token_ids=[1], positions=[0], slot_mapping=[4], query_lens=[1], context_lens=[0]),
      "computes 1 tokens of a 0-token context"),   # a decode step: past check's fast path
+    # blocks and slots outside the worker's 16 blocks of 4 tokens
+    (dict(block_tables=[1, 16]), r"row 0 names block 16, not a block of this cache \(0 to 15\)"),
+    (dict(block_tables=np.array([1, -3], dtype="<i4")), "row 0 names block -3"),   # a packed table
+    (dict(slot_mapping=[4, 5, 64, 7]), r"token 2 is written to slot 64, outside this cache's 64 slots"),
+    (dict(slot_mapping=[-1, 5, 6, 7]), "token 0 is written to slot -1"),
+    (dict(token_ids=[1, 2], positions=[3, 5], slot_mapping=[7, 9], query_lens=[1, 1], context_lens=[4, 6],
+          block_tables=[1, 0, 2, 99]), "row 1 names block 99"),   # a decode step of two rows
 ])
 def test_inconsistent_step_inputs_are_refused(worker, change, message):
     fields = dict(step_id=1, plan_step_id=0, token_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3],
@@ -104,6 +112,8 @@ def test_inconsistent_step_inputs_are_refused(worker, change, message):
     with pytest.raises(ValueError, match=message):
         worker.execute_model(StepInput(**{**fields, **change}))
     assert torch.equal(worker.cache.blocks, before)
+    logits = worker.execute_model(StepInput(**fields))   # the worker keeps serving
+    assert logits.shape == (1, worker.config.model.vocab_size)
 
 
 def test_fed_back_tokens_equal_sending_them(worker):
