@@ -4,7 +4,12 @@ extension builds, the torch reference everywhere else. Prefill attention on CUDA
 prefixes, many shapes) and gathers K/V for torch SDPA otherwise; decodes riding in the same step
 go to our decode kernel.
 
-Same signatures and semantics as ``kvpager.kernels.reference``.
+Same signatures and semantics as ``kvpager.kernels.reference`` for valid inputs. Block table
+entries within a context must be blocks of the cache, and slots must lie in it: the CUDA kernels
+never touch memory outside the cache, but where the reference raises ValueError on such an entry
+they answer it each their own way (write_kv drops the token, the decode leaves it out, the prefill
+kernel reads zeros; gathering for SDPA would hit a device assert). The worker refuses a step that
+names one before any kernel runs (``worker.kv_cache.KVCache.check_step``).
 """
 
 from __future__ import annotations
