@@ -18,9 +18,10 @@ planner's ``min_item``, by default 256): fewer items than workers where that lea
 whole; with ``--loads``, that instance's lists too, and with ``--fp8`` the fp8 list's. ``--piece
 1024`` adds lists cut into pieces of exactly that many tokens (the planner's numpy twin given that
 size only), likewise.
-``--prefetch 0,2,4`` runs the default list and those of ``--loads``, ``--min-item`` and ``--piece`` with these L2
-prefetch distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the
-default is 1).
+``--prefetch 0,2,4`` runs the default list, those of ``--loads``, ``--min-item`` and ``--piece``, the
+other instances' (``--mma``, ``--bulk``) and the fp8 ones (``--fp8``) with these L2 prefetch
+distances too (block iterations whose K/V slabs go to L2 ahead of their loads; the default is 1,
+0 on the tensor-core instances).
 ``--grid`` adds the grid plan (split count and instance from the table's width).
 ``--bulk`` adds the tensor-core work list whose K/V the copy engine stages in shared memory
 (``mma=2``: Hopper, paged_decode_bulk.cuh), planned for that instance's geometry.
@@ -134,15 +135,12 @@ def main() -> None:
                   f"(default: {int(default.work[0])} of {int(default.work[1])})")
             return debug.decode_plan_on("cuda", host, geometry, batch, num_q_heads=bench.HQ, head_dim=bench.D)
 
-        lists = {"": c.step}   # the work lists --prefetch runs: the default one and the planned ones
+        # The work lists --prefetch runs, (step, k, v, kv_scale) by name suffix: the default one, the
+        # planned ones, the other instances' and the fp8 ones.
+        lists = {"": (c.step, c.k, c.v, 1.0)}
         for suffix, host, geometry_m in planned_lists(c.k, c.step.geometry):
-            lists[suffix] = uploaded(suffix[2:], host, geometry_m, c.step)
-            runs[f"ours{suffix}"] = list_run(lists[suffix])
-        for pd in (int(x) for x in args.prefetch.split(",") if x):
-            for suffix, step_p in lists.items():
-                pd_out = torch.empty_like(c.out)
-                runs[f"ours{suffix}, prefetch {pd}"] = (lambda pd=pd, pd_out=pd_out, step_p=step_p: debug.paged_decode_run(
-                    step_p, c.q, c.k, c.v, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out))
+            lists[suffix] = (uploaded(suffix[2:], host, geometry_m, c.step), c.k, c.v, 1.0)
+            runs[f"ours{suffix}"] = list_run(lists[suffix][0])
         if args.grid:
             grid = cuda.plan_decode_grid(c.q, c.k, c.v, c.tables, c.lens)
             out_g = torch.empty_like(c.out)
@@ -152,7 +150,8 @@ def main() -> None:
             """The work list of instance ``mma``, planned for its own geometry, as run ``label``;
             returns (its geometry, its largest row error against the planner's list)."""
             geometry = debug.decode_work_geometry(c.q, c.k, mma=mma)
-            runs[label] = list_run(bench.work_step(lens, geometry))
+            lists[label[len("ours"):]] = (bench.work_step(lens, geometry), c.k, c.v, 1.0)
+            runs[label] = list_run(lists[label[len("ours"):]][0])
             return geometry, row_error(runs[label](), c.decode())
 
         if args.mma:
@@ -182,12 +181,14 @@ def main() -> None:
             k8, v8 = fp8_views(c.k, c.v)
             geometry8 = cuda.decode_work_geometry(c.q, k8)
             step8 = bench.work_step(lens, geometry8)
+            lists[", fp8"] = (step8, k8, v8, FP8_SCALE)
             runs["ours, fp8"] = list_run(step8, k8, v8, FP8_SCALE)
             err = row_error(runs["ours, fp8"](), c.decode())
             print(f"{batch} x {ctx}: fp8 cache, {'tensor cores' if geometry8.mma else 'FMA'}, {geometry8.workers} "
                   f"workers a KV head; largest row error against the bf16 cache's decode {err:.1e} (quantization)")
             for suffix, host, g in planned_lists(k8, geometry8):   # --loads, --min-item and --piece over fp8 too
-                runs[f"ours, fp8{suffix}"] = list_run(uploaded(f"fp8{suffix}", host, g, step8), k8, v8, FP8_SCALE)
+                lists[f", fp8{suffix}"] = (uploaded(f"fp8{suffix}", host, g, step8), k8, v8, FP8_SCALE)
+                runs[f"ours, fp8{suffix}"] = list_run(*lists[f", fp8{suffix}"])
             if args.bars:
                 runs["fp8 contiguous"] = bench.contiguous_loads(torch.randint(0, 256, (c.nbytes // 2,), dtype=torch.uint8,
                                                                               device="cuda"))
@@ -195,7 +196,14 @@ def main() -> None:
                 runs["fp8 streamed"] = bench.streamed_loads(k8, v8, c.tables)
                 if args.evict_first:
                     runs["fp8 streamed, evict first"] = bench.streamed_loads(k8, v8, c.tables, evict_first=True)
-            sizes.update({name: c.nbytes // 2 for name in runs if name.startswith(("fp8", "ours, fp8"))})
+        for pd in (int(x) for x in args.prefetch.split(",") if x):
+            for suffix, (step_p, k_p, v_p, s_p) in lists.items():
+                pd_out = torch.empty_like(c.out)
+                runs[f"ours{suffix}, prefetch {pd}"] = (
+                    lambda pd=pd, pd_out=pd_out, step_p=step_p, k_p=k_p, v_p=v_p, s_p=s_p: debug.paged_decode_run(
+                        step_p, c.q, k_p, v_p, c.tables, c.lens, scale, prefetch_steps=pd, out=pd_out, k_scale=s_p,
+                        v_scale=s_p))
+        sizes.update({name: c.nbytes // 2 for name in runs if name.startswith(("fp8", "ours, fp8"))})
         for spec_s in (x for x in args.streams.split(",") if x):
             per_sm, _, rest = spec_s.partition("x")
             pages, _, heads = rest.partition("h")
