@@ -566,7 +566,7 @@ if triton is not None:
         for j in range(start, end, PAGES):
             for i in tl.static_range(PAGES):
                 page = tl.load(flat_ptr + j + i).to(tl.int64) * block_stride + unit * G * head_stride + words
-                if EVICT_FIRST:   # as the decode's K/V loads built with KVPAGER_DECODE_KV_EVICT_FIRST
+                if EVICT_FIRST:   # docs/performance.md, "Evict-first K/V loads, measured"
                     acc ^= tl.load(k_ptr + page, eviction_policy="evict_first") ^ tl.load(
                         v_ptr + page, eviction_policy="evict_first")
                 else:

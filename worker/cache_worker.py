@@ -245,7 +245,8 @@ class CacheWorker:
         computed tokens, its last token's float32 logits ``[S, vocab]`` or, for a greedy step,
         their argmax ``[S]`` (int64). Raises ValueError for an inconsistent input (one naming
         a block or slot outside the cache included) and PlanNotApplied when the plan the step
-        needs has not been applied here; in both cases nothing ran. ``launch_model`` and ``fetch_output`` are its two halves."""
+        needs has not been applied here; in both cases nothing ran. ``launch_model`` and
+        ``fetch_output`` are its two halves."""
         ticket = ("execute", next(self._tickets))
         self.launch_model(step, ticket)
         return self.fetch_output(ticket)
