@@ -1,8 +1,11 @@
-"""The worker's cache executes plans in the order that keeps data right, or rejects them whole."""
+"""The worker's cache executes plans in the order that keeps data right, or rejects them whole, and
+refuses model steps that name a block or slot outside it."""
 
+import numpy as np
 import pytest
 import torch
 
+from kvpager.step import StepInput
 from kvpager.worker.block_plan import BlockMoves, BlockPlan
 from kvpager.worker.kv_cache import CacheSpec, KVCache, PlanRejected
 
@@ -52,3 +55,32 @@ def test_bad_plan_is_rejected_whole(plan, message):
     with pytest.raises(PlanRejected, match=message):
         cache.execute(plan)
     assert torch.equal(cache.blocks, blocks) and torch.equal(cache.swap_space, swap)
+
+
+def decode_step(tables, slots) -> StepInput:
+    return StepInput(step_id=3, plan_step_id=0, token_ids=[1] * len(slots), positions=[2] * len(slots),
+                     slot_mapping=slots, query_lens=[1] * len(slots), context_lens=[3] * len(slots),
+                     block_tables=tables, max_blocks=len(tables) // len(slots))
+
+
+@pytest.mark.parametrize("tables", [[0, 5, 5, 1], np.array([0, 5, 5, 1], dtype="<i4"), np.array([0, 5, 5, 1])])
+def test_a_step_inside_the_cache_passes_its_check(tables):
+    fresh_cache().check_step(decode_step(tables, [0, 23]))   # blocks 0-5, slots 0-23: the last of each
+
+
+@pytest.mark.parametrize("tables, slots, message", [
+    ([0, 5, 6, 1], [0, 1], "row 1 names block 6"),
+    (np.array([0, 5, 1, -1], dtype="<i4"), [0, 1], "row 1 names block -1"),   # negative, read as unsigned
+    (np.array([0, -(2**40), 1, 2]), [0, 1], f"row 0 names block {-(2**40)}"),   # int64
+    (np.array([0, 9, 5, 9, 5, 9, 1, 9], dtype="<i4")[::2], [0, 1], None),   # a strided view, inside
+    (np.array([0, 1, 5, 1, 5, 1, 8, 1], dtype="<i4")[::2], [0, 1], "row 1 names block 8"),   # and not
+    ([0, 1, 2, 3], [0, 24], "token 1 is written to slot 24, outside this cache's 24 slots"),
+    ([0, 1, 2, 3], [-2, 3], "token 0 is written to slot -2"),
+])
+def test_a_step_naming_a_block_or_slot_outside_the_cache_is_refused(tables, slots, message):
+    cache = fresh_cache()
+    if message is None:
+        cache.check_step(decode_step(tables, slots))
+        return
+    with pytest.raises(ValueError, match=message):
+        cache.check_step(decode_step(tables, slots))
