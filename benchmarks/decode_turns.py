@@ -35,7 +35,8 @@ an iteration, 2 programs an SM).
 ``--streams 3x1,6x1,4x4h2`` adds streamed bars of other shapes: programs an SM x blocks an
 iteration, and ``hG`` to read G heads of each block together (a program per G heads).
 ``--evict-first`` (with ``--bars``) adds the contiguous and streamed bars with Triton's evict-first
-load policy, the bars of a build with ``-DKVPAGER_DECODE_KV_EVICT_FIRST=1`` (fp8's too with ``--fp8``).
+load policy (fp8's too with ``--fp8``): reads that keep the write flush's dirty lines in the L2, as
+our decode's loads do (docs/performance.md, "Evict-first K/V loads, measured").
 ``--fp8`` adds our decode over an e4m3 copy of the same cache (scale 0.05, the planner's work list
 for it), its % of the ceiling counted in fp8 bytes (issue 13's fp8 target), and with ``--bars`` the
 contiguous, paged and streamed bars over as many fp8 bytes and its pages.
@@ -150,8 +151,9 @@ def main() -> None:
             """The work list of instance ``mma``, planned for its own geometry, as run ``label``;
             returns (its geometry, its largest row error against the planner's list)."""
             geometry = debug.decode_work_geometry(c.q, c.k, mma=mma)
-            lists[label[len("ours"):]] = (bench.work_step(lens, geometry), c.k, c.v, 1.0)
-            runs[label] = list_run(lists[label[len("ours"):]][0])
+            step = bench.work_step(lens, geometry)
+            lists[label[len("ours"):]] = (step, c.k, c.v, 1.0)
+            runs[label] = list_run(step)
             return geometry, row_error(runs[label](), c.decode())
 
         if args.mma:
@@ -166,14 +168,14 @@ def main() -> None:
                   f"{c.step.geometry.workers}), largest row error against the default {err:.1e}")
 
         if args.bars:
-            runs["contiguous"] = bench.contiguous_loads(torch.randn(c.nbytes // 2, dtype=torch.bfloat16, device="cuda"))
+            flat = torch.randn(c.nbytes // 2, dtype=torch.bfloat16, device="cuda")   # as many bytes, contiguous
+            runs["contiguous"] = bench.contiguous_loads(flat)
             runs["paged"] = bench.paged_loads(c.k, c.v, c.tables)
             runs["paged, heads last"] = bench.paged_loads(c.k, c.v, c.tables, heads_first=False)
             runs["streamed"] = bench.streamed_loads(c.k, c.v, c.tables)
             runs["streamed, 8 blocks, 2 an SM"] = bench.streamed_loads(c.k, c.v, c.tables, pages=8, programs_per_sm=2)
             if args.evict_first:
-                runs["contiguous, evict first"] = bench.contiguous_loads(
-                    torch.randn(c.nbytes // 2, dtype=torch.bfloat16, device="cuda"), evict_first=True)
+                runs["contiguous, evict first"] = bench.contiguous_loads(flat, evict_first=True)
                 runs["streamed, evict first"] = bench.streamed_loads(c.k, c.v, c.tables, evict_first=True)
             if runs["paged"] is None:
                 raise SystemExit("--bars needs Triton")

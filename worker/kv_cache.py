@@ -111,7 +111,7 @@ class KVCache:
         bad_block = _first_outside(step.block_tables, self.num_blocks)
         if bad_block is not None:
             at, block = bad_block
-            raise ValueError(f"step {step.step_id}: block table row {at // max(step.max_blocks, 1)} names block "
+            raise ValueError(f"step {step.step_id}: block table row {at // step.max_blocks} names block "
                              f"{block}, not a block of this cache (0 to {self.num_blocks - 1})")
         num_slots = self.num_blocks * self.spec.block_size
         bad_slot = _first_outside(step.slot_mapping, num_slots)
