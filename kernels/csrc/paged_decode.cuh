@@ -244,11 +244,6 @@ constexpr int decode_merge_smem_bytes() {
   return kDecodeWarps * HT * D * 4 + kDecodeWarps * HT * 2 * 4;
 }
 
-// Experiment: item records followed by their first 8 block-table entries (work_item). Not the default.
-#ifndef KVPAGER_DECODE_FIRST_IDS
-#define KVPAGER_DECODE_FIRST_IDS 0
-#endif
-
 // ---------------------------------------------------------------------------------------------
 // A work list as the decode kernels read it (layout: launch.h, DecodeArgs::work).
 // Tokens [start, end) of sequence seq, its piece-th piece (split); its block ids in the table row
@@ -256,10 +251,6 @@ constexpr int decode_merge_smem_bytes() {
 struct WorkItem {
   int seq, piece, start, end;
   int64_t table_stride;
-#if KVPAGER_DECODE_FIRST_IDS
-  int4 ids0, ids1;   // experiment: the item's first 8 table entries, read with its record
-  bool use_ids;      // header[3] == 1: the list carries them (work[-8 (k + 1) ..])
-#endif
 };
 
 // Per sequence of a work list: (first partial row, piece count).
@@ -288,15 +279,6 @@ __device__ __forceinline__ bool work_item(const DecodeArgs& a, int r, int longes
   it->start = it->piece * header.y;
   it->end = max(0, min(rec.y, longest));
   it->table_stride = header.z > 0 ? header.z : a.table_stride;
-#if KVPAGER_DECODE_FIRST_IDS
-  // Experiment (benchmarks/decode_turns.py --first-ids): item k's first 8 table entries lie just
-  // before the list, at work[-8 (k + 1)], read in the same memory latency as its record; used
-  // when header[3] is 1 (a list without them must not be run by this build).
-  const int4* ids = reinterpret_cast<const int4*>(work) - 2 * (k + 1);
-  it->ids0 = ids[0];
-  it->ids1 = ids[1];
-  it->use_ids = header.w == 1;
-#endif
   return true;
 }
 

@@ -214,69 +214,6 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
   uint4 kr[NT][KVECS];
   uint32_t vr[NT][2][VWORDS];
 
-  const int k_lane = g * D + S::k_first(c);             // lane's first K element of token g of an n-tile
-  const int v_lane = 2 * c * D + S::v_first(g);         // lane's first V element of token 2c of an n-tile
-  const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
-  const int warp_tok0 = start + warp * S::TOK;
-
-  auto locate = [&](int it) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int t = warp_tok0 + it * S::STEP + 8 * n;
-      tb[n] = t;
-      blk[n] = t < end ? s_table[(t >> log2b) - first_blk] : -1;
-    }
-  };
-  auto row_off = [&](int n, bool ok) -> int64_t {   // the n-tile's first row, in its block
-    return ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0;
-  };
-  auto load_k = [&]() {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const bool ok = blk[n] >= 0 && tb[n] + g < end;
-      const C* p = kslab + row_off(n, ok) + k_lane;
-#pragma unroll
-      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + S::KSTRIDE * j, ok);
-    }
-  };
-  auto load_v = [&]() {
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const bool ok = blk[n] >= 0 && tb[n] + 2 * c + r < end;
-        const C* p = vslab + row_off(n, ok) + v_lane + r * D;
-        if constexpr (VWORDS == 4) {
-          const uint4 u = load_kv16(p, ok);
-          vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
-        } else if constexpr (VWORDS == 2) {
-          const uint2 u = load_kv8(p, ok);
-          vr[n][r][0] = u.x; vr[n][r][1] = u.y;
-        } else {
-          load_v_row<C, VWORDS, S::VSTRIDE>(vr[n][r], p, ok);
-        }
-      }
-  };
-#if KVPAGER_DECODE_FIRST_IDS
-  // Experiment: the first iteration's K/V straight from the ids read with the item's record, in
-  // flight before the table slice is staged (one memory latency fewer before the first scores).
-  bool loaded_first = false;
-  if (it.use_ids && ((warp_tok0 + 8 * (NT - 1)) >> log2b) - first_blk < 8) {   // the iteration's blocks among the 8
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int t = warp_tok0 + 8 * n, i = (t >> log2b) - first_blk;
-      const int b = i == 0 ? it.ids0.x : i == 1 ? it.ids0.y : i == 2 ? it.ids0.z : i == 3 ? it.ids0.w
-                  : i == 4 ? it.ids1.x : i == 5 ? it.ids1.y : i == 6 ? it.ids1.z : i == 7 ? it.ids1.w : -1;
-      tb[n] = t;
-      blk[n] = t < end && b >= 0 && b < a.num_cache_blocks ? b : -1;
-    }
-    wait_for_prerequisite_grids();
-    load_k();
-    load_v();
-    loaded_first = true;
-  }
-#endif
-
   // Query: lane (g, c) takes head g's dims of its K slice (S::k_dim; zeros past the tile's heads),
   // loaded first (in flight with the table's loads below), then times scale_log2 and 2^e (per
   // warp: the max |q| of the tile in [2^13, 2^14)), as f16 pairs, into shared memory
@@ -336,16 +273,53 @@ __device__ __forceinline__ void decode_item_mma(const DecodeArgs& a, unsigned ch
     for (int e = 0; e < 4; ++e) acc[m][e] = 0.f;
   float m_run = -INFINITY, l_run = 0.f;   // head g's running max (quad-uniform) and this lane's part of its sum
 
-#if KVPAGER_DECODE_FIRST_IDS
-  if (!loaded_first) {
-#endif
+  const int k_lane = g * D + S::k_first(c);             // lane's first K element of token g of an n-tile
+  const int v_lane = 2 * c * D + S::v_first(g);         // lane's first V element of token 2c of an n-tile
+  const int n_iter = end > start ? (end - start + S::STEP - 1) / S::STEP : 0;
+  const int warp_tok0 = start + warp * S::TOK;
+
+  auto locate = [&](int it) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int t = warp_tok0 + it * S::STEP + 8 * n;
+      tb[n] = t;
+      blk[n] = t < end ? s_table[(t >> log2b) - first_blk] : -1;
+    }
+  };
+  auto row_off = [&](int n, bool ok) -> int64_t {   // the n-tile's first row, in its block
+    return ok ? static_cast<int64_t>(blk[n]) * a.kv_stride_block + (tb[n] & (a.block_size - 1)) * D : 0;
+  };
+  auto load_k = [&]() {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const bool ok = blk[n] >= 0 && tb[n] + g < end;
+      const C* p = kslab + row_off(n, ok) + k_lane;
+#pragma unroll
+      for (int j = 0; j < KVECS; ++j) kr[n][j] = load_kv16(p + S::KSTRIDE * j, ok);
+    }
+  };
+  auto load_v = [&]() {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool ok = blk[n] >= 0 && tb[n] + 2 * c + r < end;
+        const C* p = vslab + row_off(n, ok) + v_lane + r * D;
+        if constexpr (VWORDS == 4) {
+          const uint4 u = load_kv16(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y; vr[n][r][2] = u.z; vr[n][r][3] = u.w;
+        } else if constexpr (VWORDS == 2) {
+          const uint2 u = load_kv8(p, ok);
+          vr[n][r][0] = u.x; vr[n][r][1] = u.y;
+        } else {
+          load_v_row<C, VWORDS, S::VSTRIDE>(vr[n][r], p, ok);
+        }
+      }
+  };
   locate(0);
   wait_for_prerequisite_grids();   // the K/V only from here (pdl.cuh; paged_decode.cuh decode_item)
   load_k();
   load_v();
-#if KVPAGER_DECODE_FIRST_IDS
-  }
-#endif
 
   for (int it = 0; it < n_iter; ++it) {
     tbl.prefetch_ahead(a, s_table, it, tid);   // L2: blocks of iteration it + a.prefetch_steps
