@@ -1583,8 +1583,9 @@ def bench_rope(ceiling: float) -> None:
 
 def smoke() -> None:
     """Each kernel once on small inputs (split and unsplit decode with 2 and 4 loads in flight,
-    fp8 decode on tensor cores and FMAs, grid and work list, write_kv, copy_blocks, swaps in every
-    mode)."""
+    work lists of every instance over 16-bit caches (FMA, tensor cores, and on Hopper the one the
+    copy engine stages), fp8 decode on tensor cores and FMAs, grid and work list, write_kv,
+    copy_blocks, swaps in every mode)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     for dtype, d, group in ((torch.bfloat16, 128, 4), (torch.float32, 256, 8), (torch.float16, 64, 3)):
         cache = torch.randn(40, 2, 2, 2, 16, d, dtype=dtype, device="cuda", generator=gen)
@@ -1599,6 +1600,13 @@ def smoke() -> None:
         step = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry, min_item=64), geometry, 3,
                                     num_q_heads=q.shape[1], head_dim=d)
         cuda.paged_decode_run(step, q, k, v, tables, lens, d ** -0.5)
+        if d in (64, 128) and dtype != torch.float32:   # the tensor-core work lists over the 16-bit cache
+            hopper = torch.cuda.get_device_capability() == (9, 0)
+            for mma in (True, 2) if hopper else (True,):   # 2: staged by the copy engine (Hopper)
+                geometry16 = debug.decode_work_geometry(q, k, mma=mma)
+                step16 = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry16, min_item=64),
+                                              geometry16, 3, num_q_heads=q.shape[1], head_dim=d)
+                cuda.paged_decode_run(step16, q, k, v, tables, lens, d ** -0.5)
         if dtype != torch.float32:      # fp8 cache: write (quantizing) and decode
             cache8 = torch.zeros(40, 2, 2, 2, 16, d, dtype=reference.FP8, device="cuda")
             key8 = torch.randn(5, 2, d, dtype=dtype, device="cuda", generator=gen)
