@@ -44,8 +44,7 @@ def cuda_kernels(prof) -> list:
 
 
 def traced(fn, flush: str) -> dict:
-    """fn's calls after the L2 flush, traced and event-timed; medians of lead, span, tail, event and
-    each kernel's duration (us)."""
+    """fn's calls after the L2 flush, traced and event-timed: ``summarize`` of them."""
     with profile(activities=[ProfilerActivity.CUDA]) as flush_only:
         bench.flush_l2(flush)
         torch.cuda.synchronize()
@@ -60,29 +59,38 @@ def traced(fn, flush: str) -> dict:
             fn()
             e.record()
         torch.cuda.synchronize()
-    events = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-    calls, current, last_flush_end = [], None, None
-    for k in cuda_kernels(prof):
-        if k.name in flush_names:
-            if current:
+    kernels = [(k.name, k.time_range.start, k.time_range.end) for k in cuda_kernels(prof)]
+    return summarize(kernels, flush_names, [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
+
+
+def summarize(kernels: list[tuple[str, float, float]], flush_names: set[str], events: list[float]) -> dict:
+    """Medians over the calls of lead, span, tail, event and each kernel's duration (us), from the
+    trace's kernels (name, start, end in us, by start) and the calls' event times: a call is the
+    kernels between two flushes (kernels named in ``flush_names``), its lead from the flush's last
+    kernel end to its first kernel start, its span from there to its last kernel end."""
+    calls, current, flush_end = [], None, None
+    for name, start, end in kernels:
+        if name in flush_names:
+            if current is not None:
                 calls.append(current)
                 current = None
-            last_flush_end = k.time_range.end
-            continue
-        if current is None:
-            current = {"flush_end": last_flush_end, "kernels": []}
-        current["kernels"].append(k)
-    if current:
+            flush_end = end
+        elif flush_end is None:
+            raise ValueError(f"kernel {name} before any flush")
+        else:
+            if current is None:
+                current = (flush_end, [])
+            current[1].append((name, start, end))
+    if current is not None:
         calls.append(current)
-    if len(calls) != CALLS:
-        raise RuntimeError(f"{len(calls)} calls traced, {CALLS} made")
+    if len(calls) != len(events):
+        raise RuntimeError(f"{len(calls)} calls traced, {len(events)} timed")
     leads, spans, durations = [], [], defaultdict(list)
-    for call in calls:
-        ks = call["kernels"]
-        leads.append(ks[0].time_range.start - call["flush_end"])
-        spans.append(max(k.time_range.end for k in ks) - ks[0].time_range.start)
-        for k in ks:
-            durations[k.name].append(k.time_range.end - k.time_range.start)
+    for after, ks in calls:
+        leads.append(ks[0][1] - after)
+        spans.append(max(end for _, _, end in ks) - ks[0][1])
+        for name, start, end in ks:
+            durations[name].append(end - start)
     lead, span, event = statistics.median(leads), statistics.median(spans), statistics.median(events)
     return {"event": event, "lead": lead, "span": span, "tail": event - lead - span,
             "kernels": {name: statistics.median(d) for name, d in durations.items()}}

@@ -1600,9 +1600,9 @@ def smoke() -> None:
         step = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry, min_item=64), geometry, 3,
                                     num_q_heads=q.shape[1], head_dim=d)
         cuda.paged_decode_run(step, q, k, v, tables, lens, d ** -0.5)
-        if d in (64, 128) and dtype != torch.float32:   # the tensor-core work lists over the 16-bit cache
+        if d in (64, 128) and dtype != torch.float32:   # every instance's work list over the 16-bit cache
             hopper = torch.cuda.get_device_capability() == (9, 0)
-            for mma in (True, 2) if hopper else (True,):   # 2: staged by the copy engine (Hopper)
+            for mma in (False, True, 2) if hopper else (False, True):   # 2: staged by the copy engine (Hopper)
                 geometry16 = debug.decode_work_geometry(q, k, mma=mma)
                 step16 = debug.decode_plan_on("cuda", debug.plan_decode_work(lens.tolist(), geometry16, min_item=64),
                                               geometry16, 3, num_q_heads=q.shape[1], head_dim=d)
