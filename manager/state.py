@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol, Sequence as Seq
 
-from .block import CACHED
+from .block import CACHED, USED
 from .block_pool import BlockPool
 from .config import ManagerConfig
 from kvpager.errors import (
@@ -103,9 +103,9 @@ class ManagerState:
         # write-ahead log records it there: later steps may be logged before it finishes).
         self.on_tentative: Optional[Callable[[StepResult], None]] = None
         # Called as admit(what, blocks) by an operation about to take ``blocks`` more GPU blocks
-        # (new ones, or cached ones it revives), before it changes anything, like its check of the
-        # pool's room: the service's per-tenant quota check, set for one step. Raising a
-        # ManagerError refuses the operation. None: no check.
+        # (new ones, or unused ones it revives: CACHED, or HELD since this step released them),
+        # before it changes anything, like its check of the pool's room: the service's per-tenant
+        # quota check, set for one step. Raising a ManagerError refuses the operation. None: no check.
         self.admit: Optional[Callable[[str, int], None]] = None
         # Wraps every step (the write-ahead log records it there: manager/recovery.py); called
         # with the unlogged step function and the step's arguments. None: steps are not logged.
@@ -172,18 +172,21 @@ class ManagerState:
                         f"{self.lost[seq_id]}); free it and compute it again")
 
     def _admit(self, what: str, new: int, hits: Iterable[int]) -> None:
-        """Admission of an allocation or swap-in: ``new`` blocks to take, besides the GPU blocks
-        ``hits`` it shares by prefix (a CACHED one among them is revived, so it counts against the
-        room too). RESOURCE_EXHAUSTED unless they fit above the watermark; then the service's
+        """Admission of an allocation or swap-in: ``new`` blocks to take, besides the distinct GPU
+        blocks ``hits`` it shares by prefix. A hit that is not in use (CACHED, or HELD: released
+        earlier in this step) is revived: it counts against the tenant's quota like a new block,
+        and a CACHED one against the pool's room too (it could have been evicted for a new block).
+        RESOURCE_EXHAUSTED unless the new blocks fit above the watermark; then the service's
         per-tenant quota check (``admit``). O(hits)."""
         gpu = self.gpu
-        available = gpu.num_available - sum(1 for b in hits if gpu.blocks[b].state == CACHED)
+        states = [gpu.blocks[b].state for b in hits]
+        available = gpu.num_available - states.count(CACHED)
         if new > available - self.watermark_blocks:
             raise ResourceExhausted(
                 f"{what}: needs {new} free GPU blocks, {available} are free or evictable and "
                 f"{self.watermark_blocks} are kept in reserve", needed=new, free=available - self.watermark_blocks)
         if self.admit is not None:
-            self.admit(what, new + gpu.num_available - available)
+            self.admit(what, new + len(states) - states.count(USED))
 
     def _get_running(self, seq_id: str, what: str) -> Sequence:
         seq = self._get(seq_id)

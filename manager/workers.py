@@ -73,9 +73,10 @@ class WorkerRegistry:
         if req.tensor_parallel_size < 1 or not 0 <= req.rank < req.tensor_parallel_size:
             raise InvalidArgument(
                 f"register worker: rank {req.rank} must be in [0, tensor_parallel_size={req.tensor_parallel_size})")
-        if req.num_gpu_blocks < 1 or req.num_cpu_blocks < 0:
+        if req.num_gpu_blocks < 2 or req.num_cpu_blocks < 0:   # GPU block 0 is the null block padding names
             raise InvalidArgument(
-                f"register worker: capacity must be >= 1 GPU and >= 0 CPU blocks, got {req.num_gpu_blocks}/{req.num_cpu_blocks}")
+                f"register worker: capacity must be >= 2 GPU blocks (block 0 is reserved) and >= 0 CPU blocks, got "
+                f"{req.num_gpu_blocks}/{req.num_cpu_blocks}")
         if req.block_bytes < 0:
             raise InvalidArgument(f"register worker: block_bytes must be >= 0, got {req.block_bytes}")
         if req.block_size != self.block_size:

@@ -220,6 +220,25 @@ def test_block_quota_refuses_what_would_go_over_it_nothing_applied(tenants):
     clients["b"].allocate("big", num_tokens=40)
 
 
+def test_blocks_freed_earlier_in_a_step_count_against_the_quota_when_a_prefix_revives_them(tenants):
+    # Freed in a Step, a sequence's blocks are HELD until the step ends; a prompt that shares their
+    # prefix revives them, and they count against the quota as new blocks do.
+    clients, _ = tenants
+    q = clients["q"]
+    prompt = list(range(200, 212))  # 3 full blocks: the whole quota
+    q.allocate("s1", token_ids=prompt)
+    step = q.step([C.free_op("s1"), C.allocate_op("s2", token_ids=prompt + [7, 7, 7, 7])])  # 3 revived + 1 new
+    assert step.results[0].code == 0
+    code, message = C.result_error(step.results[1]).code, str(C.result_error(step.results[1]))
+    assert code == "RESOURCE_EXHAUSTED" and "needs 4 more GPU blocks" in message and "quota of 3" in message
+    assert q.get_stats().tenant.gpu_blocks == 0
+    # Within the quota the revival is welcome: the same prompt again shares every full block but the last.
+    q.allocate("s3", token_ids=prompt)
+    step = q.step([C.free_op("s3"), C.allocate_op("s4", token_ids=prompt)])
+    assert [r.code for r in step.results] == [0, 0]
+    assert q.get_stats().tenant.gpu_blocks == 3
+
+
 def test_without_tokens_every_caller_is_one_tenant_as_before():
     from tests.conftest import running_server
 
