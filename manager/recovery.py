@@ -39,14 +39,13 @@ from .plan import ExecutionPlan, StepResult, TableLayout
 from .request_cache import Answer, RequestCache
 from .snapshot import config_from, manager_state, restore_manager
 from .state import StepFn
-from .wal import CorruptState, StateDir
+from .wal import EXIT_LOG_FAILED, CorruptState, StateDir
 
 if TYPE_CHECKING:
     from .metrics import ManagerMetrics
 
 log = logging.getLogger("kvpager.manager")
 
-EXIT_LOG_FAILED = 75  # the process exits with this when the log cannot be written (nothing unlogged is answered)
 Decision = Optional[tuple[str, str]]  # an admission check's outcome: None (admitted) or (status, message)
 
 
@@ -140,7 +139,7 @@ class Durability:
             opened.append(result.step_id)
             pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
                             _codes(result), decisions))
-            self.commit(sync=False)
+            self.commit()   # synced: its plan goes to the workers next, and its step id must stay spent
 
         m.on_tentative = on_tentative
         try:
@@ -172,12 +171,11 @@ class Durability:
         self._wrap()
         self._pending.append(("event", *what))
 
-    def commit(self, sync: bool = True) -> None:
+    def commit(self) -> None:
         """Write what the current call changed as one record (nothing when it changed nothing).
-        Called under the state lock before the answer is sent (``sync`` False: a tentative step's
-        open record, which is answered only after a later, synced record). A failed write ends the
-        process: the change is applied in memory but could not be made durable, so it must not be
-        answered."""
+        Called under the state lock before the answer is sent (and before a tentative step's plan
+        goes to the workers). A failed write ends the process: the change is applied in memory but
+        could not be made durable, so it must not be answered."""
         self._wrap()
         if not self._pending and not self._request:
             return
@@ -186,7 +184,7 @@ class Durability:
             return
         record = {"changes": list(self._pending), "requests": list(self._request)}
         try:
-            self.dir.append(record, sync)
+            self.dir.append(record)
         except BaseException:
             log.critical("cannot write the state log in %s; stopping (nothing unlogged is answered; a restart "
                          "recovers the logged state)", self.dir.path, exc_info=True)
@@ -194,7 +192,14 @@ class Durability:
         self._pending.clear()
         self._request.clear()
         if self.dir.due() and not (m is not None and m.tentative):  # a snapshot holds no step half done
-            self.snapshot()
+            try:
+                self.snapshot()
+            except OSError:
+                # The change is applied and in the log, so its answer stands; the log keeps growing
+                # until a later snapshot succeeds (wal.py StateDir.snapshot leaves it consistent).
+                self.dir.defer_snapshot()
+                log.warning("state snapshot failed in %s; the log keeps every change, the next snapshot is tried "
+                            "after %d more records", self.dir.path, self.dir.snapshot_records, exc_info=True)
 
     def snapshot(self) -> None:
         started = time.perf_counter()
@@ -323,8 +328,9 @@ class Durability:
 
     def _adopt(self, m: BlockManager) -> BlockManager:
         """The recovered manager under the configuration given now: pool sizes and block size
-        must be the recovered ones (blocks on the workers are addressed by them); the rest
-        (watermark, bounds) follows the flags."""
+        must be the recovered ones (blocks on the workers are addressed by them), and so must
+        prefix caching (the GPU pool keeps or frees released blocks by it); the rest (watermark,
+        bounds) follows the flags."""
         now = self.service.config
         if now.block_size != m.config.block_size:
             raise CorruptState(f"the state in {self.dir.path} has block size {m.config.block_size}; --block-size says "
@@ -335,6 +341,12 @@ class Durability:
                 f"the state in {self.dir.path} has pools of {m.gpu.num_blocks} GPU / {m.cpu.num_blocks} CPU blocks; "
                 f"the flags say {now.num_gpu_blocks} / {now.num_cpu_blocks}. Start with the same sizes (or "
                 "--num-gpu-blocks 0 to keep the recovered ones), or move the directory away")
+        if now.enable_prefix_caching != m.config.enable_prefix_caching:   # the GPU pool was built with it
+            raise CorruptState(
+                f"the state in {self.dir.path} was written with prefix caching "
+                f"{'on' if m.config.enable_prefix_caching else 'off'}; the flags say "
+                f"{'on' if now.enable_prefix_caching else 'off'}. Start with the same setting, or move the directory "
+                "away")
         config = dataclasses.replace(now, num_gpu_blocks=m.gpu.num_blocks, num_cpu_blocks=m.cpu.num_blocks)
         m.config, m.watermark_blocks = config, config.watermark_blocks
         return m

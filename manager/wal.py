@@ -23,6 +23,7 @@ trusted as the manager's own code; never point --state-dir at a directory others
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import pickle
 import struct
@@ -38,6 +39,8 @@ SNAPSHOT = "snapshot"
 FSYNC_MODES = ("always", "batch", "never")
 BATCH_INTERVAL = 0.01  # seconds between fsyncs in --fsync batch
 MAX_RECORD = 1 << 30
+EXIT_LOG_FAILED = 75  # the process exits with this when the log cannot be written (nothing unlogged is answered)
+log = logging.getLogger("kvpager.manager")
 
 
 class CorruptState(Exception):
@@ -78,6 +81,13 @@ def read_records(path: str, last: bool) -> tuple[list[Any], int, Optional[str]]:
             end = pos + _HEADER.size + length
             if length > MAX_RECORD or end > n:
                 problem = f"a record of {length} bytes cut short at {n - pos - _HEADER.size}"
+                later = _next_good_record(data, pos + 1)
+                if later is not None:  # a damaged length, not a torn tail: good records follow
+                    raise CorruptState(
+                        f"{path}: {problem} at offset {pos}, yet a good record starts at offset {later}: the "
+                        "record's length is damaged and the log is corrupt before its last record; refusing to "
+                        "start (acknowledged changes would be lost). Restore the state directory from a backup, "
+                        "or move it away to start empty")
             elif zlib.crc32(data[pos + _HEADER.size:end], zlib.crc32(data[pos:pos + 4])) != crc:
                 problem = "a record whose CRC does not match"
                 if end < n and any(data[end:]):  # good data follows: the damage is not a torn tail
@@ -102,6 +112,21 @@ def read_records(path: str, last: bool) -> tuple[list[Any], int, Optional[str]]:
 
 def _torn_zeros(data: bytes, pos: int) -> bool:
     return not any(data[pos:])
+
+
+def _next_good_record(data: bytes, start: int) -> Optional[int]:
+    """The first offset at or after ``start`` where a whole record with a matching CRC lies, if
+    any. A torn last record is the log's last bytes, so none follows it; a record whose length
+    field was damaged has its successors after it. Only read after a record found cut short, at
+    recovery; a candidate is checked in O(1) unless its length fits what is left."""
+    n = len(data)
+    for q in range(start, n - _HEADER.size + 1):
+        length, crc = _HEADER.unpack_from(data, q)
+        end = q + _HEADER.size + length
+        if end <= n and zlib.crc32(data[q + _HEADER.size:end], zlib.crc32(data[q:q + 4])) == crc:
+            if length or any(data[q:q + _HEADER.size]):   # a record of zeros is a zero-filled tail
+                return q
+    return None
 
 
 class StateDir:
@@ -129,6 +154,7 @@ class StateDir:
         self.bytes = 0               # its size
         self.records_total = 0       # records appended since start (for stats/tests)
         self.snapshots = 0
+        self._snapshot_after = 0     # records_total before which no snapshot is due (defer_snapshot)
         self._io_lock = threading.Lock()
         self._dirty = False
         self._stop = threading.Event()
@@ -194,17 +220,18 @@ class StateDir:
             self._flusher = threading.Thread(target=self._flush_loop, name="kvpager-wal-flush", daemon=True)
             self._flusher.start()
 
-    def append(self, record: Any, sync: bool = True) -> None:
-        """Append one record (one write; fsync as --fsync says, unless ``sync`` is False: a record
-        that any later one's fsync covers). Raises OSError when the write fails."""
+    def append(self, record: Any) -> None:
+        """Append one record (one write; fsync as --fsync says). Raises OSError when the write fails."""
         data = frame(pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL))
+        if len(data) - _HEADER.size > MAX_RECORD:   # recovery would read it as torn, and drop what follows
+            raise OSError(f"a log record of {len(data) - _HEADER.size} bytes is above the {MAX_RECORD}-byte limit")
         started = time.perf_counter()
         with self._io_lock:
             fd = self._open_fd()
             written = os.write(fd, data)
             if written != len(data):
                 raise OSError(f"short write to the log: {written} of {len(data)} bytes")
-            if self.fsync == "always" and sync:
+            if self.fsync == "always":
                 os.fdatasync(fd)
             else:
                 self._dirty = True
@@ -215,8 +242,14 @@ class StateDir:
             self.on_append(len(data), time.perf_counter() - started)
 
     def due(self) -> bool:
-        """Time for a snapshot (every ``snapshot_records`` records or ``snapshot_bytes`` of log)."""
-        return self.records >= self.snapshot_records or self.bytes >= self.snapshot_bytes
+        """Time for a snapshot (every ``snapshot_records`` records or ``snapshot_bytes`` of log;
+        after a failed one, not before ``snapshot_records`` more records)."""
+        return ((self.records >= self.snapshot_records or self.bytes >= self.snapshot_bytes)
+                and self.records_total >= self._snapshot_after)
+
+    def defer_snapshot(self) -> None:
+        """A snapshot failed (the log is left as it was): try again ``snapshot_records`` records on."""
+        self._snapshot_after = self.records_total + self.snapshot_records
 
     def snapshot(self, state: dict[str, Any]) -> None:
         """Write ``state`` as the snapshot, then start a new segment and delete the old one."""
@@ -233,13 +266,21 @@ class StateDir:
             if self._dirty:
                 os.fdatasync(old_fd)
                 self._dirty = False
-            os.replace(tmp, os.path.join(self.path, SNAPSHOT))
-            _fsync_dir(self.path)
+            # The segment the snapshot names exists before the snapshot does: a failure up to the
+            # rename leaves the old snapshot and segment in use (an empty next segment is harmless).
             old = self.seq
-            self.seq += 1
-            self._open_segment(self.seq)
-            self.records = 0
+            new_fd = os.open(os.path.join(self.path, _segment_name(old + 1)),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                _fsync_dir(self.path)
+                os.replace(tmp, os.path.join(self.path, SNAPSHOT))
+            except BaseException:
+                os.close(new_fd)
+                raise
+            # From here the snapshot names the new segment: later records go there whatever follows.
+            self._fd, self.seq, self.records, self.bytes = new_fd, old + 1, 0, 0
             os.close(old_fd)
+            _fsync_dir(self.path)   # the rename durable before the old segment goes
             os.unlink(os.path.join(self.path, _segment_name(old)))
         self.snapshots += 1
         if self.on_snapshot is not None:
@@ -255,7 +296,13 @@ class StateDir:
         while not self._stop.wait(BATCH_INTERVAL):
             with self._io_lock:
                 if self._dirty and self._fd is not None:
-                    os.fdatasync(self._fd)
+                    try:
+                        os.fdatasync(self._fd)
+                    except OSError:
+                        # What was answered since the last fsync may not be durable: stop, as a
+                        # failed write does (recovery.py commit); a restart recovers what is.
+                        log.critical("cannot fsync the state log in %s; stopping", self.path, exc_info=True)
+                        os._exit(EXIT_LOG_FAILED)
                     self._dirty = False
 
     def close(self) -> None:

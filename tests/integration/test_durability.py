@@ -379,6 +379,99 @@ def test_corrupt_middle_record_refuses_to_start(tmp_path):
     assert "listening" not in out.stdout
 
 
+@pytest.mark.parametrize("byte", [2, 3])   # the length's high bytes: it then points past the file's end
+def test_a_middle_record_with_a_damaged_length_refuses_to_start(tmp_path, byte):
+    d = str(tmp_path)
+    _fill(d)
+    path = _segment(d)
+    second = _last_record_len(path)  # every record of _fill has the same size
+    with open(path, "r+b") as f:
+        f.seek(second + byte)
+        old = f.read(1)
+        f.seek(second + byte)
+        f.write(bytes([old[0] ^ 0x10]))
+    sd = StateDir(d)
+    with pytest.raises(CorruptState, match=f"yet a good record starts at offset {2 * second}"):
+        sd.load()
+    sd.close()
+
+
+def test_a_record_above_the_limit_is_refused_not_written(tmp_path, monkeypatch):
+    from kvpager.manager import wal
+
+    d = str(tmp_path)
+    _fill(d, 2)
+    monkeypatch.setattr(wal, "MAX_RECORD", 64)
+    sd = StateDir(d, "never")
+    sd.load()
+    with pytest.raises(OSError, match="above the 64-byte limit"):
+        sd.append({"changes": [], "requests": [], "pad": bytes(100)})
+    sd.close()
+    monkeypatch.undo()
+    sd = StateDir(d)
+    assert [r["i"] for r in sd.load()[1]] == [0, 1]
+    sd.close()
+
+
+def test_a_snapshot_that_cannot_open_the_next_segment_leaves_the_log_in_use(tmp_path, monkeypatch):
+    """A snapshot failing before its rename keeps the old snapshot and segment: the calls logged
+    after it are recovered, and the failure is not the call's (it is answered, the snapshot is
+    tried again later)."""
+    from kvpager.manager import wal
+
+    d = str(tmp_path / "state")
+    config = ManagerConfig(**POOL, state_dir=d, fsync="never")
+    real_open = os.open
+
+    def no_next_segment(path, *args, **kwargs):
+        if os.path.basename(path) == "wal.00000002":
+            raise OSError(24, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    with serving(config) as (bm, svc):
+        svc.durable.dir.snapshot_records = 2
+        monkeypatch.setattr(wal.os, "open", no_next_segment)
+        bm.allocate("a", token_ids=[1, 2, 3])
+        bm.allocate("b", token_ids=[4, 5, 6])    # the snapshot is due here and fails
+        bm.allocate("c", token_ids=[7, 8, 9])    # not tried again yet
+        assert svc.durable.dir.snapshots == 1     # the one written at start
+        monkeypatch.undo()
+        state = manager_state(svc.manager)
+    with serving(config) as (bm, svc):
+        assert manager_state(svc.manager) == state
+        assert sorted(seq.seq_id for seq in svc.manager.seqs.values()) == ["a", "b", "c"]
+
+
+def test_prefix_caching_must_stay_as_the_state_was_written(tmp_path):
+    d = str(tmp_path / "state")
+    with serving(ManagerConfig(**POOL, state_dir=d, fsync="never")) as (bm, _):
+        bm.allocate("a", token_ids=list(range(9)))
+    from kvpager.manager.service import create_server
+
+    with pytest.raises(CorruptState, match="written with prefix caching on; the flags say off"):
+        create_server(ManagerConfig(**POOL, state_dir=d, fsync="never", enable_prefix_caching=False))
+
+
+def test_a_failed_batch_fsync_stops_the_process(tmp_path):
+    """--fsync batch: the flusher's fdatasync failing ends the process with status 75, as a
+    failed write does (what was answered since the last fsync may not be durable)."""
+    code = f"""
+import os, time
+from kvpager.manager.wal import StateDir
+sd = StateDir({str(tmp_path)!r}, "batch")
+sd.load()
+def broken(fd):
+    raise OSError(5, "Input/output error")
+os.fdatasync = broken
+sd.append({{"changes": [], "requests": []}})
+time.sleep(5)
+print("still running")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 75, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert "cannot fsync the state log" in out.stderr and "still running" not in out.stdout
+
+
 def test_restart_keeps_acknowledged_state_and_request_answers(tmp_path):
     """Snapshots every few records, then recovery from snapshot + log; a retried request after the
     restart gets its first answer; the pool sizes of the state win over a mismatch (refused)."""
