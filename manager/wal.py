@@ -174,8 +174,8 @@ class StateDir:
         if os.path.exists(snap_path):
             with open(snap_path, "rb") as f:
                 head = f.read(len(MAGIC) + 4)
-                if head[:len(MAGIC)] != MAGIC:
-                    raise CorruptState(f"{snap_path} is not a kvpager snapshot (bad magic); refusing to start")
+                if head[:len(MAGIC)] != MAGIC or len(head) < len(MAGIC) + 4:
+                    raise CorruptState(f"{snap_path} is not a kvpager snapshot (bad magic, or cut short); refusing to start")
                 (version,) = struct.unpack("<I", head[len(MAGIC):])
                 if version != VERSION:
                     raise CorruptState(f"{snap_path} has version {version}; this manager reads version {VERSION}")
