@@ -153,7 +153,10 @@ class Durability:
                 # Rolled back (an answer too large, a bug, a refused dispatch), yet its step id
                 # is spent: its plan may have reached some workers. Logged, so that a restarted
                 # manager never gives that id to another step.
-                pending.append(("event", "steps_used", m.steps))
+                # With its operations and failure, so that a restarted manager counts them as
+                # the live one did (operation counts, manager/counts.py).
+                code = status_of(exc) if isinstance(exc, ManagerError) else None
+                pending.append(("event", "steps_used", m.steps, [_plain(op) for op in ops], code))
             raise
         finally:
             m.on_tentative = None
@@ -317,6 +320,9 @@ class Durability:
             m.finish_tentative(step_id, ok, None if code is None else error_for(code, ""))
         elif kind == "event" and change[1] == "steps_used":
             m.steps = max(m.steps, change[2])
+            if len(change) > 3:   # the rolled-back step's operations, each counted failed
+                _, _, _, ops, code = change
+                m.op_counts.record(ops, [], False, None if code is None else error_for(code, ""))
         elif kind == "event" and change[1] == "forget_gpu_contents":
             m.gpu.forget_contents()
         elif kind == "event" and change[1] == "worker_cache":

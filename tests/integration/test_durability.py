@@ -472,6 +472,25 @@ print("still running")
     assert "cannot fsync the state log" in out.stderr and "still running" not in out.stdout
 
 
+def test_a_rolled_back_steps_operations_are_counted_after_a_restart(tmp_path):
+    """A step rolled back after it ran (its answer over max_reply_bytes) counts its operations
+    failed; a restarted manager counts them the same (the log notes them with its step id)."""
+    from kvpager.errors import OutOfRange
+
+    config = ManagerConfig(block_size=1, num_gpu_blocks=4096, num_cpu_blocks=16, max_reply_bytes=1024,
+                           state_dir=str(tmp_path / "state"), fsync="never")
+    with serving(config) as (bm, svc):
+        bm.allocate("a", num_tokens=150)
+        bm.fork("a", "b")
+        bm.fork("a", "c")
+        with pytest.raises(OutOfRange):
+            bm.step([C.append_batch_op(["a", "b", "c"], [1, 1, 1])])   # the answer's tables exceed 1 KiB
+        live = manager_state(svc.manager)
+    assert any(code == "OUT_OF_RANGE" for _, code in svc.manager.op_counts.failed)
+    with serving(config) as (_, svc):
+        assert manager_state(svc.manager) == live
+
+
 def test_restart_keeps_acknowledged_state_and_request_answers(tmp_path):
     """Snapshots every few records, then recovery from snapshot + log; a retried request after the
     restart gets its first answer; the pool sizes of the state win over a mismatch (refused)."""
