@@ -141,7 +141,10 @@ class StateDir:
         self.fsync = fsync
         self.snapshot_records = snapshot_records
         self.snapshot_bytes = snapshot_bytes
+        created = not os.path.isdir(path)
         os.makedirs(path, mode=0o700, exist_ok=True)
+        if created:   # its entry in the parent durable too, before anything in it is acknowledged
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._lock_fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
