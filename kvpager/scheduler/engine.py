@@ -157,7 +157,6 @@ class Scheduler:
         queues.schedule(add, swap_in=not in_flight)
 
         reply = self._step(ops)
-        queues.on_wire.clear()
         del queues.to_free[:freeing]
         if in_flight and _moves_blocks(reply):
             raise RuntimeError(f"step {reply.step_id} moved blocks while step of the previous iteration was in "
@@ -167,7 +166,10 @@ class Scheduler:
             if handler is not None:
                 handler(result, err)
             elif err is not None:
-                raise err  # a fork or free the scheduler believed valid
+                raise err  # a free the scheduler believed valid
+        # Only now: a handler raising (a lost worker's DATA_LOSS) leaves the Step's groups where
+        # the recovery (restart_all) finds them.
+        queues.on_wire.clear()
         return pipeline.compute(reply)
 
     def _preempt_if_short(self) -> None:

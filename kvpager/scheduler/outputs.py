@@ -58,7 +58,8 @@ class OutputCollector:
             seq.finish_reason = "stop"
         elif seq.num_generated == params.max_new_tokens:
             seq.finish_reason = "length"
-        if self.on_token is not None and (seq.num_generated > seq.streamed or seq.finish_reason):
+        if self.on_token is not None and (seq.num_generated > seq.streamed
+                                          or (seq.finish_reason and not seq.finish_streamed)):
             # A restarted request recomputes its tokens (the same ones, greedy or seeded): the
             # stream carries on where it was instead of repeating them.
             self.on_token(group.request.request_id, group.seqs.index(seq), token, seq.finish_reason)

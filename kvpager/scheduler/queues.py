@@ -61,11 +61,13 @@ class RequestQueues:
             generator = None
             if params.temperature > 0:
                 generator = torch.Generator().manual_seed((params.seed or 0) * 1000003 + i)
-            streamed = 0
+            streamed, finish_streamed = 0, False
             if previous is not None:
                 old = previous.seqs[i]
                 streamed = max(old.streamed, old.num_generated)
-            seq = SeqState(seq_id, list(request.prompt), generator=generator, streamed=streamed)
+                finish_streamed = old.finish_streamed or bool(old.finish_reason)
+            seq = SeqState(seq_id, list(request.prompt), generator=generator, streamed=streamed,
+                           finish_streamed=finish_streamed)
             group.seqs.append(seq)
             self.seqs[seq_id] = seq
         for seq in group.seqs:
@@ -93,7 +95,7 @@ class RequestQueues:
             add(C.allocate_op(parent.seq_id, prompt, namespace=group.request.namespace),
                 self._placed(group, self.waiting))
             for child in group.seqs[1:]:
-                add(C.fork_op(parent.seq_id, child.seq_id), None)
+                add(C.fork_op(parent.seq_id, child.seq_id), self._forked(group))
 
     def _swap_in(self, add: AddOperation, room: int) -> int:
         """Swap-ins of the oldest swapped groups that fit in ``room``; the room left."""
@@ -116,6 +118,14 @@ class RequestQueues:
                 raise err
         return handle
 
+    def _forked(self, group: Group) -> ResultHandler:
+        """The handler of a sample's fork from its group's new prompt: NOT_FOUND is expected when
+        the prompt's admission found no room (the group waits again); any other failure raises."""
+        def handle(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
+            if err is not None and not (isinstance(err, errors.NotFound) and group in self.waiting):
+                raise err
+        return handle
+
     def swap_in_fits(self) -> bool:
         """Whether the oldest swapped group has room to come back in this step."""
         return bool(self.swapped) and self.blocks(self.swapped[0]) <= self.room()
@@ -131,18 +141,19 @@ class RequestQueues:
         of ``waiting``, to restart from scratch. Whether it was swapped out (else restarted)."""
         victim = self.running.pop()
         live = victim.unfinished()
-        self.on_wire.append(victim)
+        self.on_wire.append(victim)   # until it is placed again: a Step failing meanwhile finds it there
         reply = send([C.swap_out_op([s.seq_id for s in live])])
-        self.on_wire.clear()
         err = C.result_error(reply.results[0])
         if err is None:
+            self.on_wire.clear()
             self.swapped.append(victim)
             return True
         if not isinstance(err, (errors.ResourceExhausted, errors.OutOfRange)):
             raise err
         finished = [s for s in self.to_free if s in victim.seqs]
-        self.to_free = [s for s in self.to_free if s not in victim.seqs]
         send([C.free_op(s.seq_id) for s in live + finished])  # no CPU room: recompute later
+        self.to_free = [s for s in self.to_free if s not in victim.seqs]
+        self.on_wire.clear()
         self.waiting.appendleft(self.new_group(victim.request, victim))
         return False
 

@@ -58,6 +58,7 @@ class SeqState:
     generator: Optional[torch.Generator] = None
     finish_reason: str = ""    # "" while generating, then "stop" or "length"
     streamed: int = 0          # tokens a restarted request streamed before (not streamed again)
+    finish_streamed: bool = False   # a restarted request streamed this sample's end before
 
     @property
     def next_token(self) -> int:
