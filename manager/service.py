@@ -279,6 +279,8 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
                 admin = identity.role == "admin"
                 usage = tenancy.usage(manager, None if admin else identity.tenant)
                 wire.fill_tenant_stats(reply, usage, self.quotas, identity.tenant, admin)
+                if not admin:   # its own lost sequences only, as its running and swapped ones
+                    reply.lost_sequences = sum(1 for key in manager.lost if tenancy.tenant_of(key) == identity.tenant)
             return reply
 
         return self._call("GetStats", request, context, pb.GetStatsResponse, work)

@@ -220,6 +220,19 @@ def test_block_quota_refuses_what_would_go_over_it_nothing_applied(tenants):
     clients["b"].allocate("big", num_tokens=40)
 
 
+def test_a_scheduler_counts_only_its_own_lost_sequences(tenants):
+    clients, service = tenants
+    clients["a"].allocate("s1", num_tokens=4)
+    clients["a"].allocate("s2", num_tokens=4)
+    clients["b"].allocate("s1", num_tokens=4)
+    with service.lock:
+        service.manager.lose_all(1)   # as when a replaced worker group took every sequence's K/V
+    lost = {name: clients[name].get_stats().lost_sequences for name in ("a", "b", "c", "admin")}
+    assert lost == {"a": 2, "b": 1, "c": 0, "admin": 3}
+    for name, seq in (("a", "s1"), ("a", "s2"), ("b", "s1")):
+        clients[name].free(seq)
+
+
 def test_blocks_freed_earlier_in_a_step_count_against_the_quota_when_a_prefix_revives_them(tenants):
     # Freed in a Step, a sequence's blocks are HELD until the step ends; a prompt that shares their
     # prefix revives them, and they count against the quota as new blocks do.
