@@ -266,8 +266,39 @@ class TLS:
     def load(cls, cert=None, key=None, client_ca=None, ca=None) -> "TLS":
         if (cert is None) != (key is None):
             raise CredentialError("a TLS certificate needs its key and a key its certificate (--tls-cert with --tls-key)")
-        return cls(read_bytes(cert, "TLS certificate"), read_bytes(key, "TLS key"),
-                   read_bytes(client_ca, "client CA"), read_bytes(ca, "CA certificate"))
+        tls = cls(read_bytes(cert, "TLS certificate"), read_bytes(key, "TLS key"),
+                  read_bytes(client_ca, "client CA"), read_bytes(ca, "CA certificate"))
+        tls.check()
+        return tls
+
+    def check(self) -> None:
+        """CredentialError naming what does not load: the certificate with its key (a key of
+        another certificate, or not PEM), or a CA that is not a PEM certificate. Without this
+        gRPC reports such material only as a failed bind, or at the first handshake. The pair is
+        written to a private temporary directory for the ssl module, which reads only files."""
+        import ssl
+        import tempfile
+
+        if self.cert is not None and self.key is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            with tempfile.TemporaryDirectory() as folder:   # 0700
+                paths = []
+                for name, data in (("cert.pem", self.cert), ("key.pem", self.key)):
+                    path = os.path.join(folder, name)
+                    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                        f.write(data)
+                    paths.append(path)
+                try:
+                    context.load_cert_chain(*paths, password=lambda: b"")
+                except ssl.SSLError as err:
+                    raise CredentialError(f"the TLS certificate and key do not load together ({_ssl_reason(err)}): "
+                                          "each must be PEM, and the key the certificate's own, unencrypted") from None
+        for what, pem in (("client CA", self.client_ca), ("CA certificate", self.ca)):
+            if pem is not None:
+                try:
+                    ssl.create_default_context(cadata=pem.decode("ascii"))
+                except (ssl.SSLError, ValueError) as err:   # UnicodeDecodeError is a ValueError
+                    raise CredentialError(f"the {what} is not a PEM certificate ({_ssl_reason(err)})") from None
 
     def __repr__(self) -> str:
         return (f"TLS(cert={'set' if self.cert else 'unset'}, key={'set' if self.key else 'unset'}, "
@@ -278,9 +309,14 @@ class TLS:
         return self.cert is not None
 
 
+def _ssl_reason(err: Exception) -> str:
+    return str(getattr(err, "reason", None) or err)
+
+
 def server_credentials(tls: TLS) -> grpc.ServerCredentials:
     if not tls.serves:
         raise CredentialError("serving TLS needs a certificate and its key")
+    tls.check()
     return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.client_ca,
                                        require_client_auth=tls.client_ca is not None)
 

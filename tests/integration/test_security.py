@@ -242,6 +242,23 @@ def test_the_cli_refuses_to_run_without_credentials_or_insecure():
         assert len(lines) == 1 and "no credentials" in lines[0] and fragment in lines[0] and "--insecure" in lines[0]
 
 
+def test_tls_material_that_does_not_load_is_refused_at_start_in_one_line(pki, tmp_path):
+    server, worker = pki["server"], pki["worker"]
+    bad = {"another certificate's key": auth.TLS(cert=server.cert, key=worker.key),
+           "a certificate that is not PEM": auth.TLS(cert=b"not a certificate", key=server.key),
+           "a client CA that is not PEM": auth.TLS(cert=server.cert, key=server.key, client_ca=b"not a CA")}
+    for what, tls in bad.items():
+        with pytest.raises(auth.CredentialError, match="do not load together|not a PEM certificate"):
+            create_server(ManagerConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8), "127.0.0.1:0", tls=tls)
+    with manager(tls=auth.TLS(cert=server.cert, key=server.key, client_ca=pki["ca"])):   # good material serves
+        pass
+    paths = write(tmp_path, cert=server.cert, key=worker.key)
+    proc = kvpager("manager", "--insecure", "--port", "0", "--tls-cert", paths["cert"], "--tls-key", paths["key"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "do not load together (KEY_VALUES_MISMATCH)" in lines[0]
+
+
 def test_a_secured_manager_process_and_stats(pki, tmp_path):
     files = write(tmp_path, tokens=json.dumps(TOKENS), cert=pki["server"].cert, key=pki["server"].key, ca=pki["ca"],
                   sched=SCHEDULER + "\n", worker=WORKER)
