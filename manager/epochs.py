@@ -7,7 +7,9 @@ comes back with another id restarted and lost its cache, and with one rank's cac
 sequence's K/V is gone (each sequence lives on every tensor-parallel rank): a new epoch begins,
 the manager marks every sequence lost (``BlockManager.lose_all``: operations on them answer
 DATA_LOSS until freed) and forgets the prefix cache. The other ranks of a replaced group, coming
-back with new ids too, join the new epoch without starting another. GetStats shows the epoch.
+back with new ids too, join the new epoch without starting another, unless the manager made
+state since it began (a live sequence, or a cached prefix block: their K/V lives in that rank's
+old cache too), which their return loses: then another epoch begins. GetStats shows the epoch.
 
 A worker that sends no cache id (an older worker) is not tracked: its re-registration only
 clears the prefix cache, as before.
@@ -15,7 +17,16 @@ clears the prefix cache, as before.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
+
+
+def holds_state(manager: Optional["BlockManager"]) -> bool:
+    """Whether the workers' caches hold anything of the manager's: a live sequence (running or
+    swapped) or a cached prefix block. O(1)."""
+    return manager is not None and (len(manager.seqs) > 0 or manager.gpu.num_cached > 0)
 
 
 class WorkerCaches:
@@ -23,12 +34,14 @@ class WorkerCaches:
         self.epoch = 0
         self.ranks: dict[int, tuple[str, int]] = {}  # rank -> (cache id, epoch it was registered in)
 
-    def register(self, rank: int, cache_id: str) -> bool:
-        """Record rank's cache; True when it shows the caches were lost (a new epoch began)."""
+    def register(self, rank: int, cache_id: str, holds_state: bool = False) -> bool:
+        """Record rank's cache; True when it shows the caches were lost (a new epoch began).
+        ``holds_state``: the manager has live sequences or cached prefix blocks, made since the
+        current epoch began if it lost everything then (``lose_all``)."""
         if not cache_id:
             return False
         known = self.ranks.get(rank)
-        lost = known is not None and known[0] != cache_id and known[1] == self.epoch
+        lost = known is not None and known[0] != cache_id and (known[1] == self.epoch or holds_state)
         if lost:
             self.epoch += 1
         self.ranks[rank] = (cache_id, self.epoch)

@@ -33,7 +33,7 @@ from kvpager.errors import Busy, ManagerError, Unavailable
 from kvpager.status import error_for, status_of
 from .block_manager import BlockManager
 from .config import ManagerConfig
-from .epochs import WorkerCaches
+from .epochs import WorkerCaches, holds_state
 from .operations import Operation
 from .plan import ExecutionPlan, StepResult, TableLayout
 from .request_cache import Answer, RequestCache
@@ -326,7 +326,7 @@ class Durability:
         elif kind == "event" and change[1] == "forget_gpu_contents":
             m.gpu.forget_contents()
         elif kind == "event" and change[1] == "worker_cache":
-            if self.service.caches.register(change[2], change[3]):
+            if self.service.caches.register(change[2], change[3], holds_state(m)):
                 m.lose_all(self.service.caches.epoch)
         else:
             raise CorruptState(f"log record {index}: unknown change {kind!r}")

@@ -24,7 +24,7 @@ from kvpager.errors import FailedPrecondition, ManagerError, Unavailable, quote
 from kvpager.v1 import block_manager_pb2 as pb
 from .block_manager import BlockManager
 from .config import ManagerConfig
-from .epochs import WorkerCaches
+from .epochs import WorkerCaches, holds_state
 from .health import HealthService
 from .plan import ExecutionPlan
 from .state_lock import StateLock
@@ -74,7 +74,7 @@ class WorkerRegistration:
             gpu, cpu = self.registry.capacity()
             self.manager = BlockManager(dataclasses.replace(self.config, num_gpu_blocks=gpu, num_cpu_blocks=cpu))
             log.info("pools sized from the workers: %d GPU and %d CPU blocks", gpu, cpu)
-        cache_lost = self.caches.register(record.rank, request.cache_id)  # manager/epochs.py
+        cache_lost = self.caches.register(record.rank, request.cache_id, holds_state(self.manager))  # epochs.py
         if self.durable is not None and request.cache_id:
             self.durable.event("worker_cache", record.rank, request.cache_id)
         manager = self.manager

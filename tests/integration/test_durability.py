@@ -598,6 +598,35 @@ def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
         svc.manager.check_invariants()
 
 
+def test_a_rank_replaced_after_state_was_made_in_the_new_epoch_starts_another(tmp_path):
+    """Rank 0 is replaced (epoch 1), a sequence is made on the group, then rank 1 is replaced too:
+    that sequence's K/V was in rank 1's old cache, so a second epoch begins and it is lost."""
+    from kvpager.errors import DataLoss
+
+    config = ManagerConfig(**POOL, state_dir=str(tmp_path / "state"), worker_heartbeat_timeout=60)
+
+    def register(stub, cache_id, rank):
+        return stub.RegisterWorker(pb.RegisterWorkerRequest(
+            address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
+            block_size=4, block_bytes=1024, cache_id=cache_id))
+
+    with serving(config) as (bm, svc):
+        register(bm.stub, "A0", 0)
+        register(bm.stub, "A1", 1)
+        register(bm.stub, "B0", 0)
+        assert bm.get_stats().epoch == 1
+        bm.allocate("x", token_ids=list(range(12)))
+        register(bm.stub, "B1", 1)
+        s = bm.get_stats()
+        assert (s.epoch, s.lost_sequences, s.running_sequences) == (2, 1, 0)
+        with pytest.raises(DataLoss, match="'x' lost its K/V"):
+            bm.get_block_table("x")
+        svc.manager.check_invariants()
+        state = manager_state(svc.manager)
+    with serving(config) as (bm, svc):   # the log replays the same epochs
+        assert bm.get_stats().epoch == 2 and manager_state(svc.manager) == state
+
+
 def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
     """A rank that comes back with another cache id lost its cache: a new epoch, every sequence
     answers DATA_LOSS (naming it) until freed; the same cache id again (a manager restart, a
