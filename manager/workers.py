@@ -15,6 +15,7 @@ The registry has its own lock, so heartbeats never wait behind a long step.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -158,28 +159,35 @@ class WorkerRegistry:
 
     def execute(self, plan: plan_pb2.ExecutionPlan) -> bool:
         """Send a plan to every rank in parallel; return True when all acknowledged, else raise
-        Unavailable. A plan with nothing to move needs no worker: False, nothing sent."""
+        Unavailable as soon as one rank fails (that rank is dropped, the other calls cancelled).
+        A plan with nothing to move needs no worker: False, nothing sent. The group is read, and
+        the calls made and registered as in flight (``expire`` cancels them), under the
+        registry's lock: a rank dropped meanwhile is missing, not skipped."""
         if not (plan.blocks_to_swap_out.src or plan.blocks_to_swap_in.src or plan.blocks_to_copy.src):
             return False
-        missing = self.missing_ranks()
-        if missing:
-            raise Unavailable(
-                f"step {plan.step_id}: worker rank(s) {missing} of {self.tensor_parallel_size} are not registered "
-                "(dead or not started); the step was not applied")
         request = worker_pb2.ExecutePlanRequest(plan=plan)
-        calls = [(w, w.stub.ExecutePlan.future(request, timeout=self.plan_timeout)) for w in self.workers()]
         with self._lock:
+            size = self.tensor_parallel_size
+            missing = [r for r in range(size) if r not in self._by_rank] if size is not None else []
+            if missing:
+                raise Unavailable(
+                    f"step {plan.step_id}: worker rank(s) {missing} of {size} are not registered (dead or not "
+                    "started); the step was not applied")
+            calls = [(w, w.stub.ExecutePlan.future(request, timeout=self.plan_timeout))
+                     for w in (self._by_rank[r] for r in sorted(self._by_rank))]
             for worker, call in calls:
                 self._inflight.setdefault(worker.worker_id, set()).add(call)
-        failures = []
+        done: queue.SimpleQueue[tuple[WorkerRecord, grpc.Future]] = queue.SimpleQueue()
+        for worker, call in calls:
+            call.add_done_callback(lambda call, worker=worker: done.put((worker, call)))
+        failure = None
         try:
-            for worker, call in calls:
-                try:
-                    call.result()
-                except grpc.RpcError as exc:
-                    failures.append((worker, f"{exc.code().name}: {exc.details()}"))
-                except grpc.FutureCancelledError:
-                    failures.append((worker, "dropped: it missed its heartbeats"))
+            for _ in calls:   # in the order they finish: the first failure ends the wait
+                worker, call = done.get()
+                why = _failure(call)
+                if why is not None:
+                    failure = (worker, why)
+                    break
         finally:
             with self._lock:
                 for worker, call in calls:
@@ -188,10 +196,12 @@ class WorkerRegistry:
                         pending.discard(call)
                         if not pending:
                             del self._inflight[worker.worker_id]
-        if failures:
-            for worker, _ in failures:
-                self.unregister(worker.worker_id)
-            worker, why = failures[0]
+            if failure is not None:
+                for _, call in calls:
+                    call.cancel()   # nothing on the calls that finished
+        if failure is not None:
+            worker, why = failure
+            self.unregister(worker.worker_id)
             raise Unavailable(
                 f"step {plan.step_id}: worker rank {worker.rank} at {worker.address} failed to execute the plan "
                 f"({why}); the step was not applied")
@@ -202,3 +212,14 @@ class WorkerRegistry:
             records, self._by_rank = list(self._by_rank.values()), {}
         for record in records:
             record.channel.close()
+
+
+def _failure(call: grpc.Future) -> Optional[str]:
+    """Why a finished ExecutePlan call failed, or None when the worker acknowledged the plan."""
+    try:
+        call.result()
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    except grpc.FutureCancelledError:
+        return "dropped: it missed its heartbeats"
+    return None

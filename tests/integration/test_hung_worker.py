@@ -255,3 +255,52 @@ def test_health_says_not_serving_while_no_pool_exists():
     finally:
         server.stop(None)
         service.close()
+
+
+class FailingWorker(worker_pb2_grpc.CacheWorkerServicer):
+    """ExecutePlan fails at once (a rank whose CUDA context broke)."""
+
+    def ExecutePlan(self, request, context):
+        context.abort(grpc.StatusCode.INTERNAL, "cuda error (injected)")
+
+    def GetMemoryStats(self, request, context):
+        return worker_pb2.WorkerMemoryStats()
+
+
+def test_a_rank_that_fails_its_plan_fails_the_step_at_once_beside_a_hung_one():
+    """Rank 0 hangs, rank 1 fails its plan at once: the step fails UNAVAILABLE naming rank 1 well
+    before the plan timeout, rank 1 is dropped, and the hung call is cancelled."""
+    stuck, stuck_server, stuck_port = serve_stuck_worker()
+    failing_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_CacheWorkerServicer_to_server(FailingWorker(), failing_server)
+    failing_port = failing_server.add_insecure_port("127.0.0.1:0")
+    failing_server.start()
+    config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0,
+                           worker_plan_timeout=10, worker_heartbeat_timeout=60)
+    server, port, service, _ = create_server(config, "127.0.0.1:0")
+    server.start()
+    try:
+        with C.BlockManagerClient(f"127.0.0.1:{port}", timeout=30, retries=0) as bm:
+            for rank, worker_port in ((0, stuck_port), (1, failing_port)):
+                bm.stub.RegisterWorker(pb.RegisterWorkerRequest(
+                    address=f"127.0.0.1:{worker_port}", rank=rank, tensor_parallel_size=2, num_gpu_blocks=64,
+                    num_cpu_blocks=32, block_size=4, cache_id=f"c{rank}"), timeout=5)
+            bm.allocate("v", num_tokens=6)
+            started = time.perf_counter()
+            try:
+                bm.swap_out(["v"])
+                raise AssertionError("the swap-out committed without rank 1")
+            except errors.Unavailable as err:
+                took = time.perf_counter() - started
+                assert "rank 1" in str(err) and "INTERNAL: cuda error (injected)" in str(err)
+            assert took < config.worker_plan_timeout / 2, took
+            assert bm.get_block_table("v").tier == pb.TIER_GPU   # rolled back
+            assert [w.rank for w in service.registry.workers()] == [0]
+            with service.lock:
+                service.manager.check_invariants()
+    finally:
+        stuck.release.set()
+        server.stop(None)
+        service.close()
+        stuck_server.stop(None)
+        failing_server.stop(None)
