@@ -598,6 +598,13 @@ def test_pools_sized_by_workers_keep_their_sizes(tmp_path):
         svc.manager.check_invariants()
 
 
+def register_rank(stub, cache_id: str, rank: int = 0):
+    """Rank ``rank`` of a group of 2 registers with cache ``cache_id`` (POOL's capacity)."""
+    return stub.RegisterWorker(pb.RegisterWorkerRequest(
+        address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
+        block_size=4, block_bytes=1024, cache_id=cache_id))
+
+
 def test_a_rank_replaced_after_state_was_made_in_the_new_epoch_starts_another(tmp_path):
     """Rank 0 is replaced (epoch 1), a sequence is made on the group, then rank 1 is replaced too:
     that sequence's K/V was in rank 1's old cache, so a second epoch begins and it is lost."""
@@ -605,18 +612,13 @@ def test_a_rank_replaced_after_state_was_made_in_the_new_epoch_starts_another(tm
 
     config = ManagerConfig(**POOL, state_dir=str(tmp_path / "state"), worker_heartbeat_timeout=60)
 
-    def register(stub, cache_id, rank):
-        return stub.RegisterWorker(pb.RegisterWorkerRequest(
-            address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
-            block_size=4, block_bytes=1024, cache_id=cache_id))
-
     with serving(config) as (bm, svc):
-        register(bm.stub, "A0", 0)
-        register(bm.stub, "A1", 1)
-        register(bm.stub, "B0", 0)
+        register_rank(bm.stub, "A0", 0)
+        register_rank(bm.stub, "A1", 1)
+        register_rank(bm.stub, "B0", 0)
         assert bm.get_stats().epoch == 1
         bm.allocate("x", token_ids=list(range(12)))
-        register(bm.stub, "B1", 1)
+        register_rank(bm.stub, "B1", 1)
         s = bm.get_stats()
         assert (s.epoch, s.lost_sequences, s.running_sequences) == (2, 1, 0)
         with pytest.raises(DataLoss, match="'x' lost its K/V"):
@@ -636,21 +638,16 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
     d = str(tmp_path / "state")
     config = ManagerConfig(**POOL, state_dir=d, worker_heartbeat_timeout=60)
 
-    def register(stub, cache_id, rank=0):
-        return stub.RegisterWorker(pb.RegisterWorkerRequest(
-            address="127.0.0.1:1", rank=rank, tensor_parallel_size=2, num_gpu_blocks=96, num_cpu_blocks=48,
-            block_size=4, block_bytes=1024, cache_id=cache_id))
-
     with serving(config) as (bm, svc):
-        register(bm.stub, "A0", 0)
-        register(bm.stub, "A1", 1)
+        register_rank(bm.stub, "A0", 0)
+        register_rank(bm.stub, "A1", 1)
         bm.allocate("a", token_ids=list(range(10)))
         bm.allocate("b", token_ids=list(range(6)))
-        register(bm.stub, "A0", 0)  # the same cache: nothing lost
+        register_rank(bm.stub, "A0", 0)  # the same cache: nothing lost
         assert bm.get_stats().epoch == 0 and bm.get_block_table("a").num_tokens == 10
         assert bm.health_epoch() == ("SERVING", 0)
-        register(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
-        register(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
+        register_rank(bm.stub, "B0", 0)  # rank 0 restarted: its cache is gone
+        register_rank(bm.stub, "B1", 1)  # and rank 1 with it: the same replacement, one epoch
         s = bm.get_stats()
         assert (s.epoch, s.lost_sequences, s.running_sequences, s.gpu.used_blocks) == (1, 2, 0, 0)
         assert bm.health_epoch() == ("SERVING", 1)   # health shows the replaced group too
@@ -669,8 +666,8 @@ def test_replaced_worker_group_loses_sequences_with_data_loss(tmp_path):
         s = bm.get_stats()
         assert (s.epoch, s.lost_sequences, s.running_sequences) == (1, 1, 1)
         assert bm.health_epoch("kvpager.v1.BlockManager")[1] == 1   # before the workers are back
-        register(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
-        register(bm.stub, "B1", 1)
+        register_rank(bm.stub, "B0", 0)  # the workers kept their caches across the manager's restart
+        register_rank(bm.stub, "B1", 1)
         assert bm.get_stats().epoch == 1 and bm.get_block_table("a").num_tokens == 3
         with pytest.raises(DataLoss):
             bm.fork("b", "c")
