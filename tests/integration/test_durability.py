@@ -396,6 +396,16 @@ def test_a_middle_record_with_a_damaged_length_refuses_to_start(tmp_path, byte):
     sd.close()
 
 
+def test_a_snapshot_cut_short_in_its_header_refuses_to_start(tmp_path):
+    from kvpager.manager.wal import MAGIC
+
+    (tmp_path / "snapshot").write_bytes(MAGIC + b"\x01")
+    sd = StateDir(str(tmp_path))
+    with pytest.raises(CorruptState, match="not a kvpager snapshot"):
+        sd.load()
+    sd.close()
+
+
 def test_a_record_above_the_limit_is_refused_not_written(tmp_path, monkeypatch):
     from kvpager.manager import wal
 
