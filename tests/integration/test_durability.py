@@ -482,6 +482,46 @@ print("still running")
     assert "cannot fsync the state log" in out.stderr and "still running" not in out.stdout
 
 
+def test_a_waiting_steps_open_record_is_fsynced_before_its_plan_leaves(tmp_path, monkeypatch):
+    """--fsync always: the record of a step that waits on the workers reaches the disk before
+    its plan reaches a worker (a power loss must not let a restarted manager reuse its step id)."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvpager.v1 import worker_pb2, worker_pb2_grpc
+
+    events: list[str] = []
+
+    class Worker(worker_pb2_grpc.CacheWorkerServicer):
+        def ExecutePlan(self, request, context):
+            events.append("plan")
+            return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
+
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    worker_pb2_grpc.add_CacheWorkerServicer_to_server(Worker(), worker)
+    worker_port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    real_fdatasync = os.fdatasync
+
+    def fdatasync(fd):
+        events.append("fsync")
+        real_fdatasync(fd)
+
+    try:
+        with serving(ManagerConfig(**POOL, state_dir=str(tmp_path / "state"), fsync="always")) as (bm, _):
+            bm.stub.RegisterWorker(pb.RegisterWorkerRequest(
+                address=f"127.0.0.1:{worker_port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=96,
+                num_cpu_blocks=48, block_size=4, cache_id="c0"), timeout=5)
+            bm.allocate("v", num_tokens=6)
+            monkeypatch.setattr(os, "fdatasync", fdatasync)
+            bm.swap_out(["v"])
+            monkeypatch.undo()
+    finally:
+        worker.stop(None)
+    assert events[:2] == ["fsync", "plan"] and events.count("fsync") == 2, events   # then the finish record
+
+
 def test_a_rolled_back_steps_operations_are_counted_after_a_restart(tmp_path):
     """A step rolled back after it ran (its answer over max_reply_bytes) counts its operations
     failed; a restarted manager counts them the same (the log notes them with its step id)."""
