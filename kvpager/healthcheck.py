@@ -56,6 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from kvpager import auth
 
     try:
+        if args.tls_cert and not args.tls_ca:   # else the check would go out in plaintext, the certificate unused
+            raise auth.CredentialError("--tls-cert needs --tls-ca (the CA that verifies the server): TLS is used "
+                                       "only with a CA to check the server against")
         tls = auth.TLS.load(args.tls_cert, args.tls_key, ca=args.tls_ca)
     except auth.CredentialError as err:
         print(f"unhealthy: {err}", file=sys.stderr)

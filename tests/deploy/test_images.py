@@ -189,4 +189,6 @@ def test_healthcheck_exit_codes():
         service.close()
     gone = healthcheck(f"127.0.0.1:{port}", "--timeout", "1")
     assert gone.returncode == 1 and gone.stderr.count("\n") == 1 and "UNAVAILABLE" in gone.stderr
+    plain = healthcheck(f"127.0.0.1:{port}", "--tls-cert", "cert.pem", "--tls-key", "key.pem")   # no --tls-ca
+    assert plain.returncode == 1 and plain.stderr.count("\n") == 1 and "--tls-cert needs --tls-ca" in plain.stderr
 
