@@ -191,6 +191,9 @@ class BlockManager(SequenceOperations, SwapOperations):
             if failed_at is None and state.plan.moves_blocks and (hold_open or self.dispatch is not None):
                 tentative = self.tentative.open(state.plan.step_id, ops, outcomes, journal.detach(),
                                                 counter_delta(self.counters, saved), (self.gpu, self.cpu))
+                # Its counts join the totals when it commits (TentativeSteps.finish): a scrape while
+                # it waits never sees counters that a rollback would take back.
+                self.counters = saved
             else:
                 journal.commit()
         except BaseException as exc:

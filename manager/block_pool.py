@@ -274,13 +274,14 @@ class BlockPool:
 
     def _undo_allocate_evict(self, block: Block, old_hash: bytes, old_filled: int) -> None:
         self.num_used -= 1
-        self.evictions -= 1
         if self.cache.holds(old_hash) or self.plan_may_have_run:
             # Another block took that prefix since, or the workers may have written this block:
-            # it comes back FREE, never as a cache entry whose content may be gone.
+            # it comes back FREE, never as a cache entry whose content may be gone. Its prefix is
+            # evicted all the same: the count stays (and never goes back under a scrape).
             block.state, block.ref_count, block.num_filled = FREE, 0, 0
             self._free.appendleft(block.block_id)
             return
+        self.evictions -= 1
         block.state, block.ref_count, block.num_filled = CACHED, 0, old_filled
         block.block_hash = old_hash
         self.cache.add(old_hash, block.block_id)

@@ -127,8 +127,9 @@ class TentativeSteps:
             finally:
                 for pool, _ in step.held:
                     pool.plan_may_have_run = False
+        else:   # its counts, kept out of the totals while it waited
             for name, delta in step.counter_delta.items():
-                setattr(counters, name, getattr(counters, name) - delta)
+                setattr(counters, name, getattr(counters, name) + delta)
         for pool, block_id in step.pins:
             pool.unpin(block_id)
         for pool, block_id in step.hidden:

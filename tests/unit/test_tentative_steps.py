@@ -168,15 +168,34 @@ def test_freeing_and_reusing_an_id_waits_for_the_step():
     m.check_invariants()
 
 
-def test_counters_of_a_rolled_back_step_are_taken_back_after_others_counted():
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_waiting_steps_counts_join_the_totals_only_when_it_commits(ok):
+    # Prometheus reads the counters while the step waits: they must never go back afterwards.
     m = manager()
     m.allocate("a", [1, 2, 3])
     m.allocate("b", [4, 5, 6])
     step = tentative(m, SwapOutOp(["a"]))
+    assert m.counters.preemptions == 0 and m.counters.blocks_swapped_out == 0   # not yet
     m.swap_out(["b"])
-    m.finish_tentative(step, False, Unavailable("the workers failed its plan"))
     assert m.counters.preemptions == 1 and m.counters.blocks_swapped_out == 2
-    assert m.op_counts.applied["swap_out"] == 1 and m.op_counts.failed[("swap_out", "UNAVAILABLE")] == 1
+    m.finish_tentative(step, ok, None if ok else Unavailable("the workers failed its plan"))
+    assert (m.counters.preemptions, m.counters.blocks_swapped_out) == ((2, 4) if ok else (1, 2))
+    assert m.op_counts.applied["swap_out"] == 1 + ok
+    assert m.op_counts.failed.get(("swap_out", "UNAVAILABLE"), 0) == (not ok)
+    m.check_invariants()
+
+
+def test_an_eviction_undone_into_a_free_block_stays_counted():
+    # A rolled-back step's eviction whose block comes back FREE (the workers may have written it)
+    # lost its prefix all the same: the count stays, as a scrape during the wait saw it.
+    m = manager(gpu=5)
+    m.allocate("a", [1, 2, 3])
+    m.free("a")
+    m.allocate("v", [7])
+    step = tentative(m, AllocateOp("x", [5, 6, 7, 8, 9, 9]), SwapOutOp(["v"]))
+    assert m.gpu.evictions == 1
+    m.finish_tentative(step, False)
+    assert m.gpu.evictions == 1
     m.check_invariants()
 
 
