@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvpager import package_version
+from kvpager.v1 import block_manager_pb2
 from .block_manager import BlockManager
 from .config import ManagerConfig
 from .plan import ExecutionPlan
@@ -170,8 +171,16 @@ class ManagerStateCollector(Collector):
         yield swapped
 
 
+# The methods the RPC metrics name; any other (a caller's made-up name, which the token check
+# answers like a real one) is counted as "unknown", so anonymous callers cannot add series.
+_KNOWN_METHODS = frozenset(
+    [f"/{service.full_name}/{method.name}" for service in block_manager_pb2.DESCRIPTOR.services_by_name.values()
+     for method in service.methods] + ["/grpc.health.v1.Health/Check"])
+
+
 class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
-    """Times every unary RPC and counts it by its final status code."""
+    """Times every unary RPC and counts it by its final status code (methods outside the
+    service's as ``unknown``)."""
 
     def __init__(self, metrics: ManagerMetrics) -> None:
         self.metrics = metrics
@@ -181,7 +190,8 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # gr
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        full = handler_call_details.method
+        method = full.rsplit("/", 1)[-1] if full in _KNOWN_METHODS else "unknown"
         behavior, observe = handler.unary_unary, self.metrics.observe_rpc
 
         def timed(request: Message, context: grpc.ServicerContext) -> Message:

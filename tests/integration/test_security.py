@@ -242,6 +242,25 @@ def test_the_cli_refuses_to_run_without_credentials_or_insecure():
         assert len(lines) == 1 and "no credentials" in lines[0] and fragment in lines[0] and "--insecure" in lines[0]
 
 
+def test_made_up_methods_add_no_metric_series():
+    """An anonymous caller's made-up method names (answered UNAUTHENTICATED like real ones) are
+    counted under method="unknown": they cannot grow the RPC metrics without bound."""
+    from prometheus_client import generate_latest
+
+    with manager(tokens=auth.TokenTable.single(ADMIN, "admin")) as (target, service):
+        with grpc.insecure_channel(target) as channel:
+            for i in range(20):
+                call = channel.unary_unary(f"/made.up/Method{i}", request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+                with pytest.raises(grpc.RpcError) as denied:
+                    call(b"", timeout=5)
+                assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        text = generate_latest(service.metrics.registry).decode()
+    assert "Method1" not in text
+    assert 'kvpager_rpc_requests_total{code="UNAUTHENTICATED",method="unknown"} 20.0' in text, \
+        [line for line in text.splitlines() if line.startswith("kvpager_rpc_requests_total")]
+
+
 def test_tls_material_that_does_not_load_is_refused_at_start_in_one_line(pki, tmp_path):
     server, worker = pki["server"], pki["worker"]
     bad = {"another certificate's key": auth.TLS(cert=server.cert, key=worker.key),
