@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 from kvpager.errors import InvalidArgument
 
+_MAX_SECONDS = 1e6   # timeouts and TTLs: finite, and far below what threading's waits accept
+
 
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
@@ -43,8 +45,9 @@ class ManagerConfig:
                 f"pool sizes must be >= 0 blocks (0 GPU blocks: size from workers), got {self.num_gpu_blocks} "
                 f"and {self.num_cpu_blocks}"
             )
-        if self.worker_heartbeat_timeout <= 0 or self.worker_plan_timeout <= 0:
-            raise InvalidArgument("worker timeouts must be > 0 seconds")
+        for name in ("worker_heartbeat_timeout", "worker_plan_timeout", "request_cache_ttl"):   # nan and inf too
+            if not 0 < getattr(self, name) < _MAX_SECONDS:
+                raise InvalidArgument(f"{name} must be > 0 and < {_MAX_SECONDS:g} seconds, got {getattr(self, name)}")
         if not 0.0 <= self.watermark < 1.0:
             raise InvalidArgument(f"watermark must be in [0, 1), got {self.watermark}")
         if self.max_seq_len < 1:
@@ -59,8 +62,6 @@ class ManagerConfig:
             raise InvalidArgument(f"max_reply_bytes must be >= 1024, got {self.max_reply_bytes}")
         if self.fsync not in ("always", "batch", "never"):
             raise InvalidArgument(f"fsync must be always, batch or never, got {self.fsync!r}")
-        if self.request_cache_ttl <= 0:
-            raise InvalidArgument(f"request_cache_ttl must be > 0 seconds, got {self.request_cache_ttl}")
 
     @property
     def sized_by_workers(self) -> bool:

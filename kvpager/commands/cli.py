@@ -23,6 +23,7 @@ import argparse
 import importlib
 import inspect
 import logging
+import math
 import os
 import re
 import sys
@@ -236,9 +237,9 @@ def _bounded(name: str, parse: Callable[[str], Any], accepts: Callable[[Any], bo
 non_negative_int = _bounded("non_negative_int", integer, lambda v: v >= 0, "must be >= 0")
 positive_int = _bounded("positive_int", integer, lambda v: v >= 1, "must be >= 1")
 port_number = _bounded("port_number", integer, lambda v: 0 <= v < 65536, "must be a port in 0..65535 (0: a free one)")
-positive_float = _bounded("positive_float", number, lambda v: v > 0, "must be > 0")
+positive_float = _bounded("positive_float", number, lambda v: 0 < v < math.inf, "must be > 0 and finite")
 fraction = _bounded("fraction", number, lambda v: 0 < v <= 1, "must be in (0, 1]")   # a share of memory, a probability mass
-non_negative_float = _bounded("non_negative_float", number, lambda v: v >= 0, "must be >= 0")
+non_negative_float = _bounded("non_negative_float", number, lambda v: 0 <= v < math.inf, "must be >= 0 and finite")
 
 
 def quiet_ray_startup() -> None:

@@ -316,7 +316,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     f(parser, "--no-ray", env="KVPAGER_DEMO_NO_RAY", type=bool, default=False,
       help="one worker in this process instead of Ray actors (embedded)")
     cli.kv_cache_flags(parser, " (embedded)")
-    f(parser, "--metrics-port", env="KVPAGER_DEMO_METRICS_PORT", type=cli.integer, default=0, metavar="PORT",
+    f(parser, "--metrics-port", env="KVPAGER_DEMO_METRICS_PORT", type=cli.port_number, default=0, metavar="PORT",
       help="the embedded manager's /metrics port, on 127.0.0.1 (0: a free one; workers take free ports)")
     f(parser, "--quiet", env="KVPAGER_DEMO_QUIET", type=bool, default=False, help="no progress bar")
 
