@@ -376,10 +376,6 @@ def channel(target: str, tls: Optional[TLS] = None, token: Optional[str] = None)
     return with_token(raw_channel(target, tls.ca, tls.cert, tls.key), token)
 
 
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerCredentials:
     """What a cache worker needs in a secured deployment (PEM bytes and token strings, so a Ray

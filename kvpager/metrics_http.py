@@ -36,14 +36,12 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpager.hosts import is_loopback
+
 disable_created_metrics()
 
 JsonRoute = Callable[[], object]  # returns a JSON-serializable document
 HANDSHAKE_TIMEOUT_S = 10.0  # a client that opens a connection and says nothing holds one thread this long
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 def check_bind(host: str, tls: bool, insecure: bool, flag: str = "--metrics-host") -> None:

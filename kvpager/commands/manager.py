@@ -142,15 +142,15 @@ def metrics_security(args: argparse.Namespace, secure: dict) -> dict:
 
 
 def _warn_about_security(args: argparse.Namespace, secure: dict) -> None:
-    from kvpager import auth
+    from kvpager.hosts import is_loopback
 
     if secure["tokens"] is None:
         log.warning("--insecure: serving WITHOUT authentication on %s:%s; anyone who reaches it can read and "
                     "change every sequence and register workers", args.host, args.port)
-    if secure["tls"] is None and not auth.is_loopback(args.host):
+    if secure["tls"] is None and not is_loopback(args.host):
         log.warning("serving plaintext gRPC on %s: tokens and data cross the network unencrypted "
                     "(pass --tls-cert and --tls-key)", args.host)
-    if args.metrics_port is not None and not auth.is_loopback(args.metrics_host):
+    if args.metrics_port is not None and not is_loopback(args.metrics_host):
         if secure["tls"] is None:
             log.warning("--insecure: /metrics and /sd/workers on %s are plain HTTP: keep them on a private network "
                         "(docs/security.md)", args.metrics_host)
