@@ -198,7 +198,11 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", max_model_len:
     model_type = hf.get("model_type")
     if model_type not in _DEFAULTS:
         raise UnsupportedModel(f"model_type {model_type!r}")
-    c = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
+    # A key given as null takes the class default, as in transformers, except those whose null
+    # means something: no sliding window, as many key/value heads as heads, head_dim from the sizes.
+    c = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k in _NULL_MEANS}}
+    if "rms_norm_eps" in hf and hf["rms_norm_eps"] is None:
+        raise UnsupportedModel("rms_norm_eps None (a positive number expected)")
     for arch in hf.get("architectures") or ():
         if not str(arch).endswith("ForCausalLM"):
             raise UnsupportedModel(f"architecture {arch!r} (only ...ForCausalLM heads)")
@@ -218,13 +222,23 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", max_model_len:
         model_type=model_type, vocab_size=_int(c, "vocab_size"), hidden_size=_int(c, "hidden_size"),
         num_layers=_int(c, "num_hidden_layers"), num_q_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=_int(c, "intermediate_size"), rms_eps=float(c["rms_norm_eps"]), rope=_rope(c, head_dim),
-        tie_word_embeddings=bool(c["tie_word_embeddings"]),
-        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and bool(c["attention_bias"])),
-        o_proj_bias=model_type in ("llama", "qwen3") and bool(c["attention_bias"]),
-        mlp_bias=model_type == "llama" and bool(c["mlp_bias"]), qk_norm=model_type == "qwen3",
+        tie_word_embeddings=_bool(c, "tie_word_embeddings"),
+        attention_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and _bool(c, "attention_bias")),
+        o_proj_bias=model_type in ("llama", "qwen3") and _bool(c, "attention_bias"),
+        mlp_bias=model_type == "llama" and _bool(c, "mlp_bias"), qk_norm=model_type == "qwen3",
         max_position_embeddings=max_pos,
         sliding_window=_sliding_window(model_type, c), max_model_len=max_model_len or max_pos, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, path=path)
+
+
+_NULL_MEANS = ("sliding_window", "num_key_value_heads", "head_dim")
+
+
+def _bool(c: dict[str, Any], key: str) -> bool:
+    value = c.get(key, False)
+    if not isinstance(value, bool):   # "false" is a true value in Python: never guess
+        raise UnsupportedModel(f"{key} {value!r} (true or false expected)")
+    return value
 
 
 def _int(c: dict[str, Any], key: str) -> int:
@@ -235,9 +249,15 @@ def _int(c: dict[str, Any], key: str) -> int:
 
 
 def _rope(c: dict[str, Any], head_dim: int) -> Rope:
-    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedModel(f"rope parameters {params!r} (one flat dict expected)")
+    # Both may be present: rope_scaling (the hub's older field) wins where they differ, as in
+    # transformers; its "type" is the older name of "rope_type".
+    base, scaling = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
+    for params in (base, scaling):
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            raise UnsupportedModel(f"rope parameters {params!r} (one flat dict expected)")
+    params = {**base, **scaling}
+    if "type" in scaling and "rope_type" not in scaling:
+        params["rope_type"] = scaling["type"]
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))

@@ -191,6 +191,18 @@ def test_hub_style_rope_settings_read_like_transformers_5(checkpoints):
     assert config_from_hf({**written, "rope_theta": 1e6}).rope == Rope(1e6)
 
 
+def test_rope_scaling_wins_over_default_rope_parameters_and_null_means_what_transformers_says():
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=64)
+    both = dict(LLAMA, rope_parameters=dict(rope_type="default", rope_theta=500000.0), rope_scaling=llama3)
+    assert config_from_hf(both).rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+    older = dict(both, rope_scaling={("type" if k == "rope_type" else k): v for k, v in llama3.items()})
+    assert config_from_hf(older).rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+    # qwen2's class default is 32 key/value heads; null means as many as the attention heads.
+    qwen2 = config_from_hf(dict(LLAMA, model_type="qwen2", num_key_value_heads=None))
+    assert qwen2.num_kv_heads == qwen2.num_q_heads == 8
+
+
 def test_bfloat16_runs_close_to_float32(checkpoints):
     path = checkpoints["qwen3-qk-norm"]
     f32 = Decoder(ModelConfig.from_pretrained(path))
@@ -273,6 +285,9 @@ LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_si
     (dict(LLAMA, model_type="mistral", sliding_window=4096), ["sliding_window 4096", "8192"]),
     (dict(LLAMA, model_type="qwen2", use_sliding_window=True, sliding_window=1024, max_window_layers=0),
      ["sliding_window 1024"]),
+    (dict(LLAMA, tie_word_embeddings="false"), ["tie_word_embeddings 'false' (true or false expected)"]),
+    (dict(LLAMA, attention_bias=1), ["attention_bias 1"]),
+    (dict(LLAMA, rms_norm_eps=None), ["rms_norm_eps None"]),
 ])
 def test_refused_configurations_say_what(config, words):
     with pytest.raises(UnsupportedModel) as err:
