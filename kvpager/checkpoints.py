@@ -77,6 +77,7 @@ def build_random_checkpoint(path: Union[str, Path], model_type: str = "llama", *
 
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]   # as save_pretrained writes it, streamed or not
     params = {name: (tuple(p.shape), p.dtype) for name, p in skeleton.named_parameters()}  # tied: once
     del skeleton
     total = sum(math.prod(shape) for shape, _ in params.values()) * torch_dtype.itemsize

@@ -219,6 +219,7 @@ def test_a_rank_reads_only_its_shard(tmp_path):
     path = build_random_checkpoint(tmp_path / "moderate", "llama", num_layers=4, hidden_size=768, num_heads=12,
                                    num_kv_heads=4, vocab_size=32000, intermediate_size=2048, max_shard_size="100MB",
                                    stream=True, tokenizer=False)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]  # as unstreamed
     files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     out = subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True, check=True,
                          timeout=120)
