@@ -141,6 +141,8 @@ class StateDir:
         self.fsync = fsync
         self.snapshot_records = snapshot_records
         self.snapshot_bytes = snapshot_bytes
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CorruptState(f"{path} is not a directory (--state-dir names the folder of the log and snapshots)")
         created = not os.path.isdir(path)
         os.makedirs(path, mode=0o700, exist_ok=True)
         if created:   # its entry in the parent durable too, before anything in it is acknowledged

@@ -86,6 +86,10 @@ def check_metrics_ports(args: argparse.Namespace) -> None:
     """--metrics-port PORT: rank r serves on PORT + r; one already taken fails before Ray starts."""
     if not args.metrics_port:  # off, or free ports
         return
+    last = args.metrics_port + args.tensor_parallel_size - 1
+    if last > 65535:
+        raise cli.Failure(f"--metrics-port {args.metrics_port}: rank r serves on it + r, and rank "
+                          f"{args.tensor_parallel_size - 1}'s port {last} is beyond 65535")
     for rank in range(args.tensor_parallel_size):
         port = args.metrics_port + rank
         try:

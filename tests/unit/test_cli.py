@@ -184,6 +184,27 @@ def test_bad_flags_end_with_one_line_and_exit_2(argv, env, fragments):
     assert_one_line_error(kvpager(*argv, env=env), 2, *fragments)
 
 
+def test_a_state_dir_that_is_a_file_fails_in_one_line(tmp_path):
+    (tmp_path / "state").write_text("not a folder")
+    proc = kvpager("manager", "--insecure", "--port", "0", "--state-dir", str(tmp_path / "state"))
+    assert_one_line_error(proc, 1, "cannot recover the manager's state", "is not a directory")
+
+
+def test_worker_metrics_ports_past_65535_fail_in_one_line():
+    from kvpager.manager import ManagerConfig
+    from kvpager.manager.service import create_server
+
+    server, port, service, _ = create_server(ManagerConfig(num_gpu_blocks=0), "127.0.0.1:0")
+    server.start()
+    try:
+        proc = kvpager("worker", "--insecure", "--manager", f"127.0.0.1:{port}", "--tensor-parallel-size", "2",
+                       "--device", "cpu", "--metrics-port", "65535")
+    finally:
+        server.stop(None)
+        service.close()
+    assert_one_line_error(proc, 1, "--metrics-port 65535", "rank 1's port 65536 is beyond 65535")
+
+
 def test_demo_rejects_half_a_deployment():
     assert_one_line_error(kvpager("demo", "--manager", "127.0.0.1:1"), 2, "--manager needs --ray-address")
 
