@@ -153,7 +153,7 @@ class Scheduler:
                     if not seq.finish_reason and not pipeline.ends_in_flight(seq, group)]
         if decoding:   # in flight: step N's tokens are not known yet, so the appends reserve slots only
             tokens = [] if in_flight else [s.next_token for s in decoding]
-            add(C.append_batch_op([s.seq_id for s in decoding], tokens), _appended)
+            add(C.append_batch_op([s.seq_id for s in decoding], tokens), self._appended)
         queues.schedule(add, swap_in=not in_flight)
 
         reply = self._step(ops)
@@ -171,6 +171,19 @@ class Scheduler:
         # the recovery (restart_all) finds them.
         queues.on_wire.clear()
         return pipeline.compute(reply)
+
+    def _appended(self, result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
+        """The handler of the step's appends: a sequence whose append found no room simply waits,
+        and the next iteration preempts a group to make room (``RequestQueues.short``), even when
+        the pool looked roomy: a tenant's quota may be what refused it; any other failure raises."""
+        refused = False
+        for _, failure in C.batch_failures(result):
+            if not isinstance(failure, errors.ResourceExhausted):
+                raise failure
+            refused = True
+        if err is not None:
+            raise err
+        self._queues.appends_refused = refused
 
     def _preempt_if_short(self) -> None:
         while self._queues.short():
@@ -211,14 +224,6 @@ class Scheduler:
         return reply
 
 
-def _appended(result: pb.OperationResult, err: Optional[errors.ManagerError]) -> None:
-    """The handler of the step's appends: a sequence whose append found no room simply waits
-    (preemption makes room); any other failure raises."""
-    for _, failure in C.batch_failures(result):
-        if not isinstance(failure, errors.ResourceExhausted):
-            raise failure
-    if err is not None:
-        raise err
 
 
 def _moves_blocks(reply: pb.StepResponse) -> bool:

@@ -6,7 +6,8 @@ as the GPU room allows; waiting requests are admitted, in order, only while no g
 out, each taking its prompt's blocks and one block per forked sample, within the step's token
 budget (``max_batch_tokens``; a prompt longer than the budget is admitted alone). The room is
 what the manager last reported available, less its watermark reserve and the running groups'
-next appends. When those appends would not fit, the most recently admitted group is preempted:
+next appends. When those appends would not fit, or the last Step refused some (a tenant's quota
+is only seen there), the most recently admitted group is preempted:
 swapped out in a step of its own first (blocks freed in a step are only reusable after it),
 or, when the CPU pool is full too, freed and queued again at the front to restart from scratch.
 """
@@ -50,6 +51,7 @@ class RequestQueues:
         self.group_of: dict[str, Group] = {}       # by sequence id
         self.available = available                 # GPU blocks free or evictable, as the last Step reported
         self.reserve = reserve                     # the manager's watermark
+        self.appends_refused = False               # the last Step refused appends for room (pool or quota)
 
     def new_group(self, request: Request, previous: Optional[Group] = None) -> Group:
         """The request's sequences, from its prompt; ``previous``: the group it restarts, whose
@@ -132,14 +134,16 @@ class RequestQueues:
 
     # ---- preemption ------------------------------------------------------------------------------------
     def short(self) -> bool:
-        """The running groups' next appends may not fit, and one of them can make room by leaving."""
-        return self.append_need() > self.available and len(self.running) > 1
+        """The running groups' next appends may not fit (by the pool's room, or the last Step
+        refused some: a tenant's quota counts only there), and one of them can make room by leaving."""
+        return (self.appends_refused or self.append_need() > self.available) and len(self.running) > 1
 
     def preempt(self, send: SendStep) -> bool:
         """Swap the most recently admitted running group out in a Step of its own (``send``);
         when the CPU pool has no room for it, free it and queue its request again at the front
         of ``waiting``, to restart from scratch. Whether it was swapped out (else restarted)."""
         victim = self.running.pop()
+        self.appends_refused = False   # one group leaves; the next Step tells whether that was enough
         live = victim.unfinished()
         self.on_wire.append(victim)   # until it is placed again: a Step failing meanwhile finds it there
         reply = send([C.swap_out_op([s.seq_id for s in live])])
@@ -176,6 +180,7 @@ class RequestQueues:
         self.swapped.clear()
         self.to_free.clear()
         self.on_wire.clear()
+        self.appends_refused = False
         return len(unfinished)
 
     # ---- GPU blocks ------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 loopback port (the runner is a stand-in that returns fixed logits or ids): an admission refused
 for room with n > 1 waits without losing the requests admitted beside it; a preemption whose
 freeing Step fails keeps its victim where the recovery finds it; a restarted request streams
-nothing twice. After each, every request has its output and the manager holds nothing."""
+nothing twice; appends refused by a tenant's quota, with the pool roomy, preempt a group. After
+each, every request has its output and the manager holds nothing."""
 
 from __future__ import annotations
 
@@ -124,4 +125,22 @@ def test_a_restarted_request_streams_no_token_twice():
         assert Counter(i for i, _, _ in streamed) == {0: lengths[0], 1: lengths[1]}
         assert [i for i, _, finish in streamed if finish] == [0, 1]
         assert [t for i, t, _ in streamed if i == 0] == result.samples[0]
+        assert holds_nothing(admin)
+
+
+def test_appends_refused_by_the_tenants_quota_preempt_a_group_though_the_pool_has_room():
+    # Three requests grow to 4 blocks each against a quota of 6, in a pool of 63: only the
+    # Steps' refusals show the scheduler it is short; swapping a group out (swapped blocks do not
+    # count against the quota) lets the others finish, then it comes back.
+    tokens = auth.TokenTable.from_json({"tokens": [
+        {"token": TOKEN, "tenant": "q", "role": "scheduler", "quota_blocks": 6},
+        {"token": ADMIN, "tenant": "q", "role": "admin"}]})
+    with manager(ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0), tokens) as (
+            client, admin):
+        requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 4)), SamplingParams(max_new_tokens=10))
+                    for i in range(3)]
+        scheduler = Scheduler(client, ids_runner, block_size=4)
+        outputs = scheduler.run(requests)
+        assert sorted(outputs) == ["r0", "r1", "r2"] and all(len(outputs[r].samples[0]) == 10 for r in outputs)
+        assert scheduler.stats.preemptions >= 1
         assert holds_nothing(admin)
