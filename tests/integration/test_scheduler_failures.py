@@ -39,6 +39,13 @@ def manager(config: ManagerConfig, tokens=None):
         service.close()
 
 
+def quota_tokens(quota: int) -> auth.TokenTable:
+    """A scheduler token of tenant q with a quota of ``quota`` GPU blocks, and an admin token."""
+    return auth.TokenTable.from_json({"tokens": [
+        {"token": TOKEN, "tenant": "q", "role": "scheduler", "quota_blocks": quota},
+        {"token": ADMIN, "tenant": "q", "role": "admin"}]})
+
+
 def ids_runner(step):
     """Greedy: token 7 for every sequence that computed something."""
     return torch.tensor([7] * sum(1 for q in step.query_lens if q > 0))
@@ -53,11 +60,8 @@ def test_an_admission_refused_for_room_with_samples_waits_and_loses_no_other_req
     # The tenant's quota (4 blocks) refuses B's prompt after A's: the scheduler saw the pool's
     # room, not the quota's (as when another scheduler takes the room between Steps). B's forks
     # then fail NOT_FOUND; C, admitted in the same Step, must still run.
-    tokens = auth.TokenTable.from_json({"tokens": [
-        {"token": TOKEN, "tenant": "q", "role": "scheduler", "quota_blocks": 4},
-        {"token": ADMIN, "tenant": "q", "role": "admin"}]})
-    with manager(ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0), tokens) as (
-            client, admin):
+    with manager(ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0),
+                 quota_tokens(4)) as (client, admin):
         requests = [Request("A", list(range(1, 9)), SamplingParams(max_new_tokens=3)),         # 2 blocks
                     Request("B", list(range(20, 29)), SamplingParams(max_new_tokens=3, n=2)),  # 3 blocks, a fork
                     Request("C", list(range(40, 44)), SamplingParams(max_new_tokens=1))]       # 1 block
@@ -132,11 +136,8 @@ def test_appends_refused_by_the_tenants_quota_preempt_a_group_though_the_pool_ha
     # Three requests grow to 4 blocks each against a quota of 6, in a pool of 63: only the
     # Steps' refusals show the scheduler it is short; swapping a group out (swapped blocks do not
     # count against the quota) lets the others finish, then it comes back.
-    tokens = auth.TokenTable.from_json({"tokens": [
-        {"token": TOKEN, "tenant": "q", "role": "scheduler", "quota_blocks": 6},
-        {"token": ADMIN, "tenant": "q", "role": "admin"}]})
-    with manager(ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0), tokens) as (
-            client, admin):
+    with manager(ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0),
+                 quota_tokens(6)) as (client, admin):
         requests = [Request(f"r{i}", list(range(10 * i, 10 * i + 4)), SamplingParams(max_new_tokens=10))
                     for i in range(3)]
         scheduler = Scheduler(client, ids_runner, block_size=4)
