@@ -6,7 +6,10 @@ leaves no trace); the last rank of a manager without pools sizes them from the w
 capacity; a rank that comes back with another cache id loses every sequence (a new epoch,
 ``manager/epochs.py``), and a replaced rank without cache ids forgets the prefix cache's
 contents. It waits until no step is tentative first, since no pending step could be undone
-across those changes. Health is SERVING unless workers registered and a rank is missing (the
+across those changes, but never past the worker's own deadline on the call (gRPC carries it):
+it gives up ``REGISTRATION_WORK_S`` before it, UNAVAILABLE with nothing registered, so that a
+worker learns of every registration the manager makes (``worker/registration.py`` sets that
+deadline). Health is SERVING unless workers registered and a rank is missing (the
 BlockManager service also NOT_SERVING while no pool exists or recovered state waits for its
 workers).
 """
@@ -16,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from grpc_health.v1 import health_pb2
 
-from kvpager.errors import FailedPrecondition, ManagerError, Unavailable, quote
+from kvpager.errors import FailedPrecondition, InvalidArgument, ManagerError, Unavailable, quote
 from kvpager.v1 import block_manager_pb2 as pb
 from .block_manager import BlockManager
 from .config import ManagerConfig
@@ -35,6 +39,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpager.manager")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+
+# Seconds a registration keeps, of its caller's deadline, for its own work after waiting for the
+# tentative steps: the registry and epochs, ``lose_all`` when a rank's cache was lost, the log's
+# fsync. ``lose_all`` over a full pool of 2M blocks (32K sequences) took 4.1 s on a busy 2-core
+# machine; pools are built only where no step can be tentative (no pool existed yet).
+REGISTRATION_WORK_S = 5.0
 
 
 class WorkerRegistration:
@@ -52,15 +62,18 @@ class WorkerRegistration:
 
     _dispatch: Callable[[ExecutionPlan], None]  # the service's method: sends a plan to the workers
 
-    def _register(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
+    def _register(self, request: pb.RegisterWorkerRequest,
+                  deadline: Optional[float] = None) -> pb.RegisterWorkerResponse:
+        """``deadline``: the caller's, on time.monotonic()'s clock (None: it gave none)."""
         try:
-            return self._admit_worker(request)
+            return self._admit_worker(request, deadline)
         except ManagerError as err:  # one line for the operator; the worker gets the status
             log.warning("refused the worker at %s (rank %d): %s", quote(request.address), request.rank, err)
             raise
 
-    def _admit_worker(self, request: pb.RegisterWorkerRequest) -> pb.RegisterWorkerResponse:
-        self._until_no_tentative_step("RegisterWorker")
+    def _admit_worker(self, request: pb.RegisterWorkerRequest,
+                      deadline: Optional[float]) -> pb.RegisterWorkerResponse:
+        self._until_no_tentative_step("RegisterWorker", deadline)
         if self.manager is not None:  # checked before the registry changes: a refusal leaves no trace
             gpu, cpu = self.manager.gpu.num_blocks, self.manager.cpu.num_blocks
             if request.num_gpu_blocks < gpu or request.num_cpu_blocks < cpu:
@@ -68,6 +81,15 @@ class WorkerRegistration:
                     f"register worker: capacity {request.num_gpu_blocks} GPU / {request.num_cpu_blocks} CPU blocks is "
                     f"below the manager's pools ({gpu} / {cpu}): give the workers more (--num-gpu-blocks, "
                     "--num-cpu-blocks) or the manager less")
+        else:  # the pools will be sized from the workers' capacity: bounded before anything is built
+            limit = self.config.max_pool_blocks_from_workers
+            if request.num_gpu_blocks > limit or request.num_cpu_blocks > limit:
+                raise InvalidArgument(
+                    f"register worker: capacity {request.num_gpu_blocks} GPU / {request.num_cpu_blocks} CPU blocks is "
+                    f"above the {limit} blocks per pool a manager sizes from its workers "
+                    "(--max-pool-blocks-from-workers): start the workers with fewer (--num-gpu-blocks, "
+                    "--num-cpu-blocks) or give the manager its pool sizes")
+        self.caches.check(request.rank, request.cache_id)   # a superseded cache (epochs.py): refused here too
         replacing = request.rank in self.registry.ranks_seen
         record = self.registry.register(request)
         if self.manager is None and self.registry.complete():
@@ -102,15 +124,20 @@ class WorkerRegistration:
             num_gpu_blocks=manager.gpu.num_blocks if manager else 0,
             num_cpu_blocks=manager.cpu.num_blocks if manager else 0)
 
-    def _until_no_tentative_step(self, method: str) -> None:
+    def _until_no_tentative_step(self, method: str, deadline: Optional[float] = None) -> None:
         """Wait until no step waits on the workers (a registration may forget the caches' contents
-        or lose every sequence, which no pending step could be undone across)."""
+        or lose every sequence, which no pending step could be undone across): at most the state
+        lock's ``wait_limit``, and until ``REGISTRATION_WORK_S`` before ``deadline`` (the caller's)."""
         manager = self.manager
         if manager is None or not manager.tentative:
             return
-        if not self.state.wait_until(lambda: not manager.tentative):
+        limit = self.state.wait_limit
+        if deadline is not None:
+            limit = min(limit, deadline - REGISTRATION_WORK_S - time.monotonic())
+        if not self.state.wait_until(lambda: not manager.tentative, limit):
+            bound = " (all that the caller's deadline allows)" if limit < self.state.wait_limit else ""
             raise Unavailable(f"{method}: {len(manager.tentative)} steps still wait on the workers after "
-                              f"{self.state.wait_limit:.1f}s; try again")
+                              f"{max(limit, 0.0):.1f}s{bound}; nothing was registered: try again")
 
     def worker_targets(self) -> list[dict[str, object]]:
         """The registered workers' metrics endpoints, as a Prometheus HTTP SD document."""

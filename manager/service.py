@@ -291,8 +291,10 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
     # ---- workers (manager/registration.py) ----------------------------------------------------
     def RegisterWorker(self, request: pb.RegisterWorkerRequest,
                        context: grpc.ServicerContext) -> pb.RegisterWorkerResponse:
+        left = context.time_remaining()  # the worker's deadline: a wait for steps ends before it
+        deadline = None if left is None else time.monotonic() + left
         return self._call("RegisterWorker", request, context, pb.RegisterWorkerResponse,
-                          lambda: self._register(request))
+                          lambda: self._register(request, deadline))
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(registered=self.registry.heartbeat(request.worker_id))

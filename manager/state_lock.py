@@ -89,10 +89,12 @@ class StateLock:
         finally:
             self._owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
 
-    def wait_until(self, done: Callable[[], bool]) -> bool:
-        """Wait (the lock released) until ``done()``, at most ``wait_limit`` seconds; whether it is."""
+    def wait_until(self, done: Callable[[], bool], limit: Optional[float] = None) -> bool:
+        """Wait (the lock released) until ``done()``, at most ``limit`` seconds (default and at most
+        ``wait_limit``; 0 or less: not at all); whether it is."""
+        timeout = self.wait_limit if limit is None else max(0.0, min(limit, self.wait_limit))
         try:
-            return self._finished.wait_for(done, timeout=self.wait_limit)
+            return self._finished.wait_for(done, timeout=timeout)
         finally:
             self._owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
 

@@ -2,12 +2,27 @@
 
 Workers form one tensor-parallel group: rank r of N holds a slice of the KV heads, and every
 rank receives the same plan. A step's plan goes to all ranks in parallel, each call with a
-deadline, and the step commits only after every rank acknowledged it; any failure rolls the
-step back and surfaces as UNAVAILABLE. Rolling back is safe even when some ranks already
-executed the plan: a plan only writes blocks that the step newly took, which are free again
-after the rollback. A worker whose heartbeats stop for ``heartbeat_timeout`` seconds, or
-whose ExecutePlan fails, is dropped (its ExecutePlan calls in flight are cancelled, so a step
-waiting on it fails at once); a replacement registering under the same rank is used.
+deadline, and the step commits only after every rank acknowledged it; the first failure rolls
+the step back. Rolling back is safe even when some ranks already executed the plan: a plan only
+writes blocks that the step newly took, which are free again after the rollback. What a failed
+ExecutePlan means depends on the status the worker (or gRPC) answered it with:
+
+- INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE: the worker checked the plan against its
+  cache and refused it whole (``KVCache.execute`` checks every part before anything moves), so
+  the plan was wrong: a manager bug. The caller gets INTERNAL naming the rank, the step and the
+  worker's reason; the worker stays registered (it is healthy, its cache untouched).
+- RESOURCE_EXHAUSTED: the worker is alive but took no new call (gRPC answers it when the
+  worker's server has no thread free); nothing was applied. The worker stays registered; the
+  caller gets UNAVAILABLE (retrying may help).
+- Any other status: the worker is dropped and the caller gets UNAVAILABLE until the rank
+  registers again. UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED: it could not be reached or did not
+  answer in time; INTERNAL, UNKNOWN, DATA_LOSS: it broke (a CUDA error...), so its cache cannot
+  be trusted; UNIMPLEMENTED: no CacheWorker serves its address; UNAUTHENTICATED,
+  PERMISSION_DENIED: it refuses the manager's credentials.
+
+A worker whose heartbeats stop for ``heartbeat_timeout`` seconds is dropped too (its ExecutePlan
+calls in flight are cancelled, so a step waiting on it fails at once); a replacement registering
+under the same rank is used.
 
 The registry has its own lock, so heartbeats never wait behind a long step.
 """
@@ -26,7 +41,22 @@ import grpc
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import plan_pb2, worker_pb2, worker_pb2_grpc
 
-from kvpager.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvpager.errors import FailedPrecondition, InvalidArgument, InvariantViolation, Unavailable
+
+# The statuses with which a worker refuses a plan that does not fit its cache, having applied
+# none of it: the manager made a wrong plan (a bug), the worker is fine.
+_PLAN_REJECTED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.OUT_OF_RANGE})
+# The worker is alive but took no new call now (its server's threads are all busy): nothing applied.
+_WORKER_BUSY = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFailure:
+    """Why one rank's ExecutePlan call failed."""
+
+    code: Optional[grpc.StatusCode]  # its status; None: cancelled because the rank was dropped
+    reason: str                      # one line for the messages: the status and the worker's details
 
 
 @dataclass(slots=True)
@@ -158,8 +188,10 @@ class WorkerRegistry:
             return [self._by_rank[r] for r in sorted(self._by_rank)]
 
     def execute(self, plan: plan_pb2.ExecutionPlan) -> bool:
-        """Send a plan to every rank in parallel; return True when all acknowledged, else raise
-        Unavailable as soon as one rank fails (that rank is dropped, the other calls cancelled).
+        """Send a plan to every rank in parallel; return True when all acknowledged. As soon as one
+        rank fails, the other calls are cancelled and what that failure means is raised (the
+        module docstring): InvariantViolation for a plan the worker rejected (it stays
+        registered), else Unavailable (the rank dropped unless it was only busy).
         A plan with nothing to move needs no worker: False, nothing sent. The group is read, and
         the calls made and registered as in flight (``expire`` cancels them), under the
         registry's lock: a rank dropped meanwhile is missing, not skipped."""
@@ -180,7 +212,7 @@ class WorkerRegistry:
         done: queue.SimpleQueue[tuple[WorkerRecord, grpc.Future]] = queue.SimpleQueue()
         for worker, call in calls:
             call.add_done_callback(lambda call, worker=worker: done.put((worker, call)))
-        failure = None
+        failure: Optional[tuple[WorkerRecord, PlanFailure]] = None
         try:
             for _ in calls:   # in the order they finish: the first failure ends the wait
                 worker, call = done.get()
@@ -199,13 +231,18 @@ class WorkerRegistry:
             if failure is not None:
                 for _, call in calls:
                     call.cancel()   # nothing on the calls that finished
-        if failure is not None:
-            worker, why = failure
-            self.unregister(worker.worker_id)
-            raise Unavailable(
-                f"step {plan.step_id}: worker rank {worker.rank} at {worker.address} failed to execute the plan "
-                f"({why}); the step was not applied")
-        return True
+        if failure is None:
+            return True
+        worker, why = failure
+        where = f"step {plan.step_id}: worker rank {worker.rank} at {worker.address}"
+        if why.code in _PLAN_REJECTED:
+            raise InvariantViolation(
+                f"{where} rejected the plan ({why.reason}): a manager bug, the plan does not fit the worker's cache; "
+                "the step was rolled back and the worker stays registered")
+        if why.code in _WORKER_BUSY:
+            raise Unavailable(f"{where} took no new call ({why.reason}); the step was not applied: retry")
+        self.unregister(worker.worker_id)
+        raise Unavailable(f"{where} failed to execute the plan ({why.reason}); the step was not applied")
 
     def close(self) -> None:
         with self._lock:
@@ -214,12 +251,12 @@ class WorkerRegistry:
             record.channel.close()
 
 
-def _failure(call: grpc.Future) -> Optional[str]:
+def _failure(call: grpc.Future) -> Optional[PlanFailure]:
     """Why a finished ExecutePlan call failed, or None when the worker acknowledged the plan."""
     try:
         call.result()
     except grpc.RpcError as exc:
-        return f"{exc.code().name}: {exc.details()}"
+        return PlanFailure(exc.code(), f"{exc.code().name}: {exc.details()}")
     except grpc.FutureCancelledError:
-        return "dropped: it missed its heartbeats"
+        return PlanFailure(None, "dropped: it missed its heartbeats")
     return None

@@ -35,6 +35,8 @@ _CONFIG_HELP = {
     "num_gpu_blocks": "GPU pool size in blocks (block 0 is the null block padding names); 0: size both pools "
                       "from the capacity of the workers that register",
     "num_cpu_blocks": "CPU swap pool size in blocks",
+    "max_pool_blocks_from_workers": "largest pool sized from the workers' capacity (--num-gpu-blocks 0); a worker "
+                                    "reporting more blocks is refused (INVALID_ARGUMENT) before anything is built",
     "watermark": "fraction of GPU blocks kept free at admission and swap-in",
     "enable_prefix_caching": "reuse cached full prompt blocks across sequences (true/false)",
     "max_seq_len": "longer sequences are rejected (INVALID_ARGUMENT)",
