@@ -129,7 +129,9 @@ class BlockManager(SequenceOperations, SwapOperations):
         manager/tentative.py), so other steps may run while it waits; it commits or rolls back
         when ``dispatch`` returns or raises. ``hold_open`` (log replay) makes such a step
         tentative without dispatching it: ``finish_tentative`` ends it. A step naming a sequence
-        that a tentative step keeps busy raises ``Busy`` before anything is applied.
+        that a tentative step keeps busy raises ``Busy`` before anything is applied; a step that
+        would become tentative while a due snapshot waits for the open steps is undone whole and
+        raises ``Busy`` too (``TentativeSteps.holding``).
 
         With ``step_log`` set (the write-ahead log), the step runs through it.
         """
@@ -158,6 +160,7 @@ class BlockManager(SequenceOperations, SwapOperations):
         outcomes: list[OperationOutcome] = []
         failed_at: Optional[int] = None
         tentative: Optional[TentativeStep] = None
+        held: Optional[TentativeStep] = None
         journal.begin()
         try:
             for i, op in enumerate(ops):
@@ -189,11 +192,20 @@ class BlockManager(SequenceOperations, SwapOperations):
             if before_commit is not None:
                 before_commit(result)
             if failed_at is None and state.plan.moves_blocks and (hold_open or self.dispatch is not None):
-                tentative = self.tentative.open(state.plan.step_id, ops, outcomes, journal.detach(),
-                                                counter_delta(self.counters, saved), (self.gpu, self.cpu))
-                # Its counts join the totals when it commits (TentativeSteps.finish): a scrape while
-                # it waits never sees counters that a rollback would take back.
-                self.counters = saved
+                held = None if hold_open else self.tentative.holding()
+                if held is not None:
+                    # A due snapshot waits for the open steps (manager/tentative.py): this step
+                    # would open another, so it is undone whole, its step id given back, and it
+                    # waits as for a busy sequence. Steps with nothing to move run on.
+                    journal.rollback()
+                    self.counters = saved
+                    self.steps -= 1
+                else:
+                    tentative = self.tentative.open(state.plan.step_id, ops, outcomes, journal.detach(),
+                                                    counter_delta(self.counters, saved), (self.gpu, self.cpu))
+                    # Its counts join the totals when it commits (TentativeSteps.finish): a scrape
+                    # while it waits never sees counters that a rollback would take back.
+                    self.counters = saved
             else:
                 journal.commit()
         except BaseException as exc:
@@ -205,6 +217,9 @@ class BlockManager(SequenceOperations, SwapOperations):
             self._step = None
             self.gpu.end_hold()
             self.cpu.end_hold()
+        if held is not None:
+            raise Busy(f"a state snapshot waits for step {held.step_id}, whose plan is with the workers, and this "
+                       "call would send the workers another plan; nothing was applied", held)
         if tentative is None:
             self.op_counts.record(ops, outcomes, True)
             return result

@@ -19,6 +19,14 @@ becomes tentative, before the lock is released, and ("finish", step id, committe
 record. Replay reopens it at the same place and finishes it where the log says; one never
 finished (the manager died while the workers ran its plan) was never answered: it is rolled back
 at the end of recovery.
+
+A snapshot (every ``snapshot_records`` records) is taken only with no step tentative: it is plain
+data, and so recovery never has to rebuild a half-done step from it. Under steady swap traffic
+some step nearly always is, so a due snapshot sets ``TentativeSteps.draining`` and the manager
+holds back new steps that may move blocks (they wait as for a busy sequence) until the open ones
+finish, each within the plan timeout; the commit of the last finish takes it. The log after a
+snapshot is then bounded by about ``snapshot_records`` plus those finishes and the calls logged
+beside them (docs/durability.md, "Snapshots and log rotation").
 """
 
 from __future__ import annotations
@@ -194,15 +202,24 @@ class Durability:
             os._exit(EXIT_LOG_FAILED)
         self._pending.clear()
         self._request.clear()
-        if self.dir.due() and not (m is not None and m.tentative):  # a snapshot holds no step half done
-            try:
-                self.snapshot()
-            except OSError:
-                # The change is applied and in the log, so its answer stands; the log keeps growing
-                # until a later snapshot succeeds (wal.py StateDir.snapshot leaves it consistent).
-                self.dir.defer_snapshot()
-                log.warning("state snapshot failed in %s; the log keeps every change, the next snapshot is tried "
-                            "after %d more records", self.dir.path, self.dir.snapshot_records, exc_info=True)
+        if not self.dir.due():
+            return
+        if m is not None and m.tentative:
+            # A snapshot holds no step half done, and under steady swap traffic some step nearly
+            # always is: hold back new steps that may move blocks until the open ones finish (each
+            # within the plan timeout); the commit of the last one's finish takes the snapshot.
+            m.tentative.draining = True
+            return
+        if m is not None:
+            m.tentative.draining = False
+        try:
+            self.snapshot()
+        except OSError:
+            # The change is applied and in the log, so its answer stands; the log keeps growing
+            # until a later snapshot succeeds (wal.py StateDir.snapshot leaves it consistent).
+            self.dir.defer_snapshot()
+            log.warning("state snapshot failed in %s; the log keeps every change, the next snapshot is tried "
+                        "after %d more records", self.dir.path, self.dir.snapshot_records, exc_info=True)
 
     def snapshot(self) -> None:
         started = time.perf_counter()

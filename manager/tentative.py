@@ -21,6 +21,14 @@ gives the argument; in short, what keeps the undo valid after other steps ran:
 Tentative plans touch disjoint blocks (hidden, pinned or held ones), so they may reach the
 workers in any order. Replay (``manager/recovery.py``) reopens and finishes tentative steps
 where the log says they opened and finished, so a recovered manager gets the same block ids.
+
+A snapshot holds no tentative step (its undo entries are closures over live objects, not plain
+data), so when one falls due while steps are out the write-ahead log sets ``draining``: until
+the open steps finish (each within the plan timeout), a step that would become tentative (its
+plan moves blocks: a swap, an append's copy-on-write) is undone whole once applied and held back
+like a step naming a busy sequence (``holding``), so that no new step opens and the snapshot is
+taken at the next commit. Every other step, decode appends among them, runs on meanwhile: a
+worker slow with a plan stalls only the steps that need the workers, as without a snapshot.
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ class TentativeSteps:
     def __init__(self) -> None:
         self.steps: dict[int, TentativeStep] = {}
         self._busy: dict[str, TentativeStep] = {}
+        # Set by the write-ahead log while a due snapshot waits for the open steps to finish
+        # (manager/recovery.py, Durability.commit), cleared when it is taken: ``holding``.
+        self.draining = False
 
     def __bool__(self) -> bool:
         return bool(self.steps)
@@ -80,6 +91,13 @@ class TentativeSteps:
                 if step is not None:
                     return step
         return None
+
+    def holding(self) -> Optional[TentativeStep]:
+        """While ``draining``, the open step a step that would become tentative waits for (it would
+        put the snapshot off again); None otherwise. O(1)."""
+        if not self.draining or not self.steps:
+            return None
+        return next(iter(self.steps.values()))   # the oldest: the first likely to finish
 
     def open(self, step_id: int, ops: Seq[Operation], outcomes: list[OperationOutcome],
              entries: list[tuple[Callable[..., Any], tuple[Any, ...]]], counter_delta: dict[str, int],

@@ -8,6 +8,10 @@ copied at three moments (as a kill -9 would leave it), recovers:
 - after the step committed, and after another one the worker failed: exactly the live state
   (block ids, free-queue and LRU order, counters), since replay reopens and finishes each
   tentative step where the log says.
+
+Snapshots are taken with no step out: one due while steps are out holds new block-moving calls
+until they finish, so under swap traffic that keeps a step out at every commit the log that
+recovery replays stays bounded (the last two tests).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import grpc
 from kvpager import errors
 from kvpager.manager.config import ManagerConfig
 from kvpager.manager.snapshot import manager_state
+from kvpager.manager.wal import StateDir
 from kvpager.manager.service import BlockManagerService
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
@@ -36,6 +41,7 @@ class GatedWorker(worker_pb2_grpc.CacheWorkerServicer):
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.fail = False
+        self.port = 0   # where it serves (manager_with sets it)
 
     def ExecutePlan(self, request, context):
         self.entered.set()
@@ -60,14 +66,20 @@ def manager_with(worker: GatedWorker, config: ManagerConfig):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
+        worker.port = port
         with serving(config) as (bm, service):
-            bm.stub.RegisterWorker(pb.RegisterWorkerRequest(
-                address=f"127.0.0.1:{port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=64,
-                num_cpu_blocks=32, block_size=4, cache_id="cache-1"), timeout=5)
+            register(bm, port)
             yield bm, service
     finally:
         worker.open_all()
         server.stop(None)
+
+
+def register(bm, port: int) -> None:
+    """Register the worker serving on ``port`` as rank 0 (again: its cache is intact)."""
+    bm.stub.RegisterWorker(pb.RegisterWorkerRequest(
+        address=f"127.0.0.1:{port}", rank=0, tensor_parallel_size=1, num_gpu_blocks=64,
+        num_cpu_blocks=32, block_size=4, cache_id="cache-1"), timeout=5)
 
 
 def recovered(state_dir: str, config: ManagerConfig) -> dict:
@@ -207,3 +219,172 @@ def test_a_call_that_waited_for_a_busy_sequence_still_releases_the_lock_for_its_
         worker.second.set()
         out.join(10)
         assert bm.get_block_table("a2").tier == pb.TIER_CPU
+
+
+class RelayWorker(GatedWorker):
+    """Answers each ExecutePlan once the next plan has arrived, or after ``linger`` seconds
+    without one: under steady swap traffic some step is always out with it. Fails (UNAVAILABLE)
+    the plans whose arrival number is in ``fail_at``."""
+
+    def __init__(self, linger: float, fail_at: frozenset[int]) -> None:
+        super().__init__()
+        self.linger = linger
+        self.fail_at = fail_at
+        self.arrived = 0
+        self._cond = threading.Condition()
+
+    def ExecutePlan(self, request, context):
+        with self._cond:
+            self.arrived += 1
+            mine = self.arrived
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self.arrived > mine or self.gate.is_set(), timeout=self.linger)
+        if mine in self.fail_at:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the test fails this plan")
+        return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
+
+
+def test_snapshots_are_taken_and_the_log_stays_bounded_while_steps_are_always_out(tmp_path):
+    """Two clients swap their sequences out and in without pause (with allocations and frees
+    beside them) against a worker that holds each plan until the next one arrives, so some step
+    is tentative at every commit; some plans fail (rolled back). Snapshots are still taken every
+    ``snapshot_records`` records or so (the manager holds new block-moving steps until the open
+    ones finish), so what recovery replays stays bounded; a copy of the state directory taken
+    while a step is out recovers (that step rolled back), and the final one is the live state."""
+    records = 8
+    # What may be logged after the snapshot falls due and before it is taken: the finish records of
+    # the (up to two) steps open then, an allocation and a free beside them, a worker registering again.
+    slack = 5
+    config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0, fsync="never",
+                           state_dir=str(tmp_path / "state"), worker_plan_timeout=20, worker_heartbeat_timeout=60)
+    worker = RelayWorker(linger=0.3, fail_at=frozenset({9, 23, 37}))
+    with manager_with(worker, config) as (bm, service):
+        durable = service.durable
+        durable.dir.snapshot_records = records
+        started_with = durable.dir.snapshots
+        seen = {"records": 0, "open_at_commit": 0, "samples": 0}
+        mid_copy: dict = {}
+
+        def traffic(name: str, rounds: int) -> None:
+            bm.allocate(name, token_ids=[1, 2, 3, 4, 5, 6])
+            on_gpu = True
+            for i in range(rounds):
+                try:
+                    (bm.swap_out if on_gpu else bm.swap_in)([name], request_id="")
+                    on_gpu = not on_gpu
+                except errors.Unavailable:   # the worker failed this plan (rolled back) and was dropped
+                    register(bm, worker.port)
+                bm.allocate(f"{name}-x{i}", token_ids=[7, 8, 9])
+                bm.free(f"{name}-x{i}")
+                with service.state_lock:
+                    seen["records"] = max(seen["records"], durable.dir.records)
+                    seen["samples"] += 1
+                    seen["open_at_commit"] += bool(service.manager.tentative)
+                    if name == "a" and i == rounds // 2:
+                        mid_copy["path"] = str(tmp_path / "mid")
+                        mid_copy["open"] = {s for st in service.manager.tentative.steps.values() for s in st.ids}
+                        service.manager.check_invariants()
+                        mid_copy["live"] = {q.seq_id: (q.num_tokens, q.tier) for q in service.manager.seqs.values()}
+                        shutil.copytree(config.state_dir, mid_copy["path"])
+
+        threads = [threading.Thread(target=traffic, args=(name, 24)) for name in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        total = durable.dir.records_total
+        assert worker.arrived >= 40 and seen["open_at_commit"] > seen["samples"] // 2, (worker.arrived, seen)
+        assert total > 10 * records
+        # Snapshots kept pace with the log: what a recovery replays is bounded.
+        assert durable.dir.snapshots - started_with >= total // (records + slack) - 1, (
+            durable.dir.snapshots - started_with, total, seen)
+        assert seen["records"] <= records + slack, seen
+        worker.open_all()
+        final_copy = str(tmp_path / "final")
+        with service.state_lock:
+            assert not service.manager.tentative
+            final = live_state(service)
+            shutil.copytree(config.state_dir, final_copy)
+
+    state_dir = StateDir(mid_copy["path"])
+    replayed = len(state_dir.load()[1])
+    state_dir.close()
+    assert 0 < replayed <= records + slack
+    mid = recovered(mid_copy["path"], config)   # the step that was out is rolled back
+    assert mid_copy["open"]
+    assert ({k: v for k, v in seqs(mid).items() if k not in mid_copy["open"]}
+            == {k: v for k, v in mid_copy["live"].items() if k not in mid_copy["open"]})
+    assert recovered(final_copy, config) == final
+
+
+def running_seqs(service) -> dict:
+    """Each sequence's length and tier, read under the lock while a step may be out (a whole
+    ``manager_state`` is only taken with none)."""
+    with service.state_lock:
+        service.manager.check_invariants()
+        return {q.seq_id: (q.num_tokens, q.tier) for q in service.manager.seqs.values()}
+
+
+def test_a_snapshot_due_while_a_step_is_out_is_taken_when_it_finishes(tmp_path):
+    """A snapshot falls due while a swap-out waits on the worker: it is not taken yet; a call that
+    may move blocks waits (nothing applied), one that cannot is answered; when the step commits,
+    or the worker fails it and it is rolled back, the snapshot is taken and the waiting call goes
+    on. A copy of the state directory at each moment recovers: while the step is out, with it
+    rolled back; after, exactly the live state."""
+    config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0, fsync="never",
+                           state_dir=str(tmp_path / "state"), worker_plan_timeout=20, worker_heartbeat_timeout=60)
+    worker = GatedWorker()
+    with manager_with(worker, config) as (bm, service):
+        durable = service.durable
+        durable.dir.snapshot_records = 4
+        for round_, ok in enumerate((True, False)):
+            out, held = f"out{round_}", f"held{round_}"
+            bm.allocate(out, token_ids=[1, 2, 3, 4, 5, 6])
+            bm.allocate(held, token_ids=[7, 8, 9])
+            worker.gate.clear()
+            worker.entered.clear()
+            worker.fail = not ok
+            errors_seen: dict = {}
+
+            def swap(seq_id: str) -> None:
+                try:
+                    bm.swap_out([seq_id], request_id="")
+                except errors.Unavailable as err:
+                    errors_seen[seq_id] = err
+
+            first = threading.Thread(target=swap, args=(out,))
+            second = threading.Thread(target=swap, args=(held,))
+            first.start()
+            try:
+                assert worker.entered.wait(10)
+                taken = durable.dir.snapshots
+                for i in range(4):                          # beside it, until a snapshot is due
+                    bm.allocate(f"beside{round_}-{i}", token_ids=[i])
+                assert durable.dir.due() and durable.dir.snapshots == taken
+                second.start()
+                while service.state.waiting < 2:            # the swap-out's dispatch, and the held call
+                    threading.Event().wait(0.01)
+                bm.free(f"beside{round_}-0")                # cannot move blocks: answered meanwhile
+                assert durable.dir.snapshots == taken and running_seqs(service)[held] == (3, "gpu")
+                while_out = str(tmp_path / f"while-out-{round_}")
+                with service.state_lock:
+                    before = running_seqs(service)
+                    shutil.copytree(config.state_dir, while_out)
+            finally:   # no call left running when the manager closes its log
+                worker.gate.set()
+                for t in (first, second):
+                    if t.ident is not None:   # started
+                        t.join(10)
+            assert durable.dir.snapshots > taken
+            assert (out in errors_seen) == (not ok)
+            if not ok:   # the worker was dropped with the failed plan; the held swap-out found none
+                register(bm, worker.port)
+                assert seqs(live_state(service))[out] == (6, "gpu")
+            after = str(tmp_path / f"after-{round_}")
+            with service.state_lock:
+                live = live_state(service)
+                shutil.copytree(config.state_dir, after)
+            assert recovered(after, config) == live
+            state = recovered(while_out, config)       # the swap-out that was out is rolled back
+            assert seqs(state) == {**before, out: (6, "gpu")}

@@ -10,7 +10,9 @@ import pytest
 from kvpager.manager import BlockManager, ManagerConfig
 from kvpager.manager.block_pool import CACHED, FREE, USED
 from kvpager.errors import Busy, ResourceExhausted, Unavailable
-from kvpager.manager.operations import AllocateOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
+from kvpager.manager.operations import AllocateOp, AppendBatchOp, AppendOp, ForkOp, FreeOp, SwapInOp, SwapOutOp
+
+from tests.support.state import fingerprint
 
 B = 2
 
@@ -243,3 +245,29 @@ def test_a_block_it_dropped_and_took_back_for_a_swap_in_rolls_back_exactly():
     m.finish_tentative(step, False)
     m.check_invariants()
     assert table(m, "p") == table(m, "p2") == shared and m.block_table("s").tier == "cpu"
+
+
+def test_while_draining_for_a_snapshot_a_step_that_would_open_another_waits_and_changes_nothing():
+    # A due snapshot waits for the open steps (Durability.commit sets ``draining``): a step whose
+    # plan would move blocks (a swap, an append's copy-on-write) is undone whole and waits for
+    # them, no step id spent; every other step, plain appends among them, runs beside them.
+    m = manager()
+    m.allocate("a", [1, 2, 3])
+    m.allocate("b", [4, 5, 6])
+    m.fork("b", "b2")                          # b's last block shared: its next append copies it
+    step = tentative(m, SwapOutOp(["a"]))
+    m.dispatch = lambda plan: None             # workers attached: a step that moves blocks becomes tentative
+    m.tentative.draining = True
+    steps, before = m.steps, fingerprint(m)
+    for op in (SwapOutOp(["b2"]), AppendOp("b", [7]), AppendBatchOp(["b"], [7])):
+        with pytest.raises(Busy) as info:
+            m.step([AllocateOp("c", [8]), op])
+        assert info.value.step.step_id == step
+        assert m.steps == steps and fingerprint(m) == before
+    m.step([AllocateOp("c", [8]), ForkOp("c", "d"), FreeOp("d"), AppendOp("c", [9])])
+    assert m.block_table("c").num_tokens == 2
+    m.finish_tentative(step, True)
+    m.append("b", [7])                         # none open: nothing to wait for
+    m.swap_out(["b2"])
+    assert m.block_table("b2").tier == "cpu"
+    m.check_invariants()
