@@ -9,8 +9,10 @@ served context, a quantized checkpoint...), raises ``UnsupportedModel`` with a o
 naming it; nothing is approximated.
 
 Both ways transformers writes RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (hub
-checkpoints) and ``rope_parameters`` (transformers 5). Keys a config.json omits take the
-defaults of transformers' own config class for that model type.
+checkpoints) and ``rope_parameters`` (transformers 5), with transformers' precedence (see
+``_rope``). Keys a config.json omits take the defaults of transformers' own config class for
+that model type; a key given as null is refused where transformers refuses it (its config
+fields are typed), so every config kvpager serves is one transformers loads.
 
 ``PRESETS`` are small models with seeded random weights (``path`` None), for tests and the demo.
 """
@@ -198,11 +200,12 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", max_model_len:
     model_type = hf.get("model_type")
     if model_type not in _DEFAULTS:
         raise UnsupportedModel(f"model_type {model_type!r}")
-    # A key given as null takes the class default, as in transformers, except those whose null
-    # means something: no sliding window, as many key/value heads as heads, head_dim from the sizes.
-    c = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None or k in _NULL_MEANS}}
-    if "rms_norm_eps" in hf and hf["rms_norm_eps"] is None:
-        raise UnsupportedModel("rms_norm_eps None (a positive number expected)")
+    # transformers' config classes refuse null for their typed fields; those it accepts mean
+    # something (no sliding window, as many key/value heads as heads, head_dim from the sizes).
+    for key, value in hf.items():
+        if value is None and key in _DEFAULTS[model_type] and key not in _NULLABLE[model_type]:
+            raise UnsupportedModel(f"{key} None (a value expected: transformers refuses a null {key} too)")
+    c = {**_DEFAULTS[model_type], **hf}
     for arch in hf.get("architectures") or ():
         if not str(arch).endswith("ForCausalLM"):
             raise UnsupportedModel(f"architecture {arch!r} (only ...ForCausalLM heads)")
@@ -231,7 +234,13 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", max_model_len:
         kv_cache_dtype=kv_cache_dtype, kv_scale=kv_scale, path=path)
 
 
-_NULL_MEANS = ("sliding_window", "num_key_value_heads", "head_dim")
+# The keys of _DEFAULTS whose config field is Optional in transformers' class (null accepted).
+_NULLABLE: dict[str, frozenset[str]] = {
+    "llama": frozenset({"num_key_value_heads", "head_dim", "sliding_window"}),   # llama reads no window
+    "mistral": frozenset({"head_dim", "sliding_window"}),
+    "qwen2": frozenset({"num_key_value_heads", "sliding_window"}),   # its head_dim is no field: null breaks RoPE
+    "qwen3": frozenset({"num_key_value_heads", "sliding_window"}),
+}
 
 
 def _bool(c: dict[str, Any], key: str) -> bool:
@@ -249,16 +258,17 @@ def _int(c: dict[str, Any], key: str) -> int:
 
 
 def _rope(c: dict[str, Any], head_dim: int) -> Rope:
-    # Both may be present: rope_scaling (the hub's older field) wins where they differ, as in
-    # transformers; its "type" is the older name of "rope_type".
-    base, scaling = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
-    for params in (base, scaling):
-        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise UnsupportedModel(f"rope parameters {params!r} (one flat dict expected)")
-    params = {**base, **scaling}
-    if "type" in scaling and "rope_type" not in scaling:
-        params["rope_type"] = scaling["type"]
-    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    # As transformers 5 reads them: a non-empty rope_scaling (the hub's older field) replaces
+    # rope_parameters whole (nothing of rope_parameters is kept, not even its rope_theta); its
+    # "type" is the older name of "rope_type". A key missing from the dict comes from the top
+    # level of config.json (rope_theta, partial_rotary_factor), else the class default.
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModel(f"rope parameters {params!r} (one flat dict expected)")
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+        raise UnsupportedModel(f"rope_theta {theta!r} (a positive number expected)")
+    theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     if partial is not None and float(partial) != 1.0:
@@ -267,14 +277,22 @@ def _rope(c: dict[str, Any], head_dim: int) -> Rope:
         return Rope(theta)
     if rope_type != "llama3":
         raise UnsupportedModel(f"rope_type {rope_type!r} (only default and llama3)")
+    # A top-level original_max_position_embeddings (written by some Llama 3 fine-tunes) is put
+    # over the dict's own when transformers computes the llama3 frequencies; then the dict's;
+    # then max_position_embeddings.
+    original = c["original_max_position_embeddings"] if "original_max_position_embeddings" in c else \
+        params.get("original_max_position_embeddings", c["max_position_embeddings"])
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise UnsupportedModel(f"llama3 rope scaling with original_max_position_embeddings {original!r} "
+                               f"(a positive integer expected)")
     try:
         scaling = Llama3RopeScaling(
             factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings",
-                                                            c["max_position_embeddings"])))
+            high_freq_factor=float(params["high_freq_factor"]), original_max_position_embeddings=original)
     except KeyError as missing:
         raise UnsupportedModel(f"llama3 rope scaling without {missing.args[0]}") from None
+    except (TypeError, ValueError):
+        raise UnsupportedModel(f"llama3 rope scaling {params!r} (numbers expected)") from None
     if scaling.high_freq_factor == scaling.low_freq_factor:
         raise UnsupportedModel("llama3 rope scaling with high_freq_factor == low_freq_factor")
     return Rope(theta, scaling)

@@ -4,7 +4,9 @@ CPU, runs a ragged prefill (one prompt in two chunks, the second step with a seq
 computes nothing), then decode steps over a real paged cache in shuffled blocks; the logits of
 each prompt's last token match transformers' forward within 1e-4 and the greedy tokens match
 ``generate(do_sample=False)``. Tensor parallelism (2 ranks over gloo, spawned processes) gives
-the same logits and tokens. Each refused configuration says what is refused."""
+the same logits and tokens. In float16 and bfloat16 the logits stay within a few unit
+roundoffs of transformers' in the same dtype. RoPE settings give transformers' own frequencies.
+Each refused configuration says what is refused."""
 
 from __future__ import annotations
 
@@ -43,14 +45,30 @@ CASES = {
     "mistral-window-covers-context": dict(model_type="mistral", sliding_window=4096, max_position_embeddings=4096),
     "qwen2-qkv-biases": dict(model_type="qwen2"),
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32),
+    "llama-llama3-rope-top-level-original-max": dict(model_type="llama", max_position_embeddings=1024),
+}
+# Hub-style config.json settings written over a case's (its rope_parameters dropped). Here the
+# top-level original_max_position_embeddings (as some Llama 3 fine-tunes write it), which
+# transformers puts over the one in rope_scaling when it builds the llama3 frequencies.
+CONFIG_EDITS = {
+    "llama-llama3-rope-top-level-original-max": dict(
+        rope_theta=500000.0, original_max_position_embeddings=64,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=512)),
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: build_random_checkpoint(root / name, **{**SHAPE, "seed": i, **case}, tokenizer=False)
-            for i, (name, case) in enumerate(CASES.items())}
+    paths = {name: build_random_checkpoint(root / name, **{**SHAPE, "seed": i, **case}, tokenizer=False)
+             for i, (name, case) in enumerate(CASES.items())}
+    for name, edits in CONFIG_EDITS.items():
+        config = paths[name] / "config.json"
+        written = json.loads(config.read_text())
+        del written["rope_parameters"]
+        config.write_text(json.dumps({**written, **edits}))
+    return paths
 
 
 # ---- driving the paged model like a scheduler -------------------------------------------------------
@@ -191,16 +209,61 @@ def test_hub_style_rope_settings_read_like_transformers_5(checkpoints):
     assert config_from_hf({**written, "rope_theta": 1e6}).rope == Rope(1e6)
 
 
-def test_rope_scaling_wins_over_default_rope_parameters_and_null_means_what_transformers_says():
-    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=64)
-    both = dict(LLAMA, rope_parameters=dict(rope_type="default", rope_theta=500000.0), rope_scaling=llama3)
-    assert config_from_hf(both).rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
-    older = dict(both, rope_scaling={("type" if k == "rope_type" else k): v for k, v in llama3.items()})
-    assert config_from_hf(older).rope == Rope(500000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 64))
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+# config.json RoPE settings, each read by kvpager as transformers' model reads them.
+ROPE_SETTINGS = {
+    # transformers puts a top-level original_max_position_embeddings over rope_scaling's own.
+    "top-level original max": dict(rope_scaling=LLAMA3, original_max_position_embeddings=64),
+    "top-level over rope_scaling's": dict(rope_scaling=dict(LLAMA3, original_max_position_embeddings=512),
+                                          original_max_position_embeddings=64),
+    "top-level over rope_parameters'": dict(rope_parameters=dict(LLAMA3, original_max_position_embeddings=512,
+                                                                 rope_theta=5e5), original_max_position_embeddings=64),
+    "max_position_embeddings": dict(rope_scaling=LLAMA3),
+    # A rope_scaling replaces rope_parameters whole: its theta is the top level's, else 10000.
+    "rope_scaling over rope_parameters": dict(rope_parameters=dict(rope_type="default", rope_theta=5e5),
+                                              rope_scaling=dict(LLAMA3, original_max_position_embeddings=64)),
+    "rope_scaling over rope_parameters, no top theta": dict(
+        rope_theta=None, rope_parameters=dict(rope_type="default", rope_theta=5e5), rope_scaling={"type": "llama3",
+                                                                                                   **LLAMA3}),
+    "rope_parameters theta over the top level's": dict(rope_parameters=dict(rope_type="default", rope_theta=5e5)),
+    "empty rope_scaling": dict(rope_scaling={}, rope_parameters=dict(LLAMA3, rope_theta=5e5)),
+}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("setting", ROPE_SETTINGS)
+def test_rope_frequencies_are_transformers_own(tmp_path, model_type, setting):
+    import transformers
+
+    config = {k: v for k, v in dict(LLAMA, model_type=model_type, **ROPE_SETTINGS[setting]).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    ours = config_from_hf(config)
+    torch.testing.assert_close(ours.rope.inv_freq(ours.head_dim), hf.model.rotary_emb.inv_freq, atol=0, rtol=0)
+    assert ours.rope.attention_scaling == hf.model.rotary_emb.attention_scaling
+
+
+def test_rope_settings_transformers_cannot_build_are_refused():
+    with pytest.raises(UnsupportedModel, match="original_max_position_embeddings None"):
+        config_from_hf(dict(LLAMA, rope_scaling=LLAMA3, original_max_position_embeddings=None))
+    with pytest.raises(UnsupportedModel, match="original_max_position_embeddings 'long'"):
+        config_from_hf(dict(LLAMA, rope_scaling=dict(LLAMA3, original_max_position_embeddings="long")))
+    with pytest.raises(UnsupportedModel, match="rope_theta None"):
+        config_from_hf(dict(LLAMA, rope_theta=None))
+    with pytest.raises(UnsupportedModel, match="llama3 rope scaling .* \\(numbers expected\\)"):
+        config_from_hf(dict(LLAMA, rope_scaling=dict(LLAMA3, factor=None)))
+
+
+def test_null_means_what_transformers_says():
     # qwen2's class default is 32 key/value heads; null means as many as the attention heads.
     qwen2 = config_from_hf(dict(LLAMA, model_type="qwen2", num_key_value_heads=None))
     assert qwen2.num_kv_heads == qwen2.num_q_heads == 8
+    assert config_from_hf(dict(LLAMA, head_dim=None)).head_dim == 8
+    # Typed fields of transformers' classes refuse null: so does kvpager (no class default guessed).
+    for model_type, key in [("llama", "vocab_size"), ("mistral", "num_key_value_heads"), ("qwen2", "head_dim"),
+                            ("qwen3", "head_dim"), ("qwen2", "max_window_layers"), ("llama", "attention_bias")]:
+        with pytest.raises(UnsupportedModel, match=f"{key} None \\(a value expected"):
+            config_from_hf(dict(LLAMA, model_type=model_type, **{key: None}))
 
 
 def test_bfloat16_runs_close_to_float32(checkpoints):
@@ -211,6 +274,55 @@ def test_bfloat16_runs_close_to_float32(checkpoints):
     a, _ = paged_generate(f32)
     b, _ = paged_generate(bf16)
     assert b.dtype == torch.float32 and float((a - b).norm() / a.norm()) < 0.05
+
+
+# Unit roundoff (half the spacing of numbers near 1) of each 16-bit dtype: bf16 keeps 8
+# significant bits, fp16 11.
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+# Both models round to the dtype after every op, at different points (our residual add is fused
+# with the next norm, our CPU attention accumulates in float32), so their logits differ by their
+# two rounding errors. Transformers' own logits in the dtype lie 12-18 roundoffs (in units of
+# the logits' std) from its float32 ones on these 3-layer models; ours measure 8-14 from its.
+# A wrong rotation, bias or norm moves them by more than 100.
+SAME_DTYPE_LOGIT_TOL = 32   # max |ours - transformers'| / std(logits), in unit roundoffs
+
+
+def hf_greedy_with_margins(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens (a full forward per step: no cache to round differently) and,
+    per step, the top-2 logit margin in units of that step's logits' std."""
+    ids, tokens, margins = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            margins.append(float((top2[0] - top2[1]) / logits.std()))
+            tokens.append(int(logits.argmax()))
+            ids.append(tokens[-1])
+    return tokens, margins
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_models_agree_with_transformers_in_the_same_dtype(checkpoints, dtype):
+    import transformers
+
+    path = checkpoints["llama-tied-llama3-rope"]
+    logits, tokens = paged_generate(Decoder(ModelConfig.from_pretrained(path, dtype=dtype)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in PROMPTS])
+    tol = SAME_DTYPE_LOGIT_TOL * UNIT_ROUNDOFF[dtype]
+    assert float((logits - want).abs().max() / want.std()) <= tol
+    # Where transformers' top-2 margin exceeds twice the tolerance no rounding can swap the two;
+    # after the first closer call the sequences may part, so the comparison stops there.
+    compared = 0
+    for prompt, ours in zip(PROMPTS, tokens):
+        theirs, margins = hf_greedy_with_margins(hf, prompt, len(ours))
+        for mine, their, margin in zip(ours, theirs, margins):
+            if margin <= 2 * tol:
+                break
+            assert mine == their
+            compared += 1
+    assert compared >= 3   # the test compares tokens, not only logits
 
 
 def test_seeded_presets_use_the_same_loading_path():
