@@ -140,8 +140,12 @@ class WorkerRegistration:
                               f"{max(limit, 0.0):.1f}s{bound}; nothing was registered: try again")
 
     def worker_targets(self) -> list[dict[str, object]]:
-        """The registered workers' metrics endpoints, as a Prometheus HTTP SD document."""
-        return [{"targets": [w.metrics_address], "labels": {"rank": str(w.rank), "worker_id": w.worker_id}}
+        """The registered workers' metrics endpoints, as a Prometheus HTTP SD document. Labelled by
+        rank only: a target label lands on every series of the target, and a new worker id at each
+        registration would start a new set of series per restart of a rank. The id is a ``__meta_``
+        label, which Prometheus shows on its targets page and drops after relabeling."""
+        return [{"targets": [w.metrics_address],
+                 "labels": {"rank": str(w.rank), "__meta_kvpager_worker_id": w.worker_id}}
                 for w in self.registry.workers() if w.metrics_address]
 
     def _start_monitor(self) -> None:

@@ -216,7 +216,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
 
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
         return self._call("Fork", request, context, pb.ForkResponse,
-                          lambda: self._apply_as(wire.fork_op(request), wire.fork_pb))
+                          lambda: self._apply_as(wire.fork_op(request, self.config.max_step_forks), wire.fork_pb))
 
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         return self._call("Free", request, context, pb.FreeResponse,

@@ -52,8 +52,18 @@ def append_batch_op(m: pb.AppendBatchRequest) -> AppendBatchOp:
     return AppendBatchOp(list(m.seq_ids), list(m.token_ids) or None)
 
 
-def fork_op(m: pb.ForkRequest) -> ForkOp:
+def fork_op(m: pb.ForkRequest, max_forks: int = 1 << 62) -> ForkOp:
+    """INVALID_ARGUMENT, before anything is applied, when ``max_forks`` (max_step_forks) is 0: a
+    Fork RPC is a step of one fork, bounded as a Step's forks are."""
+    if max_forks < 1:
+        raise InvalidArgument(_too_many_forks("fork", max_forks))
     return ForkOp(m.parent_seq_id, m.child_seq_id)
+
+
+def _too_many_forks(kind: str, max_forks: int) -> str:
+    if max_forks == 0:  # no split helps: forks are off on this manager
+        return f"{kind}: forks are off on this manager (max_step_forks 0); nothing was applied"
+    return f"{kind}: more than {max_forks} forks (max_step_forks); nothing was applied: split it"
 
 
 def free_op(m: pb.FreeRequest) -> FreeOp:
@@ -104,8 +114,7 @@ def step_ops(request: pb.StepRequest, max_operations: int = 1 << 62, max_forks: 
         if kind == "fork":
             forks += 1
             if forks > max_forks:
-                raise InvalidArgument(
-                    f"step: more than {max_forks} forks (max_step_forks); nothing was applied: split it")
+                raise InvalidArgument(_too_many_forks("step", max_forks))
         if kind is None:
             ops.append(RejectedOp(f"operation {i} sets none of {', '.join(_OP_DECODERS)}"))
             continue

@@ -188,7 +188,7 @@ class CacheWorker:
     def _info(self) -> WorkerInfo:
         # The tensor's device names the index ("cuda:0") where the configured one may not ("cuda").
         cache, cfg = self.cache, self.config
-        return WorkerInfo(worker_id=self.worker_id, rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
+        return WorkerInfo(rank=cfg.rank, tensor_parallel_size=cfg.tensor_parallel_size,
                           device=str(cache.blocks.device), attention_backend=self._attention_backend(),
                           kv_cache_dtype=str(cache.spec.dtype).removeprefix("torch."))
 
@@ -206,8 +206,6 @@ class CacheWorker:
     def _registered(self, worker_id: str) -> None:
         """Called by each registration (the heartbeat thread's too) with the manager's id."""
         self.worker_id = worker_id
-        if self.metrics is not None:
-            self.metrics.set_info(self._info())
 
     # ---- work ----------------------------------------------------------------------------------------
     def execute_plan(self, step_id: int, plan: BlockPlan, still_wanted: Optional[Callable[[], bool]] = None) -> None:

@@ -50,9 +50,9 @@ Mark = Union[float, "torch.cuda.Event"]  # a point in time: perf_counter() or a 
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """The labels of ``kvpager_worker_info``; worker_id is empty until the manager assigns one."""
+    """The labels of ``kvpager_worker_info``: what stays the same for the life of the worker.
+    (Not the manager's worker id: a new one at each registration would make a new series each time.)"""
 
-    worker_id: str
     rank: int
     tensor_parallel_size: int
     device: str
@@ -228,7 +228,7 @@ class WorkerMetrics:
 
     ``registry`` is what the worker serves at /metrics. The worker calls ``time_plan_part``
     (through ``KVCache.execute``) and ``observe_plan`` per plan, ``attention_span`` and
-    ``observe_model_step`` per model step, and ``set_info`` when its identity changes.
+    ``observe_model_step`` per model step.
     """
 
     def __init__(self, cache: KVCache, info: WorkerInfo) -> None:

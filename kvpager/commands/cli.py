@@ -9,8 +9,9 @@ never pays for torch or Ray.
 Conventions:
 
 - every flag also reads an environment variable, ``KVPAGER_<NAME>``, named with its default in
-  the flag's help (flags win); an environment value is checked like a typed flag, and only by
-  the subcommand that reads it;
+  the flag's help (flags win; ``source`` says where a value came from, so that of two flags that
+  say one thing two ways the typed one wins over the environment's); an environment value is
+  checked like a typed flag, and only by the subcommand that reads it;
 - a bad flag prints one line, ``kvpager <sub>: error: <what> (see kvpager <sub> --help)``, and
   exits 2; a failure at run time (an address that does not answer, a port in use, a bad
   configuration) prints one line, ``kvpager <sub>: <what>``, and exits 1; Ctrl-C exits 130
@@ -20,6 +21,7 @@ Conventions:
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import inspect
 import logging
@@ -70,6 +72,41 @@ class _FromEnv:
         self.raw = raw
 
 
+class _Default:
+    """A flag's own default, wrapped until parsing ends: argparse replaces either wrapper only
+    when the flag is on the command line, so what is still wrapped says where a value came from."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Source(enum.IntEnum):
+    """Where a flag's value came from; a larger one wins over a smaller one (flags over the
+    environment over defaults), also between two flags that say one thing two ways."""
+
+    DEFAULT = 0
+    ENVIRONMENT = 1
+    COMMAND_LINE = 2
+
+
+# The namespace attribute holding {dest: Source} for every ``flag`` (argparse copies it from a
+# subcommand's namespace to the top one with the values).
+_SOURCES = "_flag_sources"
+
+
+def source(args: argparse.Namespace, dest: str) -> Source:
+    """Where ``args.<dest>`` came from (a namespace not made by a ``Parser``: the command line)."""
+    sources: dict[str, Source] = getattr(args, _SOURCES, {})
+    return sources.get(dest, Source.COMMAND_LINE)
+
+
+def outranks(args: argparse.Namespace, dest: str, other: str) -> bool:
+    """Whether flag ``dest``'s value came from a stronger source than flag ``other``'s: of two
+    flags that say one thing two ways (``--once``, ``--count``), the one typed wins over one from
+    the environment, whatever the order the code reads them in."""
+    return source(args, dest) > source(args, other)
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line and whose defaults may come from KVPAGER_*."""
 
@@ -85,15 +122,22 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = super().parse_known_args(args, namespace)
+        sources = dict(getattr(namespace, _SOURCES, {}))  # a subcommand's, when this is the top parser
         for action in self._actions:
             env = getattr(action, "env", None)
             if env is None:
                 continue
             value = getattr(namespace, action.dest, None)
             if isinstance(value, _FromEnv):
-                setattr(namespace, action.dest, self._convert_env(action, env, value.raw))
-            elif value is None and getattr(action, "env_required", False):
+                value, sources[action.dest] = self._convert_env(action, env, value.raw), Source.ENVIRONMENT
+            elif isinstance(value, _Default):
+                value, sources[action.dest] = value.value, Source.DEFAULT
+            else:
+                sources[action.dest] = Source.COMMAND_LINE
+            setattr(namespace, action.dest, value)
+            if value is None and getattr(action, "env_required", False):
                 self.error(f"{action.option_strings[0]} (or {env}) is required")
+        setattr(namespace, _SOURCES, sources)
         return namespace, extras
 
     def _convert_env(self, action: argparse.Action, env: str, raw: str) -> Any:
@@ -175,12 +219,13 @@ def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, typ
     shown = default_help if default_help is not None else ("unset" if default is None else str(default))
     now = f"={raw}" if raw is not None else ""
     text = f"{help} [env {env}{now}; {'required' if required else 'default ' + shown}]".replace("%", "%%")
-    start = _FromEnv(raw) if raw is not None else default
+    # Both kinds of default stay wrapped until parsing ends (Parser.parse_known_args), which keeps
+    # where each value came from (``source``).
+    start = _FromEnv(raw) if raw is not None else _Default(bool(default) if type is bool else default)
     if metavar is None and type is address:
         metavar = "HOST:PORT"
     if type is bool:
-        action = parser.add_argument(name, action="store_true", default=start if raw is not None else bool(default),
-                                     help=text)
+        action = parser.add_argument(name, action="store_true", default=start, help=text)
         action.env_type = parse_bool  # type: ignore[attr-defined]
     else:
         action = parser.add_argument(name, type=type, default=start, choices=choices, metavar=metavar, help=text)

@@ -123,23 +123,34 @@ class Printer:
         c.printed = len(c.text)
 
 
-def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len: int) -> None:
+def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len: int,
+                  block_size: int = DEFAULT_BLOCK_SIZE, gpu_blocks: Optional[int] = None) -> None:
     """Refuse, before anything starts, a prompt that encodes to nothing or does not fit the
-    model's context with --max-new-tokens after it."""
+    model's context with --max-new-tokens after it, or (``gpu_blocks``: --num-gpu-blocks) the
+    KV cache: a completion that can never fit the pool would otherwise end in a worker's refused
+    registration or the scheduler's "no progress"."""
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise cli.UsageError(f"prompt {i + 1} encodes to no tokens")
         if len(ids) + max_new_tokens > context_len:
             raise cli.UsageError(f"prompt {i + 1}: its {len(ids)} tokens and --max-new-tokens {max_new_tokens} "
                                  f"exceed the model's context of {context_len} tokens (--max-model-len)")
+        need = ceil_div(len(ids) + max_new_tokens, block_size)
+        if gpu_blocks is not None and need > gpu_blocks - 1:  # block 0 is the null block, never handed out
+            raise cli.UsageError(f"prompt {i + 1}: its {len(ids)} tokens and --max-new-tokens {max_new_tokens} need "
+                                 f"{need} KV cache blocks of {block_size} tokens; --num-gpu-blocks {gpu_blocks} "
+                                 f"holds {max(0, gpu_blocks - 1)} (block 0 is reserved)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.no_ray and args.tensor_parallel_size != 1:
+    ray, no_ray = args.ray, args.no_ray
+    if ray and no_ray:  # the one typed wins over the other from the environment; two typed conflict
+        if cli.source(args, "ray") == cli.source(args, "no_ray"):
+            raise cli.UsageError("--ray and --no-ray: choose one")
+        ray, no_ray = cli.outranks(args, "ray", "no_ray"), cli.outranks(args, "no_ray", "ray")
+    if no_ray and args.tensor_parallel_size != 1:
         raise cli.UsageError("--no-ray runs one worker in this process: --tensor-parallel-size must be 1")
-    if args.no_ray and args.ray:
-        raise cli.UsageError("--ray and --no-ray: choose one")
-    use_ray = args.ray or args.tensor_parallel_size > 1   # one rank: in this process, no Ray to start
+    use_ray = ray or args.tensor_parallel_size > 1   # one rank: in this process, no Ray to start
     import torch
 
     from kvpager.embedded import embedded
@@ -162,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise cli.Failure(f"cannot serve {args.model}: {cli.model_error_as_flags(cli.one_line(err))}") from err
 
     prompt_ids = [tokenizer.apply_chat_template(p) if args.chat else tokenizer.encode(p) for p in args.prompts]
-    check_prompts(prompt_ids, args.max_new_tokens, model.context_len)
+    check_prompts(prompt_ids, args.max_new_tokens, model.context_len, DEFAULT_BLOCK_SIZE, args.num_gpu_blocks)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, n=args.n, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, stop_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
     requests = [Request(f"prompt-{i}", ids, dataclasses.replace(params, seed=args.seed + i))

@@ -167,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
     except ManagerError as err:
         names = [f.name for f in fields(ManagerConfig) if hasattr(args, f.name)]
         raise cli.UsageError(cli.fields_as_flags(str(err), names)) from err
+    if args.metrics_token is not None and args.metrics_port is None:  # else the token would guard nothing, silently
+        raise cli.UsageError("--metrics-token (or KVPAGER_METRICS_TOKEN) needs --metrics-port (or "
+                             "KVPAGER_METRICS_PORT): only that endpoint takes the token")
     secure = server_security(args)
     metrics_secure = metrics_security(args, secure)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

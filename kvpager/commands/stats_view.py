@@ -130,7 +130,9 @@ def poll(client: C.BlockManagerClient) -> tuple[Optional[Sample], str]:
 
 def run(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
-    count = 1 if args.once else args.count
+    # --once is --count 1: a --count typed on the command line wins over KVPAGER_STATS_ONCE.
+    once = args.once and not (args.count is not None and cli.outranks(args, "count", "once"))
+    count = 1 if once else args.count
     timeout = min(5.0, max(1.0, args.interval))
     with C.BlockManagerClient(args.manager, timeout=timeout, **security.client_security(args)) as client:
         try:

@@ -129,3 +129,15 @@ def test_prompt_longer_than_the_context_is_refused(capsys, llama):
     code, out, err = generate(capsys, "--model", str(llama), "--no-ray", "--max-model-len", "8", "--max-new-tokens",
                               "4", "a long prompt that does not fit")
     assert code == 2 and "exceed the model's context of 8 tokens" in err, err
+
+
+@pytest.mark.parametrize("blocks", ["1", "3"])
+def test_a_pool_too_small_for_a_completion_is_refused_in_one_line(capsys, llama, blocks):
+    # 12 prompt tokens and 40 new ones need 4 blocks of 16; 1 or 3 blocks (block 0 reserved) never
+    # hold them: refused before anything starts, naming the flags (not a registration RpcError or
+    # the scheduler's "no progress").
+    prompt = "hello there my friend, how are you doing today"
+    code, out, err = generate(capsys, "--model", str(llama), "--no-ray", "--max-new-tokens", "40",
+                              "--num-gpu-blocks", blocks, prompt)
+    assert code == 2 and not out, err
+    assert err.count("\n") == 1 and "--num-gpu-blocks" in err and "--max-new-tokens 40" in err, err

@@ -65,6 +65,22 @@ def test_each_bound_is_refused_with_its_status_and_nothing_applied(bounded):
     client.step([C.fork_op("p", f"c{i}") for i in range(2)])
 
 
+def test_the_fork_rpc_obeys_max_step_forks_as_a_steps_forks_do():
+    config = dataclasses.replace(BOUNDED, max_step_forks=0)   # forks off
+    with running_server(config) as (client, service):
+        client.allocate("p", num_tokens=6)
+        before = served_fingerprint(service)
+        for call, kind in ((lambda: client.fork("p", "c"), "fork"), (lambda: client.step([C.fork_op("p", "c")]), "step")):
+            with pytest.raises(errors.InvalidArgument) as info:
+                call()
+            assert str(info.value) == f"{kind}: forks are off on this manager (max_step_forks 0); nothing was applied"
+            assert served_fingerprint(service) == before
+        client.append("p", num_tokens=1)   # still serving
+    with running_server(dataclasses.replace(BOUNDED, max_step_forks=1)) as (client, service):
+        client.allocate("p", num_tokens=6)
+        assert client.fork("p", "c").child_seq_id == "c"   # one fork: within any bound of at least one
+
+
 def test_an_answer_larger_than_max_reply_bytes_is_refused_and_rolled_back():
     config = ManagerConfig(block_size=4, num_gpu_blocks=1024, num_cpu_blocks=16, watermark=0.0, max_reply_bytes=1024)
     with running_server(config) as (client, service):

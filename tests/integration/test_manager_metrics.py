@@ -102,6 +102,33 @@ def test_every_documented_manager_metric_is_exported(metrics_url):
     check_exports(scrape_families(url.removeprefix("http://")), "Manager")
 
 
+def test_a_rank_that_registers_again_and_again_adds_no_series(metrics_url):
+    """Each registration gives a new worker id; /sd/workers names it only as a ``__meta_`` label
+    (dropped by Prometheus after relabeling), so the labels every series of the worker gets, and
+    the manager's own series, stay the same however often rank 0 comes back."""
+    client, service, url = metrics_url
+
+    def register() -> str:
+        return client.stub.RegisterWorker(pb.RegisterWorkerRequest(
+            address="127.0.0.1:40000", rank=0, tensor_parallel_size=1, num_gpu_blocks=17, num_cpu_blocks=8,
+            block_size=4, metrics_address="127.0.0.1:9501", block_bytes=1024), timeout=5).worker_id
+
+    def series_labels() -> list[dict[str, str]]:
+        """The labels a scrape of each target gives its series (Prometheus drops ``__*`` ones)."""
+        with urllib.request.urlopen(url + "/sd/workers", timeout=5) as reply:
+            return [{k: v for k, v in group["labels"].items() if not k.startswith("__")} for group in json.load(reply)]
+
+    register()
+    labels, manager_series = series_labels(), set(scrape(url + "/metrics"))
+    ids = {register() for _ in range(5)}
+    assert len(ids) == 5                                  # a new id each time...
+    assert series_labels() == labels == [{"rank": "0"}]   # ...that no series carries
+    with urllib.request.urlopen(url + "/sd/workers", timeout=5) as reply:
+        (group,) = json.load(reply)
+    assert group["labels"]["__meta_kvpager_worker_id"] == service.registry.workers()[0].worker_id
+    assert set(scrape(url + "/metrics")) == manager_series
+
+
 def test_a_rolled_back_step_counts_as_failures_not_operations(metrics_url):
     client, _, url = metrics_url
     client.allocate("a", num_tokens=4)
@@ -124,7 +151,9 @@ def test_service_discovery_lists_registered_workers_with_metrics(metrics_url):
             num_cpu_blocks=8, block_size=4, metrics_address=metrics_address, block_bytes=1024), timeout=5)
     with urllib.request.urlopen(url + "/sd/workers", timeout=5) as reply:
         targets = json.load(reply)
-    assert targets == [{"targets": ["127.0.0.1:9501"], "labels": {"rank": "0", "worker_id": targets[0]["labels"]["worker_id"]}}]
+    rank0 = service.registry.workers()[0]
+    assert targets == [{"targets": ["127.0.0.1:9501"],
+                        "labels": {"rank": "0", "__meta_kvpager_worker_id": rank0.worker_id}}]
     st = client.get_stats()
     assert (st.workers_registered, st.workers_expected) == (2, 2)
     m = scrape(url + "/metrics")

@@ -150,6 +150,10 @@ def test_prometheus_reports_what_the_manager_reports(stack):
     # The worker's series carry the rank from service discovery.
     (labels,) = [json.loads(k) for k in latest(prometheus, "kvpager_worker_plans_total")]
     assert labels["rank"] == "0" and labels["job"] == "kvpager-workers"
+    # Not the worker id, which changes at each registration: Prometheus shows it on the target only.
+    assert not [name for name in labels if "worker_id" in name]
+    (target,) = [t for t in prometheus.targets() if t["labels"]["job"] == "kvpager-workers"]
+    assert target["discoveredLabels"]["__meta_kvpager_worker_id"] == worker.worker_id
     assert scalar(prometheus, 'sum(kvpager_rpc_requests_total{method="Step",code="OK"})') >= scheduler.stats.steps
 
     # The shipped Grafana dashboard on this live stack: every expression evaluates, and every

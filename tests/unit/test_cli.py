@@ -114,6 +114,18 @@ def test_environment_feeds_defaults_and_flags_win(monkeypatch):
     assert (args.manager, args.interval) == ("127.0.0.8:1", 3.0)
 
 
+def test_each_value_says_where_it_came_from(monkeypatch):
+    monkeypatch.setenv("KVPAGER_STATS_INTERVAL", "2.5")
+    monkeypatch.setenv("KVPAGER_STATS_ONCE", "1")
+    args = parse("stats", "--count", "1", "--manager", "127.0.0.8:1")
+    where = {dest: cli.source(args, dest) for dest in ("manager", "interval", "once", "count", "tls_ca")}
+    assert where == dict(manager=cli.Source.COMMAND_LINE, interval=cli.Source.ENVIRONMENT,
+                         once=cli.Source.ENVIRONMENT, count=cli.Source.COMMAND_LINE, tls_ca=cli.Source.DEFAULT)
+    # A value typed equal to the default still came from the command line.
+    assert cli.source(parse("stats", "--interval", "1.0"), "interval") is cli.Source.COMMAND_LINE
+    assert cli.outranks(args, "count", "once") and not cli.outranks(args, "once", "count")
+
+
 def test_environment_configures_the_manager(monkeypatch):
     for name, value in dict(KVPAGER_HOST="127.0.0.3", KVPAGER_PORT="6000", KVPAGER_METRICS_PORT="0",
                             KVPAGER_BLOCK_SIZE="32", KVPAGER_ENABLE_PREFIX_CACHING="false").items():
@@ -165,6 +177,10 @@ def test_demo_reads_the_deployment_from_the_environment(monkeypatch):
     (["stats", "--interval", "inf"], {}, ["--interval", "must be > 0 and finite"]),
     (["demo", "--metrics-port", "70000"], {}, ["--metrics-port", "0..65535"]),
     (["manager", "--block-size", "0"], {}, ["kvpager manager: error: --block-size must be in [1, 1024]"]),
+    (["manager", "--insecure", "--port", "0", "--metrics-token", "/nonexistent"], {},
+     ["kvpager manager: error: --metrics-token (or KVPAGER_METRICS_TOKEN) needs --metrics-port"]),
+    (["manager", "--insecure", "--port", "0"], {"KVPAGER_METRICS_TOKEN": "/nonexistent"},
+     ["--metrics-token (or KVPAGER_METRICS_TOKEN) needs --metrics-port (or KVPAGER_METRICS_PORT)"]),
     (["worker"], {}, ["--manager (or KVPAGER_MANAGER_ADDRESS) is required"]),
     (["worker", "--manager", "127.0.0.1:1", "--device", "tpu"], {}, ["invalid choice: 'tpu'"]),
     (["worker", "--manager", "127.0.0.1:1"], {"KVPAGER_WORKER_DEVICE": "tpu"},
@@ -575,6 +591,24 @@ def test_stats_watches_a_running_manager(served):
     assert pool_total_is(total, 16) and used == 3  # 16 blocks of 4 tokens; 9 tokens use 3
 
 
+def test_stats_count_on_the_command_line_wins_over_once_from_the_environment(served, monkeypatch):
+    client, _ = served
+    monkeypatch.setenv("KVPAGER_STATS_ONCE", "1")
+
+    def tables(*flags: str) -> int:
+        out = io.StringIO()
+        assert stats_view.run(parse("stats", "--manager", client.target, "--interval", "0.05", *flags), out) == 0
+        return out.getvalue().count("kvpager manager ")
+
+    assert tables("--count", "3") == 3   # the flag wins over the environment
+    assert tables() == 1                 # the environment alone applies
+    assert tables("--once") == 1
+    monkeypatch.setenv("KVPAGER_STATS_COUNT", "3")
+    assert tables("--once") == 1         # a typed --once wins over KVPAGER_STATS_COUNT too
+    monkeypatch.delenv("KVPAGER_STATS_ONCE")
+    assert tables() == 3
+
+
 def test_stats_shows_a_manager_waiting_for_its_workers():
     server, port, service, _ = create_server(ManagerConfig(block_size=4, num_gpu_blocks=0, num_cpu_blocks=0))
     server.start()
@@ -650,6 +684,16 @@ def test_generate_refuses_what_cannot_run_before_anything_starts_naming_the_flag
     proc = kvpager("generate", "--model", str(checkpoint), "--max-model-len", "100", "hello")
     assert_one_line_error(proc, 1, "--max-model-len 100 beyond the model's max_position_embeddings 64")
     assert time.monotonic() - started < 60  # no Ray, no model load: each a few seconds
+
+
+def test_generate_ray_or_not_typed_wins_over_the_environment():
+    # Either way the command gets past the flags to the checkpoint (exit 1), not "choose one" (exit 2).
+    for env, argv in (({"KVPAGER_RAY": "1"}, ["--no-ray"]),
+                      ({"KVPAGER_NO_RAY": "1"}, ["--ray", "--tensor-parallel-size", "2"])):
+        proc = kvpager("generate", "--model", "/nonexistent", *argv, "hi", env=env)
+        assert_one_line_error(proc, 1, "cannot serve /nonexistent: /nonexistent: no such checkpoint directory")
+    proc = kvpager("generate", "--model", "/nonexistent", "hi", env={"KVPAGER_RAY": "1", "KVPAGER_NO_RAY": "1"})
+    assert_one_line_error(proc, 2, "--ray and --no-ray: choose one")
 
 
 def test_worker_with_a_metrics_port_taken_exits_1_before_ray_starts(default_manager):

@@ -10,6 +10,7 @@ checked with stand-in events.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -148,7 +149,7 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     else:
         assert allocated == reserved == 0
         device, backend = "cpu", "reference"
-    info = dict(worker_id=worker.worker_id, rank="0", tensor_parallel_size="1", device=device,
+    info = dict(rank="0", tensor_parallel_size="1", device=device,
                 attention_backend=backend, kv_cache_dtype="float32")
     assert value(m, "kvpager_worker_info", **info) == 1
     assert value(m, "process_resident_memory_bytes") > 0
@@ -156,6 +157,26 @@ def test_worker_metrics_count_what_the_worker_did(registered_worker):
     # The catalog's Worker table, both ways: each row exists with its type and labels, and
     # the worker exports no kvpager_ series the catalog does not list.
     check_exports(m, "Worker")
+
+
+def test_a_worker_that_registers_again_keeps_its_series(registered_worker):
+    """The manager gives a new worker id at each registration; no series carries it, so a worker
+    registering again (here: the manager forgot it, and its next heartbeat says so) exports the
+    same series as before, not a new set per registration."""
+    worker, service = registered_worker
+
+    def series() -> set[tuple[str, tuple]]:
+        return {(s.name, tuple(sorted(s.labels.items())))
+                for family in scrape_families(worker.metrics_address).values() for s in family.samples}
+
+    before, first_id = series(), worker.worker_id
+    service.registry.unregister(first_id)
+    deadline = time.monotonic() + 30
+    while worker.worker_id == first_id:
+        assert time.monotonic() < deadline, "the worker did not register again"
+        time.sleep(0.05)
+    assert series() == before
+    assert not [key for key in before if "worker_id" in dict(key[1])]
 
 
 def test_a_worker_without_metrics_port_serves_none():
