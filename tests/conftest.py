@@ -104,6 +104,9 @@ def _has_cuda() -> bool:
 # started first, the long ones end together with the rest instead of after it. Only the order changes:
 # every test runs either way, and a module not listed keeps its place after these.
 LONGEST_FIRST = (
+    # ~290 s on CI's cores (2026-11-28): six g++ -fsyntax-only runs over torch's headers, one thread
+    # at the lowest priority, so it may run beside the Ray tests (unlike nvcc, LAST below).
+    "tests/unit/test_torch_bindings_compile.py",
     "tests/integration/test_cli.py",               # 91: Ray heads, managers and workers as processes
     "tests/integration/test_hf_generation.py",     # 66
     "tests/integration/test_generation.py",        # 62
