@@ -114,6 +114,11 @@ class Tokenizer:
         self.byte_token_ids: frozenset[int] = frozenset(
             i for tok, i in vocab.items() if self.byte_fallback and _BYTE_TOKEN.fullmatch(tok)
         )
+        # decodes_to_nothing's answers for ids below vocab_size (so at most vocab_size entries),
+        # and its probe: ids that decode to a complete, non-empty text (None: not built yet).
+        # Shared by every detokenizer of this tokenizer; a racing thread only repeats a probe.
+        self._silent: dict[int, bool] = {}
+        self._probe: Optional[tuple[list[int], str]] = None
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -209,6 +214,38 @@ class Tokenizer:
         """The text of ``ids`` (transformers' ``decode``); special tokens left out by default."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decodes_to_nothing(self, token_id: int) -> bool:
+        """Whether ``decode`` leaves ``token_id`` out wherever it stands: a special token (with
+        ``skip_special_tokens``) or an id the tokenizer does not know.
+
+        Asked of ``decode`` itself rather than of ``special_token_ids``: which ids decode skips is
+        the backend's (the Rust tokenizer's) own list, which a Python-side list need not match.
+        The id is decoded after a probe text ("a") and is silent when it adds nothing: after a
+        complete character every other id adds at least a character (a byte token U+FFFD at
+        least, a "▁" piece a space, an added token its text). O(1): one decode of a few ids,
+        remembered for ids below ``vocab_size``.
+        """
+        known = self._silent.get(token_id)
+        if known is not None:
+            return known
+        probe_ids, probe_text = self._probe_text()
+        if probe_ids:
+            silent = self.decode(probe_ids + [token_id]) == probe_text
+        else:  # no usable probe (a tokenizer that cannot spell "a"): the Python-side lists
+            silent = token_id in self.special_token_ids or token_id not in self._known_ids
+        if 0 <= token_id < self.vocab_size:
+            self._silent[token_id] = silent
+        return silent
+
+    def _probe_text(self) -> tuple[list[int], str]:
+        """Ids whose text is non-empty and ends in a complete character, and that text; ([], "")
+        when the tokenizer has none such for "a"."""
+        if self._probe is None:
+            ids = self.encode("a", add_special_tokens=False)
+            text = self.decode(ids) if ids else ""
+            self._probe = (ids, text) if text and not text.endswith(_REPLACEMENT) else ([], "")
+        return self._probe
+
     def detokenizer(self, prompt_ids: Sequence[int] = (), *, prompt_context: bool = False) -> "IncrementalDetokenizer":
         """An ``IncrementalDetokenizer`` for one sequence generated after ``prompt_ids``."""
         return IncrementalDetokenizer(self, prompt_ids, prompt_context=prompt_context)
@@ -252,40 +289,71 @@ class IncrementalDetokenizer:
     returns what is left. Their concatenation equals ``tokenizer.decode(generated,
     skip_special_tokens=True)``: special tokens (EOS) print nothing.
 
-    Each step decodes a short window: the last tokens whose text was already printed (context)
-    and the tokens not yet printed, and prints the part of the window's text beyond the
-    context's. The context makes a token that decodes differently alone (a SentencePiece
-    ``▁word`` loses its space at the start of a text) print what it adds in the middle of the
-    text. Text is held back while it ends in U+FFFD (a UTF-8 sequence whose bytes are still to
-    come) and, for byte-fallback tokenizers, while the stream ends in a run of ``<0xNN>`` tokens
-    (such a run decodes as a whole: one invalid byte later turns all of it into U+FFFD).
+    Each push decodes a short window, the last ids of the stream, and prints that text past
+    what was printed of it. The window starts with ids whose text has printed (context): a
+    token that decodes differently alone (a SentencePiece ``▁word`` loses its space at the
+    start of a text) then prints what it adds in the middle of the text. What is held back:
 
-    ``prompt_context=True`` decodes the first tokens after the last tokens of ``prompt_ids``
-    instead, so the text continues the prompt's exactly (``decode(prompt + generated)`` minus
+    - a trailing U+FFFD (a UTF-8 sequence whose bytes may still be arriving; at most 3 bytes, so
+      everything before it is final, as it is in ``decode``'s lossy UTF-8);
+    - for byte-fallback tokenizers, a run of ``<0xNN>`` tokens that the stream ends in: such a
+      run decodes as a whole (one invalid byte later turns all of it into U+FFFD), so it stays
+      in the window, undecoded, until a token that is no byte token closes it.
+
+    Cost, O(1) amortized per push: an id that ``decode`` leaves out (special, unknown:
+    ``Tokenizer.decodes_to_nothing``) never enters the window; the window is cut back to its
+    last ``CONTEXT_TOKENS`` ids once it is longer than ``MAX_WINDOW_TOKENS``, so each push
+    decodes at most ``MAX_WINDOW_TOKENS`` ids, except the one push that closes a byte run,
+    which decodes the run once. The printed position is kept relative to the window text's end
+    when the window is cut: a decoder's text of the ids past the cut does not depend on the ids
+    before it (the lossy UTF-8 decoder is in step again at the first byte that begins a
+    character, within the last 3 ids of a held U+FFFD; a window that does not start the text
+    strips no leading space), and the cut is taken only when the kept ids end in the same
+    unprinted text.
+
+    ``prompt_context=True`` starts the window with the last tokens of ``prompt_ids`` instead,
+    so the text continues the prompt's exactly (``decode(prompt + generated)`` minus
     ``decode(prompt)``): with a SentencePiece tokenizer the first word keeps its leading space
     (a completion of "The capital of France is" prints " Paris", not "Paris").
     """
 
     # Prompt tokens kept as context in prompt_context mode (as vLLM does).
     PROMPT_CONTEXT_TOKENS = 5
+    # Ids kept when the window is cut: more than the 3 ids a held incomplete character spans.
+    CONTEXT_TOKENS = 4
+    # The longest window a push decodes (but for a byte run it closes) before the window is cut.
+    MAX_WINDOW_TOKENS = 8
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, prompt_context: bool = False) -> None:
         if not isinstance(tokenizer, Tokenizer):
             tokenizer = Tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.prompt_context = prompt_context
-        self._tokens: list[int] = []
-        if prompt_context and prompt_ids:
-            start = max(len(prompt_ids) - self.PROMPT_CONTEXT_TOKENS, 0)
-            byte_ids = tokenizer.byte_token_ids
-            # Do not cut a run of byte tokens: it decodes as a whole.
-            while start > 0 and prompt_ids[start] in byte_ids and prompt_ids[start - 1] in byte_ids:
-                start -= 1
-            self._tokens = [int(t) for t in prompt_ids[start:]]
-        self._prefix = 0                  # window start in _tokens
-        self._read = len(self._tokens)    # end of the part whose text has been printed
+        # The last ids of the stream that decode to something (never a silent id); holds the
+        # whole open byte run, if any. Only _emit and push change it.
+        self._window: list[int] = self._prompt_tail(prompt_ids) if prompt_context else []
+        # How many characters at the start of decode(_window) have been printed (or are the
+        # prompt's).
+        self._printed = len(tokenizer.decode(self._window)) if self._window else 0
         self._generated: list[int] = []
         self._finished = False
+
+    def _prompt_tail(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The last ``PROMPT_CONTEXT_TOKENS`` ids of the prompt that decode to something, and
+        more so as not to cut a run of byte tokens (it decodes as a whole)."""
+        tok = self.tokenizer
+        tail: list[int] = []  # reversed
+        for token_id in reversed(prompt_ids):
+            token_id = int(token_id)
+            if tok.decodes_to_nothing(token_id):
+                continue
+            if len(tail) >= self.PROMPT_CONTEXT_TOKENS and not (
+                token_id in tok.byte_token_ids and tail[-1] in tok.byte_token_ids
+            ):
+                break
+            tail.append(token_id)
+        tail.reverse()
+        return tail
 
     @property
     def generated(self) -> list[int]:
@@ -300,47 +368,45 @@ class IncrementalDetokenizer:
             token_id = int(token_id)  # numpy / torch integer scalars
         if token_id < 0:
             raise ValueError(f"token ids are >= 0, got {token_id}")
-        self._tokens.append(token_id)
         self._generated.append(token_id)
-        return self._step(final=False)
+        if self.tokenizer.decodes_to_nothing(token_id):
+            return ""  # decode leaves it out wherever it stands: it changes no text
+        self._window.append(token_id)
+        if token_id in self.tokenizer.byte_token_ids:
+            return ""  # an open byte run: its text depends on the bytes still to come
+        return self._emit(final=False)
 
     def finish(self) -> str:
         """The text still held back (an incomplete UTF-8 sequence prints as U+FFFD, as in ``decode``)."""
         if self._finished:
             return ""
         self._finished = True
-        return self._step(final=True)
+        return self._emit(final=True) if self._window else ""
 
-    def _step(self, final: bool) -> str:
-        decode = self.tokenizer.decode
-        if self._read == len(self._tokens) or (not final and self._open_byte_run()):
-            return ""
-        prefix_text = decode(self._tokens[self._prefix : self._read]) if self._read > self._prefix else ""
-        new_text = decode(self._tokens[self._prefix :])
-        if not final and new_text.endswith(_REPLACEMENT):
-            return ""
-        if len(new_text) <= len(prefix_text) and not final:
-            # Nothing printable yet (a special or unknown id, or text the next id completes).
-            return ""
-        # new_text starts with prefix_text for the decoders above (held back as they need); were
-        # it not so, printing past the context's length is still the best guess.
-        delta = new_text[len(prefix_text) :]
-        self._prefix = self._read
-        self._read = len(self._tokens)
-        # Keep the window short: drop context tokens before the new window start.
-        if self._prefix > 0:
-            del self._tokens[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
+    def _emit(self, final: bool) -> str:
+        """Decode the window; return its text past ``_printed`` that is final (all of it when
+        ``final``). O(len(_window))."""
+        text = self.tokenizer.decode(self._window)
+        end = len(text)
+        if not final and text.endswith(_REPLACEMENT):
+            end -= 1  # maybe a character whose bytes are still arriving
+        # text starts with the printed text for the decoders above; were it not so, printing
+        # past the printed length is still the best guess. end <= _printed: nothing new (the
+        # next id completes a character), or a cleanup (clean_up_tokenization_spaces) shortened
+        # printed text, which cannot be taken back.
+        delta = text[self._printed : end] if end > self._printed else ""
+        self._printed = max(self._printed, end)
+        if not final and len(self._window) > self.MAX_WINDOW_TOKENS and len(text) >= self._printed:
+            self._cut_window(text)
         return delta
 
-    def _open_byte_run(self) -> bool:
-        """Whether the last token that decodes to something is a byte-fallback token."""
-        tok = self.tokenizer
-        if not tok.byte_token_ids:
-            return False
-        for token_id in reversed(self._tokens[self._read :]):
-            if token_id in tok.special_token_ids or token_id not in tok._known_ids:
-                continue  # decode leaves it out: the run goes on across it
-            return token_id in tok.byte_token_ids
-        return False
+    def _cut_window(self, text: str) -> None:
+        """Keep the last ``CONTEXT_TOKENS`` ids of the window (``text`` is its decode), with the
+        printed position moved so that the same unprinted text follows it. O(CONTEXT_TOKENS)."""
+        kept = self._window[-self.CONTEXT_TOKENS :]
+        kept_text = self.tokenizer.decode(kept)
+        unprinted = len(text) - self._printed
+        if len(kept_text) < unprinted or not kept_text.endswith(text[self._printed :]):
+            return  # the kept ids do not end in the same text: keep the window, cut at a later push
+        self._window = kept
+        self._printed = len(kept_text) - unprinted

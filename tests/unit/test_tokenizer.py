@@ -349,6 +349,114 @@ def test_detokenizer_holds_back_split_characters(tokenizers, model_type):
     assert det.finish().endswith("\ufffd")
 
 
+def _non_printing_ids(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """Ids below VOCAB that print nothing by themselves: (special and unknown ids, which decode
+    leaves out; ids whose text alone is U+FFFD, byte tokens of invalid or incomplete UTF-8)."""
+    known = set(tok.hf.get_vocab().values())
+    silent = sorted(tok.special_token_ids | (set(range(VOCAB)) - known))
+    invalid = [i for i in sorted(known - tok.special_token_ids) if tok.decode([i]) == "\ufffd"]
+    assert silent and invalid
+    return silent, invalid
+
+
+def _long_silence_stream(tok: Tokenizer, rng: random.Random) -> list[int]:
+    """Words with long runs (20..300 ids) that print nothing between them: special/unknown ids,
+    invalid bytes, both, or a word's ids (a character's bytes among them) kept apart by them."""
+    silent, invalid = _non_printing_ids(tok)
+    ids: list[int] = []
+    for _ in range(rng.randint(1, 4)):
+        word = tok.encode("".join(rng.choice(CHARS) for _ in range(rng.randint(0, 12))), add_special_tokens=False)
+        run = rng.randint(20, 300)
+        kind = rng.choice(("silent", "invalid", "mixed", "apart"))
+        if kind == "apart":
+            for i in word:
+                ids += [i] + [rng.choice(silent) for _ in range(rng.randint(0, run // 4))]
+        else:
+            pool = {"silent": silent, "invalid": invalid, "mixed": silent + invalid}[kind]
+            ids += word + [rng.choice(pool) for _ in range(run)]
+    return ids
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_detokenizer_is_exact_across_long_non_printing_runs(tokenizers, model_type):
+    tok = tokenizers[model_type]
+    rng = random.Random(f"detok-silence-{model_type}")
+    for _ in range(24):
+        gen = _long_silence_stream(tok, rng)
+        prompt = tok.encode("".join(rng.choice(CHARS) for _ in range(rng.randint(0, 12))))
+        pieces = _stream(IncrementalDetokenizer(tok, prompt), gen)
+        expected = tok.decode(gen)
+        assert "".join(pieces) == expected, (gen, pieces)
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in p for p in pieces), (gen, pieces)
+        pieces = _stream(IncrementalDetokenizer(tok, prompt, prompt_context=True), gen)
+        full, prompt_text = tok.decode(prompt + gen), tok.decode(prompt)
+        if full.startswith(prompt_text):
+            assert "".join(pieces) == full[len(prompt_text) :], (gen, prompt, pieces)
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_decode_itself_says_which_ids_print_nothing(tokenizers, model_type):
+    tok = tokenizers[model_type]
+    silent, invalid = _non_printing_ids(tok)
+    audible = invalid + tok.encode("a b <think>", add_special_tokens=False)  # qwen3: <think> is no special token
+    assert all(tok.decodes_to_nothing(i) for i in silent + [10**9])
+    assert not any(tok.decodes_to_nothing(i) for i in audible)
+    # A Python-side list of special ids that misses them all changes nothing: decode is asked.
+    blind = Tokenizer(tok.hf, tok.eos_token_ids)
+    blind.special_token_ids = frozenset()
+    assert all(blind.decodes_to_nothing(i) for i in silent)
+    rng = random.Random(f"detok-blind-{model_type}")
+    for _ in range(6):
+        gen = _long_silence_stream(tok, rng)
+        assert "".join(_stream(blind.detokenizer(), gen)) == tok.decode(gen), gen
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_detokenizer_decodes_a_bounded_window(tokenizers, model_type, monkeypatch):
+    """2,000 special/unknown ids and 500 invalid bytes between two words: the ids decoded over
+    the whole stream stay linear in its length (the whole unprinted run was decoded at every
+    push: about 5 million ids here). A byte-fallback run (llama, mistral) is decoded once, when
+    a token that is no byte token closes it."""
+    tok = tokenizers[model_type]
+    silent, invalid = _non_printing_ids(tok)
+    ids = (
+        tok.encode("Hello", add_special_tokens=False)
+        + [silent[k % len(silent)] for k in range(2000)]
+        + [invalid[0]] * 500
+        + tok.encode(" world", add_special_tokens=False)
+    )
+    decoded: list[int] = []  # the length of every id list decode was given
+    real_decode = tok.decode
+
+    def counting_decode(token_ids, skip_special_tokens=True):
+        decoded.append(len(token_ids))
+        return real_decode(token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", counting_decode)
+    pieces = _stream(IncrementalDetokenizer(tok), ids)
+    monkeypatch.undo()
+    assert "".join(pieces) == tok.decode(ids)
+    assert sum(decoded) <= 4 * len(ids), (sum(decoded), len(ids))
+    long_decodes = [n for n in decoded if n > IncrementalDetokenizer.MAX_WINDOW_TOKENS + 1]
+    assert len(long_decodes) <= (1 if tok.byte_fallback else 0), long_decodes
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_byte_level_invalid_bytes_print_as_they_become_final(tokenizers, model_type):
+    """A byte-level stream of invalid UTF-8 prints U+FFFD by U+FFFD, holding back only the
+    last (its bytes may still become a character), as decode's lossy UTF-8 does. (A
+    byte-fallback run is different: one invalid byte turns all of it into U+FFFD, so it is held
+    until it ends.)"""
+    tok = tokenizers[model_type]
+    _, invalid = _non_printing_ids(tok)
+    gen = tok.encode("ab", add_special_tokens=False) + [invalid[0]] * 200
+    assert tok.decode(gen) == "ab" + "\ufffd" * 200
+    det = tok.detokenizer()
+    assert "".join(det.push(i) for i in gen) == "ab" + "\ufffd" * 199
+    assert det.finish() == "\ufffd"
+
+
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_detokenizer_streams_words_and_skips_eos(tokenizers, model_type):
     tok = tokenizers[model_type]
