@@ -94,6 +94,7 @@ class Durability:
         # Request-id entries stored by the current call: (request id, fingerprint, answer, wall time).
         self._request: list[tuple[str, bytes, Answer, float]] = []
         self._wrapped: Optional[BlockManager] = None
+        self.closed = False   # by ``close``, at shutdown
         service.requests.on_put = self._note_request
 
     def _note_request(self, request_id: str, print_: bytes, answer: Answer) -> None:
@@ -189,6 +190,14 @@ class Durability:
         could not be made durable, so it must not be answered."""
         self._wrap()
         if not self._pending and not self._request:
+            return
+        if self.closed:
+            # Only a call that outlived the shutdown's bounded wait gets here (service.close): the
+            # server stopped, so its answer cannot leave, and a restart recovers what was answered.
+            log.warning("not logged, the log is closed (shutting down): %d changes of a call that was not answered",
+                        len(self._pending))
+            self._pending.clear()
+            self._request.clear()
             return
         m = self.service.manager
         if m is not None and m._step is not None:  # a read while a mutation waits on the workers: its turn comes
@@ -375,6 +384,9 @@ class Durability:
         return m
 
     def close(self) -> None:
+        """Close the log; ``commit`` writes nothing after (the service closes it once no call is left
+        that could write: ``BlockManagerService.close``)."""
+        self.closed = True
         self.dir.close()
 
 

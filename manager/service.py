@@ -323,15 +323,27 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
         return self._metrics_server
 
     def close(self) -> None:
-        """Stop watching workers and close their channels (the server is stopped by its owner)."""
+        """Stop, once the server stopped (its owner stops it first: no answer leaves any more).
+        Calls still running there (gRPC cancelled them after the grace period, but their threads
+        run on) end without applying anything more: a plan out to the workers is cancelled and its
+        step rolled back, other calls are refused UNAVAILABLE. The write-ahead log is closed only
+        when none is left to write to it (a restart recovers exactly what was answered)."""
         self._stop.set()
+        self.state.refuse_all()
+        self.registry.close()   # no plan is sent, the ones out are cancelled: their steps end now
+        # Bounded, so that nothing keeps the process from exiting: after the cancels, only a call
+        # busy under the lock (or a bug) is left.
+        limit = self.config.worker_plan_timeout
+        if not self.state.wait_idle(limit):
+            log.warning("%d calls still run %.1fs after the shutdown began; what they change is not logged (none "
+                        "of them can be answered: the server stopped)", self.state.inside, limit)
         if self._metrics_server is not None:
             self._metrics_server.close()
         if self._monitor is not None:
             self._monitor.join(timeout=5)
-        self.registry.close()
         if self.durable is not None:
-            self.durable.close()
+            with self.state.lock:   # not while a call writes a record
+                self.durable.close()
 
 
 # The collector's generation thresholds while a manager serves (gc.set_threshold's arguments).

@@ -11,6 +11,10 @@ While a dispatch has waited longer than ``stall_after`` seconds, calls beyond ``
 that would wait on the workers too answer UNAVAILABLE at once (nothing applied), so they do not
 take every server thread from Ping, GetStats, health, heartbeats and the steps that need no
 worker. Every method is O(1) but ``released_for_workers``'s O(dispatches in flight) minimum.
+
+At shutdown ``refuse_all`` refuses every call that has not taken the lock yet, and every call
+waiting for another's step, UNAVAILABLE with nothing applied; ``wait_idle`` waits until no call is
+inside: then nothing writes the write-ahead log any more, and it can be closed.
 """
 
 from __future__ import annotations
@@ -34,20 +38,46 @@ class StateLock:
         self.max_waiting = 8
         self.stall_after = 0.02
         self.wait_limit = plan_timeout + 1.0  # how long a call waits for another's step
+        self.closing = False  # set once by ``refuse_all``: no call applies anything from then on
+        self.inside = 0       # calls in ``held``, their lock released or not (guarded by the lock)
 
     @contextlib.contextmanager
     def held(self, mutation: bool) -> Iterator[None]:
         """The state lock; a mutation also notes that its thread owns it (so that its plan's
-        dispatch may release it while the workers run the plan)."""
+        dispatch may release it while the workers run the plan). UNAVAILABLE once closing."""
         with self.lock:
-            if not mutation:
-                yield
-                return
-            self._owner = threading.get_ident()
+            self._refuse_if_closing()
+            self.inside += 1
             try:
-                yield
+                if not mutation:
+                    yield
+                    return
+                self._owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._owner = None
             finally:
-                self._owner = None
+                self.inside -= 1
+                if self.closing:
+                    self._finished.notify_all()   # ``wait_idle`` waits for the last one
+
+    def refuse_all(self) -> None:
+        """Refuse every call from now on, and wake the calls waiting for another's step (refused too)."""
+        with self.lock:
+            self.closing = True
+            self._finished.notify_all()
+
+    def wait_idle(self, limit: float) -> bool:
+        """Wait, the lock released, at most ``limit`` seconds until no call is inside ``held``; whether
+        none is. A call dispatching a plan stays inside until its plan is answered or cancelled."""
+        with self.lock:
+            return self._finished.wait_for(lambda: self.inside == 0, timeout=limit)
+
+    def _refuse_if_closing(self, method: str = "") -> None:
+        if self.closing:
+            raise Unavailable(f"{method + ': ' if method else ''}the manager is shutting down; nothing was applied: "
+                              "retry once it is back")
 
     def notify_finished(self) -> None:
         """A mutation ended: wake the calls waiting for a step to finish (the lock is held)."""
@@ -81,7 +111,10 @@ class StateLock:
         started = time.monotonic()
         try:
             with self.waiting_on_workers(method):
-                while not step.finished:
+                while True:
+                    self._refuse_if_closing(method)   # woken by ``refuse_all``, or the step ended meanwhile
+                    if step.finished:
+                        return
                     left = started + self.wait_limit - time.monotonic()
                     if left <= 0:
                         raise Unavailable(f"{method}: {busy} after waiting {self.wait_limit:.1f}s for it: retry later")
@@ -94,7 +127,9 @@ class StateLock:
         ``wait_limit``; 0 or less: not at all); whether it is."""
         timeout = self.wait_limit if limit is None else max(0.0, min(limit, self.wait_limit))
         try:
-            return self._finished.wait_for(done, timeout=timeout)
+            waited = self._finished.wait_for(lambda: self.closing or done(), timeout=timeout)
+            self._refuse_if_closing()
+            return waited
         finally:
             self._owner = threading.get_ident()  # others held the lock meanwhile: it is ours again
 

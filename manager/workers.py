@@ -88,6 +88,7 @@ class WorkerRegistry:
         # step waiting on a rank known dead fails at once instead of at the plan timeout.
         self._inflight: dict[str, set[grpc.Future]] = {}
         self.ranks_seen: set[int] = set()  # ranks that ever registered: a new one there is a replacement
+        self.closed = False  # set by ``close``: no plan is sent from then on
         self._ids = itertools.count(1)
         # Opens the channel to a worker's CacheWorker service (create_server sets TLS and the
         # manager's token here when the workers require them).
@@ -199,6 +200,8 @@ class WorkerRegistry:
             return False
         request = worker_pb2.ExecutePlanRequest(plan=plan)
         with self._lock:
+            if self.closed:
+                raise Unavailable(f"step {plan.step_id}: the manager is shutting down; the step was not applied")
             size = self.tensor_parallel_size
             missing = [r for r in range(size) if r not in self._by_rank] if size is not None else []
             if missing:
@@ -234,6 +237,8 @@ class WorkerRegistry:
         if failure is None:
             return True
         worker, why = failure
+        if self.closed and why.code in (None, grpc.StatusCode.CANCELLED):   # ``close`` cancelled it
+            raise Unavailable(f"step {plan.step_id}: the manager is shutting down; the step was rolled back")
         where = f"step {plan.step_id}: worker rank {worker.rank} at {worker.address}"
         if why.code in _PLAN_REJECTED:
             raise InvariantViolation(
@@ -245,8 +250,14 @@ class WorkerRegistry:
         raise Unavailable(f"{where} failed to execute the plan ({why.reason}); the step was not applied")
 
     def close(self) -> None:
+        """Send no plan from now on, cancel the ExecutePlan calls in flight (their steps roll back:
+        at shutdown no client waits for them any more) and close the channels."""
         with self._lock:
+            self.closed = True
             records, self._by_rank = list(self._by_rank.values()), {}
+            calls = [call for pending in self._inflight.values() for call in pending]
+        for call in calls:
+            call.cancel()
         for record in records:
             record.channel.close()
 

@@ -172,7 +172,7 @@ def zombie_returns(client: C.BlockManagerClient, service) -> None:
         register(client, "127.0.0.1:1", gpu=32, cpu=16, cache_id="A")
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
     details = refused.value.details()
-    assert "rank 0" in details and "'A'" in details and "restart the worker" in details, details
+    assert "rank 0" in details and "'A'" in details and "stop this worker" in details, details
     stats = client.get_stats()
     assert (stats.epoch, stats.lost_sequences, stats.running_sequences) == (1, 0, 1)
     assert client.get_block_table("y").num_tokens == 6
@@ -232,7 +232,7 @@ def test_a_superseded_worker_stops_asking_to_register(caplog):
     refusals = [r for r in caplog.records if "refused the worker" in r.getMessage()]
     assert len(refusals) == 1 and "superseded" in refusals[0].getMessage()
     stopped = [r.getMessage() for r in caplog.records if r.name == "kvpager.worker" and r.levelno == logging.ERROR]
-    assert len(stopped) == 1 and "stops asking" in stopped[0] and "restart the worker" in stopped[0], stopped
+    assert len(stopped) == 1 and "stops asking" in stopped[0] and "stop this worker" in stopped[0], stopped
 
 
 # ---- pools sized from the workers' capacity are bounded ------------------------------------------------
