@@ -23,6 +23,8 @@ from kvpager.numeric import percentile
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
+from ..support.plan_workers import GatedWorker
+
 PLAN_TIMEOUT = 2.0
 # Enough blocks that the appenders (47 threads, up to ~100 appends a second each over the ~3 s of
 # load, a block every 4 tokens) never run the pool dry on a fast machine: the test is about
@@ -38,25 +40,9 @@ GPU_BLOCKS = 8192
 LATENCY_LIMIT = 0.05 if (os.cpu_count() or 1) >= 8 else PLAN_TIMEOUT / 4
 
 
-class StuckWorker(worker_pb2_grpc.CacheWorkerServicer):
-    """ExecutePlan blocks until ``release`` is set (a rank stopped or stuck in a collective)."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def ExecutePlan(self, request, context):
-        self.entered.set()
-        self.release.wait(30)
-        return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
-
-    def GetMemoryStats(self, request, context):
-        return worker_pb2.WorkerMemoryStats()
-
-
-def serve_stuck_worker() -> tuple["StuckWorker", grpc.Server, int]:
-    """A StuckWorker behind a real gRPC server on 127.0.0.1: (worker, server, port)."""
-    worker = StuckWorker()
+def serve_stuck_worker() -> tuple[GatedWorker, grpc.Server, int]:
+    """A GatedWorker behind a real gRPC server on 127.0.0.1: (worker, server, port)."""
+    worker = GatedWorker()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -200,7 +186,7 @@ def test_a_stuck_rank_stalls_only_the_step_that_needs_it():
                 service.manager.check_invariants()
     finally:
         stop.set()
-        worker.release.set()
+        worker.gate.set()
         server.stop(None)
         service.close()
         worker_server.stop(None)
@@ -233,7 +219,7 @@ def test_a_rank_dropped_for_missed_heartbeats_fails_its_step_at_once():
             with service.lock:
                 service.manager.check_invariants()
     finally:
-        worker.release.set()
+        worker.gate.set()
         server.stop(None)
         service.close()
         worker_server.stop(None)
@@ -299,7 +285,7 @@ def test_a_rank_that_fails_its_plan_fails_the_step_at_once_beside_a_hung_one():
             with service.lock:
                 service.manager.check_invariants()
     finally:
-        stuck.release.set()
+        stuck.gate.set()
         server.stop(None)
         service.close()
         stuck_server.stop(None)

@@ -21,8 +21,8 @@ from kvpager.manager.wal import EXIT_LOG_FAILED
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2_grpc
 
+from ..support.plan_workers import GatedWorker
 from .test_durability import start_manager
-from .test_tentative_durability import GatedWorker
 
 
 def _register(bm: C.BlockManagerClient, port: int) -> None:
@@ -42,7 +42,7 @@ def _state(bm: C.BlockManagerClient) -> tuple:
 
 def test_sigterm_while_a_step_waits_on_a_worker_stops_cleanly_and_recovers_exactly(tmp_path):
     state_dir, log_path = str(tmp_path / "state"), str(tmp_path / "manager.log")
-    worker = GatedWorker()   # holds ExecutePlan up to 20 s: longer than the test waits for the exit
+    worker = GatedWorker(hold=20)   # holds ExecutePlan up to 20 s: longer than the test waits for the exit
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_CacheWorkerServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")

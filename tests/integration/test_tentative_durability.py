@@ -31,30 +31,8 @@ from kvpager.manager.service import BlockManagerService
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import worker_pb2, worker_pb2_grpc
 
+from ..support.plan_workers import GatedWorker
 from .test_durability import serving
-
-
-class GatedWorker(worker_pb2_grpc.CacheWorkerServicer):
-    """ExecutePlan waits for ``gate``; then answers OK, or UNAVAILABLE while ``fail`` is set."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-        self.fail = False
-        self.port = 0   # where it serves (manager_with sets it)
-
-    def ExecutePlan(self, request, context):
-        self.entered.set()
-        self.gate.wait(20)
-        if self.fail:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the test fails this plan")
-        return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
-
-    def GetMemoryStats(self, request, context):
-        return worker_pb2.WorkerMemoryStats()
-
-    def open_all(self) -> None:
-        self.gate.set()
 
 
 @contextlib.contextmanager
@@ -112,7 +90,7 @@ def seqs(state: dict) -> dict:
 def test_steps_logged_beside_a_waiting_step_recover_at_every_moment(tmp_path):
     config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0,
                            state_dir=str(tmp_path / "state"), worker_plan_timeout=20, worker_heartbeat_timeout=60)
-    worker = GatedWorker()
+    worker = GatedWorker(hold=20)
     with manager_with(worker, config) as (bm, service):
         bm.allocate("a", token_ids=[1, 2, 3, 4, 5, 6])
         bm.fork("a", "a2")
@@ -334,7 +312,7 @@ def test_a_snapshot_due_while_a_step_is_out_is_taken_when_it_finishes(tmp_path):
     rolled back; after, exactly the live state."""
     config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=32, watermark=0.0, fsync="never",
                            state_dir=str(tmp_path / "state"), worker_plan_timeout=20, worker_heartbeat_timeout=60)
-    worker = GatedWorker()
+    worker = GatedWorker(hold=20)
     with manager_with(worker, config) as (bm, service):
         durable = service.durable
         durable.dir.snapshot_records = 4

@@ -27,12 +27,13 @@ from kvpager import client as C
 from kvpager import errors
 from kvpager.manager import ManagerConfig
 from kvpager.v1 import block_manager_pb2 as pb
-from kvpager.v1 import worker_pb2, worker_pb2_grpc
+from kvpager.v1 import worker_pb2_grpc
 from kvpager.worker.cache_worker import CacheWorker, WorkerConfig
 from kvpager.worker.model import preset
 from tests.support.state import served_fingerprint
 
 from ..conftest import running_server
+from ..support.plan_workers import GatedWorker
 from .test_durability import serving
 
 BLOCK = 4
@@ -91,22 +92,6 @@ def test_a_plan_the_worker_rejects_is_internal_and_keeps_the_worker(cpu_worker):
 
 
 # ---- a registration while a step waits on the workers ----------------------------------------------------
-class GatedWorker(worker_pb2_grpc.CacheWorkerServicer):
-    """A rank whose ExecutePlan answers OK once ``gate`` is set (a rank busy with a long plan)."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def ExecutePlan(self, request, context):
-        self.entered.set()
-        self.gate.wait(30)
-        return worker_pb2.ExecutePlanResponse(step_id=request.plan.step_id)
-
-    def GetMemoryStats(self, request, context):
-        return worker_pb2.WorkerMemoryStats()
-
-
 @pytest.fixture
 def gated_worker():
     """A GatedWorker behind a real gRPC server on 127.0.0.1: (worker, address)."""
