@@ -5,7 +5,7 @@ clients alike:
 
 - ``TokenTable``: the ``--auth-tokens`` file, ``{"tokens": [{"token": "...", "tenant": "a",
   "role": "scheduler"}, ...]}`` (``"sha256": HEX`` may stand instead of ``"token"``; an optional
-  ``"quota_blocks": N`` sets the tenant's block quota). Only the SHA-256 digests are kept; a
+  ``"quota_blocks": N`` sets the tenant's block quota, ``"quota_sequences": N`` its live sequences). Only the SHA-256 digests are kept; a
   presented token is hashed and compared with every entry in constant time.
 - ``AuthInterceptor``: the one server interceptor that checks ``authorization: Bearer TOKEN``:
   none or an unknown token answers UNAUTHENTICATED, a role that may not call the method
@@ -81,6 +81,7 @@ class Identity:
     tenant: str
     role: str
     quota_blocks: Optional[int] = None  # the tenant's block quota named by this token's entry (None: none)
+    quota_sequences: Optional[int] = None  # the tenant's quota of live sequences named by this entry (None: none)
 
 
 # The identity of the caller whose RPC this thread serves (set by ``AuthInterceptor`` around the
@@ -121,9 +122,10 @@ class TokenTable:
             tenant = item.get("tenant", "")
             if not isinstance(tenant, str) or "\0" in tenant:
                 raise CredentialError(f"{where}: tokens[{i}]: tenant must be a string without NUL characters")
-            quota = item.get("quota_blocks")
-            if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 0):
-                raise CredentialError(f"{where}: tokens[{i}]: quota_blocks must be an integer >= 0")
+            quota, sequences = item.get("quota_blocks"), item.get("quota_sequences")
+            for name, value in (("quota_blocks", quota), ("quota_sequences", sequences)):
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                    raise CredentialError(f"{where}: tokens[{i}]: {name} must be an integer >= 0")
             if ("token" in item) == ("sha256" in item):
                 raise CredentialError(f'{where}: tokens[{i}]: give exactly one of "token" and "sha256"')
             if "token" in item:
@@ -140,19 +142,24 @@ class TokenTable:
             if key in seen:
                 raise CredentialError(f"{where}: tokens[{i}]: the same token appears twice")
             seen.add(key)
-            entries.append((key, Identity(tenant, role, quota)))
-        quotas: dict[str, int] = {}
-        for _, identity in entries:
-            if identity.quota_blocks is None:
-                continue
-            if quotas.setdefault(identity.tenant, identity.quota_blocks) != identity.quota_blocks:
-                raise CredentialError(f"{where}: tenant {identity.tenant!r} has two different quota_blocks")
+            entries.append((key, Identity(tenant, role, quota, sequences)))
+        for name in ("quota_blocks", "quota_sequences"):
+            quotas: dict[str, int] = {}
+            for _, identity in entries:
+                value = getattr(identity, name)
+                if value is not None and quotas.setdefault(identity.tenant, value) != value:
+                    raise CredentialError(f"{where}: tenant {identity.tenant!r} has two different {name}")
         return cls(entries)
 
     def quotas(self) -> dict[str, int]:
         """Tenant -> block quota, from the entries that name one (one value per tenant)."""
         return {identity.tenant: identity.quota_blocks for _, identity in self._entries
                 if identity.quota_blocks is not None}
+
+    def sequence_quotas(self) -> dict[str, int]:
+        """Tenant -> quota of live sequences, from the entries that name one (one value per tenant)."""
+        return {identity.tenant: identity.quota_sequences for _, identity in self._entries
+                if identity.quota_sequences is not None}
 
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "TokenTable":

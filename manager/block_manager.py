@@ -233,7 +233,7 @@ class BlockManager(SequenceOperations, SwapOperations):
         if hold_open:
             return result
         # The per-call hooks belong to this call; other calls set their own while it waits.
-        self.admit = self.on_tentative = None
+        self.admit = self.admit_sequence = self.on_tentative = None
         dispatch = self.dispatch
         assert dispatch is not None  # a step is tentative only with workers attached, or held open
         try:

@@ -32,6 +32,14 @@ class ManagerConfig:
     max_step_operations: int = 16384  # operations of one Step (each sequence of an append_batch,
                                       # swap_out or swap_in counts as one)
     max_step_forks: int = 1024        # forks in one Step
+    # What live sequences may make the manager hold (RESOURCE_EXHAUSTED above; docs/design.md). A
+    # fork takes no block, yet its table is a copy of its parent's: measured (tracemalloc), a
+    # sequence costs ~260 bytes plus its id, plus 8 bytes per table entry (a fork of a 1M-token
+    # sequence at block size 16: 512 KiB). These defaults bound that to ~130 MiB (256-character ids)
+    # + 128 MiB; 262,144 sequences is above the 100,000 live that benchmarks/manager_bench.py scales to.
+    max_sequences: int = 1 << 18      # live sequences, plus lost ones until freed
+    max_block_table_entries: int = 1 << 24  # entries of all live sequences' tables (8x the largest
+                                            # pool sized from workers)
     max_reply_bytes: int = 2 << 20    # serialized answer; a larger one is refused and rolled back
                                       # (OUT_OF_RANGE); gRPC clients accept 4 MiB by default
     # Answers kept by request id, so that a retry gets the first answer (manager/request_cache.py):
@@ -60,7 +68,7 @@ class ManagerConfig:
         if self.max_seq_len < 1:
             raise InvalidArgument(f"max_seq_len must be >= 1, got {self.max_seq_len}")
         for name in ("max_prompt_tokens", "max_id_len", "max_step_operations", "max_reply_bytes",
-                     "request_cache_entries", "request_cache_bytes"):
+                     "request_cache_entries", "request_cache_bytes", "max_sequences", "max_block_table_entries"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_step_forks < 0:

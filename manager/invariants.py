@@ -25,7 +25,8 @@ def check_manager(m: "BlockManager") -> None:
     B = m.block_size
     refs: dict[str, Counter[int]] = {GPU: Counter(), CPU: Counter()}
     fill: dict[str, dict[int, int]] = {GPU: {}, CPU: {}}
-    swapped = 0
+    swapped = entries = 0
+    owned: Counter[str] = Counter()
     for seq in m.seqs.values():
         table = seq.block_ids
         if seq.num_tokens < 1 or len(table) != ceil_div(seq.num_tokens, B):
@@ -36,6 +37,8 @@ def check_manager(m: "BlockManager") -> None:
             raise InvariantViolation(f"sequence {quote(seq.seq_id)}: hash state out of step with its length")
         check_packed(seq)
         swapped += seq.tier == CPU
+        entries += len(table)
+        owned[m.seqs.owner(seq.seq_id)] += 1
         refs[seq.tier].update(table)
         for i, b in enumerate(table):
             filled = min(B, seq.num_tokens - i * B)
@@ -45,6 +48,10 @@ def check_manager(m: "BlockManager") -> None:
         raise InvariantViolation(f"sequence {quote(both[0])} is both live and lost")
     if swapped != m.seqs.num_swapped:
         raise InvariantViolation(f"{swapped} sequences swapped out, counter says {m.seqs.num_swapped}")
+    if entries != m.seqs.num_entries:
+        raise InvariantViolation(f"{entries} block-table entries in live sequences, counter says {m.seqs.num_entries}")
+    if owned != m.seqs.owned:
+        raise InvariantViolation(f"live sequences per tenant {dict(owned)}, counters say {m.seqs.owned}")
     for tier, pool in ((GPU, m.gpu), (CPU, m.cpu)):
         check_pool(pool, refs[tier])
         for b, filled in fill[tier].items():

@@ -123,10 +123,11 @@ class Durability:
         when it becomes tentative and ("finish", ...) when the workers answered."""
         pending = self._pending
         before = m.steps
-        # The service's admission hook (tenant quotas) decides outside the manager's state:
-        # its decisions are logged, in order, and replayed as they were.
-        live_admit = m.admit
+        # The service's admission hooks (tenant quotas of blocks and of sequences) decide outside
+        # the manager's state: each hook's decisions are logged, in order, and replayed as they were.
+        live_admit, live_admit_sequence = m.admit, m.admit_sequence
         decisions: Optional[list[Decision]] = None
+        sequence_decisions: Optional[list[Decision]] = None
         if live_admit is not None:
             made: list[Decision] = []
             decisions = made
@@ -140,6 +141,19 @@ class Durability:
                 made.append(None)
 
             m.admit = admit
+        if live_admit_sequence is not None:
+            made_sequences: list[Decision] = []
+            sequence_decisions = made_sequences
+
+            def admit_sequence(what: str) -> None:
+                try:
+                    live_admit_sequence(what)
+                except ManagerError as err:
+                    made_sequences.append((status_of(err), str(err)))
+                    raise
+                made_sequences.append(None)
+
+            m.admit_sequence = admit_sequence
         opened: list[int] = []
 
         def on_tentative(result: StepResult) -> None:
@@ -147,7 +161,7 @@ class Durability:
             # plan were applied after it.
             opened.append(result.step_id)
             pending.append(("open", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
-                            _codes(result), decisions))
+                            _codes(result), decisions, sequence_decisions))
             self.commit()   # synced: its plan goes to the workers next, and its step id must stay spent
 
         m.on_tentative = on_tentative
@@ -171,11 +185,13 @@ class Durability:
             m.on_tentative = None
             if live_admit is not None:
                 m.admit = live_admit
+            if live_admit_sequence is not None:
+                m.admit_sequence = live_admit_sequence
         if opened:
             pending.append(("finish", opened[0], True, None))
         else:
             pending.append(("step", before, [_plain(op) for op in ops], all_or_nothing, batch, layout,
-                            _codes(result), decisions))
+                            _codes(result), decisions, sequence_decisions))
         return result
 
     def event(self, *what: Any) -> None:
@@ -316,23 +332,32 @@ class Durability:
         if m is None:
             raise CorruptState(f"log record {index}: {kind} before any pool exists")
         if kind in ("step", "open"):
-            _, before, ops, all_or_nothing, batch, layout, codes, decisions = change
+            # Logs written before the sequence quota existed end at the block quota's decisions.
+            _, before, ops, all_or_nothing, batch, layout, codes, decisions, *rest = change
+            sequence_decisions: Optional[list[Decision]] = rest[0] if rest else None
             m.steps = before
             args = {} if layout is None else {"layout": layout}
             replayed = iter(decisions or ())
+            replayed_sequences = iter(sequence_decisions or ())
 
             def admit(what: str, blocks: int) -> None:
                 decision = next(replayed, None)
                 if decision is not None:
                     raise error_for(decision[0], decision[1])
 
+            def admit_sequence(what: str) -> None:
+                decision = next(replayed_sequences, None)
+                if decision is not None:
+                    raise error_for(decision[0], decision[1])
+
             m.admit = admit if decisions is not None else None
+            m.admit_sequence = admit_sequence if sequence_decisions is not None else None
             try:
                 result = m.step(ops, all_or_nothing, batch, **args, hold_open=kind == "open")
             except ManagerError as err:
                 raise CorruptState(f"log record {index}: replaying step {before + 1} raised {err!r}") from err
             finally:
-                m.admit = None
+                m.admit = m.admit_sequence = None
             if (kind == "open") != (result.step_id in m.tentative.steps):
                 raise CorruptState(f"log record {index}: step {result.step_id} was logged "
                                    f"{'tentative' if kind == 'open' else 'committed'} but does not replay so")

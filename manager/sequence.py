@@ -1,6 +1,11 @@
 """The sequence table: each live sequence's block table, length, tier and prefix-hash state.
 
-O(1) lookup, add and remove by id (a dict). Mutations go through ``SequenceTable`` so that
+O(1) lookup, add and remove by id (a dict). It also keeps what the manager's limits on live
+sequences read in O(1) (``max_sequences``, ``max_block_table_entries``, tenants'
+``quota_sequences``: ``manager/state.py``): the block-table entries of all live sequences and the
+live sequences of each owner (tenant). Both are derived from the table (``add``, ``remove``,
+``save``'s undo, and the operations that lengthen a table: ``lengthened``), never logged, so a
+recovered table rebuilds them; the invariant checker recounts them. Mutations go through ``SequenceTable`` so that
 the journal can undo them; ``save`` snapshots what an operation may change in O(1), never
 copying the block table or the pending tokens (operations only append to them, replace the
 table's last entry, or replace either list whole). Every change of a block table comes after
@@ -44,11 +49,20 @@ class Sequence:
     packed_row: bytes = b""
 
 
+def _no_owner(seq_id: str) -> str:
+    return ""
+
+
 class SequenceTable:
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: Journal, owner: Callable[[str], str] = _no_owner) -> None:
         self._seqs: dict[str, Sequence] = {}
         self._journal = journal
         self.num_swapped = 0
+        # The owner (tenant) of a sequence id: ``manager/tenancy.py``'s ``tenant_of``, passed in so
+        # that this module stays below tenancy (which reads the table). O(length of the id).
+        self.owner = owner
+        self.num_entries = 0                  # block-table entries of all live sequences
+        self.owned: dict[str, int] = {}       # owner -> its live sequences (owners with none are absent)
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -71,16 +85,37 @@ class SequenceTable:
     def num_running(self) -> int:
         return len(self._seqs) - self.num_swapped
 
+    def owned_by(self, owner: str) -> int:
+        """Live sequences of ``owner``. O(1)."""
+        return self.owned.get(owner, 0)
+
+    def _count(self, seq: Sequence, sign: int) -> None:
+        """Count ``seq`` in (1) or out (-1) of the entry and owner counts. O(length of its id)."""
+        self.num_entries += sign * len(seq.block_ids)
+        owner = self.owner(seq.seq_id)
+        held = self.owned.get(owner, 0) + sign
+        if held:
+            self.owned[owner] = held
+        else:
+            del self.owned[owner]   # so that the map holds only owners with live sequences
+
+    def lengthened(self, entries: int) -> None:
+        """A live sequence's table got ``entries`` more entries (an append's new blocks), after
+        ``save`` (whose undo takes them back). O(1)."""
+        self.num_entries += entries
+
     def add(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
         if seq.tier == CPU:
             self.num_swapped += 1
+        self._count(seq, 1)
         self._journal.record(self._undo_add, seq)
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq.seq_id]
         if seq.tier == CPU:
             self.num_swapped -= 1
+        self._count(seq, -1)
         self._journal.record(self.add_silently, seq)
 
     def set_tier(self, seq: Sequence, tier: str) -> None:
@@ -104,6 +139,7 @@ class SequenceTable:
                  last_hash: Optional[bytes], pending: Optional[list[int]], pending_len: int) -> None:
         # Operations only append to a table or replace its last entry or the whole list, and
         # only extend pending_tokens in place (or replace it): truncation undoes them.
+        self.num_entries += length - len(seq.block_ids)   # the table it has now (a swap replaced it whole)
         del table[length:]
         if length and last is not None:
             table[-1] = last
@@ -120,8 +156,10 @@ class SequenceTable:
         del self._seqs[seq.seq_id]
         if seq.tier == CPU:
             self.num_swapped -= 1
+        self._count(seq, -1)
 
     def add_silently(self, seq: Sequence) -> None:
         self._seqs[seq.seq_id] = seq
         if seq.tier == CPU:
             self.num_swapped += 1
+        self._count(seq, 1)

@@ -82,6 +82,7 @@ class SequenceOperations(ManagerState):
                 hits.pop()  # the whole prompt is cached: recompute its last block to get logits
 
         new = num_blocks - len(hits)
+        self._admit_sequence(f"allocate {quote(op.seq_id)}", num_blocks)
         self._admit(f"allocate {quote(op.seq_id)}", new, hits)
 
         for b in hits:
@@ -155,6 +156,7 @@ class SequenceOperations(ManagerState):
         run: Optional[list[Sequence | _InPlace]] = None  # the current run of in-place appends (the journal holds it)
         written: list[int] = []  # last blocks appended to here, not yet in the step's sets
         filled = 0  # in-place appends: slots filled, added to the pool's count at the end
+        entries = 0  # blocks added to tables here (not through ``_grow``), added to the table's count at the end
         try:
             for i, seq_id in enumerate(seq_ids):
                 seq = lookup(seq_id)
@@ -213,6 +215,7 @@ class SequenceOperations(ManagerState):
                         save(seq)
                         last = gpu.allocate()
                         seq.block_ids.append(last)
+                        entries += 1
                         gpu.fill(last, 1)
                         seq.num_tokens = n + 1
                         pending = seq.pending_tokens
@@ -247,6 +250,7 @@ class SequenceOperations(ManagerState):
                     result.failures.append((i, err))
         finally:
             gpu.filled_slots += filled
+            self.seqs.lengthened(entries)
         if written and step is not None:
             step.written.update(written)
             step.computed.update(written)
@@ -321,6 +325,8 @@ class SequenceOperations(ManagerState):
             gpu.decref(shared)
             new_ids.append(private)
             self.counters.cow_copies += 1
+        if total > len(table):
+            self.seqs.lengthened(total - len(table))
         while len(table) < total:
             bid = gpu.allocate()
             table.append(bid)
@@ -383,8 +389,9 @@ class SequenceOperations(ManagerState):
         parent = self._get_running(op.parent_seq_id, "fork")
         self._check_new_id(op.child_seq_id)
         # The answer holds the child's table once in the result and once per table layout of the batch.
-        self._charge((1 + self._table_copies()) * len(parent.block_ids),
-                     f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}")
+        what = f"fork {quote(op.parent_seq_id)} -> {quote(op.child_seq_id)}"
+        self._admit_sequence(what, len(parent.block_ids))
+        self._charge((1 + self._table_copies()) * len(parent.block_ids), what)
         for b in parent.block_ids:
             self.gpu.incref(b)
         pending = list(parent.pending_tokens) if parent.pending_tokens is not None else None

@@ -74,6 +74,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
         self.state = StateLock(config.worker_plan_timeout)
         self.state_lock = self.lock = self.state.lock
         self.quotas: dict[str, int] = {}  # tenant -> block quota (create_server: the tokens file's quota_blocks)
+        self.sequence_quotas: dict[str, int] = {}  # tenant -> live sequences (the tokens file's quota_sequences)
         self.requests = RequestCache(request_cache_size or config.request_cache_entries, config.request_cache_bytes,
                                      config.request_cache_ttl)
         self.health = health_servicer
@@ -157,16 +158,19 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
 
     @contextlib.contextmanager
     def _quota(self, scope: tenancy.Scope) -> Iterator[None]:
-        """Enforce the caller's block quota, if it has one, on the step run inside."""
-        quota = self.quotas.get(scope.tenant)
-        if quota is None or self.manager is None:
+        """Enforce the caller's block and sequence quotas, if it has them, on the step run inside."""
+        quota, sequences = self.quotas.get(scope.tenant), self.sequence_quotas.get(scope.tenant)
+        if (quota is None and sequences is None) or self.manager is None:
             yield
             return
-        self.manager.admit = tenancy.QuotaCheck(self.manager, scope.tenant, quota)
+        if quota is not None:
+            self.manager.admit = tenancy.QuotaCheck(self.manager, scope.tenant, quota)
+        if sequences is not None:
+            self.manager.admit_sequence = tenancy.SequenceQuotaCheck(self.manager, scope.tenant, sequences)
         try:
             yield
         finally:
-            self.manager.admit = None
+            self.manager.admit = self.manager.admit_sequence = None
 
     def _apply_as(self, op: Operation, encode: Callable[[Any], Any]) -> Answer:
         """``_apply`` in the caller's tenant: its ids mapped to keys, the answer and errors mapped back."""
@@ -367,7 +371,8 @@ def settle_garbage_collector() -> tuple[int, int, int]:
 def create_server(manager: BlockManager | ManagerConfig | None = None, address: str = "127.0.0.1:0",
                   max_workers: int = 16, *, tokens: Optional[TokenTable] = None, tls: Optional[TLS] = None,
                   worker_tls: Optional[TLS] = None, worker_token: Optional[str] = None,
-                  quotas: Optional[dict[str, int]] = None) -> tuple[grpc.Server, int, BlockManagerService, HealthService]:
+                  quotas: Optional[dict[str, int]] = None, sequence_quotas: Optional[dict[str, int]] = None,
+                  ) -> tuple[grpc.Server, int, BlockManagerService, HealthService]:
     """Build (not start) a server; returns (server, port, service, health_servicer).
     Call ``service.close()`` after stopping the server.
 
@@ -377,7 +382,8 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
     ``kvpager.auth.TLS`` with a certificate, and a client CA for mutual TLS) serves TLS. The
     channels to the workers use ``worker_tls`` (its ``ca`` verifies them, its certificate is the
     manager's client certificate) and send ``worker_token``. ``quotas`` (tenant -> blocks) adds to
-    the tokens' ``quota_blocks`` (docs/security.md, "Tenants")."""
+    the tokens' ``quota_blocks``, ``sequence_quotas`` (tenant -> live sequences) to their
+    ``quota_sequences`` (docs/security.md, "Tenants")."""
     health_servicer = HealthService()
     if isinstance(manager, BlockManager):
         service = BlockManagerService(manager.config, manager, health_servicer)
@@ -391,6 +397,7 @@ def create_server(manager: BlockManager | ManagerConfig | None = None, address: 
                          options=[("grpc.so_reuseport", 0)])
     health_servicer.epoch = lambda: service.caches.epoch
     service.quotas = {**(tokens.quotas() if tokens is not None else {}), **(quotas or {})}
+    service.sequence_quotas = {**(tokens.sequence_quotas() if tokens is not None else {}), **(sequence_quotas or {})}
     service.state.max_waiting = max(1, max_workers // 2)
     if worker_tls is not None or worker_token:
         service.registry.connect = lambda target: auth.channel(target, worker_tls, worker_token)

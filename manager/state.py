@@ -32,7 +32,7 @@ from .plan import (
     StepResult,
     TableLayout,
 )
-from .tenancy import client_len
+from .tenancy import client_len, tenant_of
 from .sequence import GPU, Sequence, SequenceTable
 from .counts import Counters, OperationCounts
 from .tentative import TentativeSteps
@@ -84,7 +84,7 @@ class ManagerState:
         self.gpu = BlockPool(self.config.num_gpu_blocks, self._journal, "gpu", self.config.enable_prefix_caching,
                              reserve_null=True)
         self.cpu = BlockPool(self.config.num_cpu_blocks, self._journal, "cpu", caching=False)
-        self.seqs = SequenceTable(self._journal)
+        self.seqs = SequenceTable(self._journal, tenant_of)
         self.counters = Counters()
         self.op_counts = OperationCounts()
         self.steps = 0
@@ -107,6 +107,10 @@ class ManagerState:
         # before it changes anything, like its check of the pool's room: the service's per-tenant
         # quota check, set for one step. Raising a ManagerError refuses the operation. None: no check.
         self.admit: Optional[Callable[[str, int], None]] = None
+        # Called as admit_sequence(what) by an allocate or fork about to add a live sequence, after
+        # the manager's own limits passed (``_admit_sequence``), before it changes anything: the
+        # service's per-tenant sequence quota, set for one step. Raising a ManagerError refuses it.
+        self.admit_sequence: Optional[Callable[[str], None]] = None
         # Wraps every step (the write-ahead log records it there: manager/recovery.py); called
         # with the unlogged step function and the step's arguments. None: steps are not logged.
         self.step_log: Optional[StepLog] = None
@@ -187,6 +191,28 @@ class ManagerState:
                 f"{self.watermark_blocks} are kept in reserve", needed=new, free=available - self.watermark_blocks)
         if self.admit is not None:
             self.admit(what, new + len(states) - states.count(USED))
+
+    def _admit_sequence(self, what: str, entries: int) -> None:
+        """Admission of one more sequence whose block table has ``entries`` entries (an allocate's
+        prompt, a fork's copy of its parent's table: a fork takes no block, yet the manager keeps
+        a table for the child, 8 bytes an entry). RESOURCE_EXHAUSTED when the sequences the
+        manager holds (live ones, and lost ones until they are freed) are ``max_sequences``
+        already, or when the live tables would pass ``max_block_table_entries``; then the
+        service's per-tenant check (``admit_sequence``). O(1): the table keeps the counts."""
+        config, seqs = self.config, self.seqs
+        held = len(seqs) + len(self.lost)
+        if held >= config.max_sequences:
+            lost = f" ({len(self.lost)} of them lost, until freed)" if self.lost else ""
+            raise ResourceExhausted(
+                f"{what}: the manager holds {held} sequences{lost}, its limit (max_sequences {config.max_sequences}); "
+                "free sequences first")
+        if seqs.num_entries + entries > config.max_block_table_entries:
+            raise ResourceExhausted(
+                f"{what}: its block table of {entries} entries would take the live sequences' tables to "
+                f"{seqs.num_entries + entries} entries, over the limit (max_block_table_entries "
+                f"{config.max_block_table_entries}); free sequences first")
+        if self.admit_sequence is not None:
+            self.admit_sequence(what)
 
     def _get_running(self, seq_id: str, what: str) -> Sequence:
         seq = self._get(seq_id)

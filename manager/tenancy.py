@@ -252,3 +252,21 @@ class QuotaCheck:
             raise ResourceExhausted(
                 f"{what}: needs {blocks} more GPU blocks; tenant {self.tenant!r} holds {held} of its quota of "
                 f"{self.quota} (quota_blocks)", needed=blocks, free=max(0, self.quota - held))
+
+
+class SequenceQuotaCheck:
+    """Enforces one tenant's quota of live sequences during one step (``BlockManager.admit_sequence``):
+    an allocate or fork that would give the tenant one more than its quota is refused
+    RESOURCE_EXHAUSTED before it changes anything, so that one tenant cannot take every sequence
+    (``max_sequences``) or the manager's memory from the others. O(1): the sequence table counts
+    each tenant's live sequences (running and swapped out; lost ones are not live)."""
+
+    def __init__(self, manager: BlockManager, tenant: str, quota: int) -> None:
+        self.manager, self.tenant, self.quota = manager, tenant, quota
+
+    def __call__(self, what: str) -> None:
+        held = self.manager.seqs.owned_by(self.tenant)
+        if held >= self.quota:
+            raise ResourceExhausted(
+                f"{what}: tenant {self.tenant!r} holds {held} live sequences, its quota of {self.quota} "
+                "(quota_sequences); free sequences first")

@@ -47,6 +47,10 @@ _CONFIG_HELP = {
     "max_step_operations": "most operations in one Step; each sequence of an append_batch, swap_out or swap_in "
                            "counts as one (INVALID_ARGUMENT above)",
     "max_step_forks": "most forks in one Step (INVALID_ARGUMENT above)",
+    "max_sequences": "most sequences held at once: live ones, and lost ones until freed (an Allocate or Fork "
+                     "above is refused RESOURCE_EXHAUSTED)",
+    "max_block_table_entries": "most block-table entries of all live sequences together; a fork copies its "
+                               "parent's table (an Allocate or Fork above is refused RESOURCE_EXHAUSTED)",
     "max_reply_bytes": "largest answer in bytes; a call whose answer would be larger is refused, nothing "
                        "applied (OUT_OF_RANGE)",
     "request_cache_entries": "answers kept by request id for retries, at most this many",
