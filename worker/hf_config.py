@@ -3,10 +3,11 @@
 Supported: the Llama family of decoders that kvpager computes exactly as transformers does
 (``worker.model``): ``llama`` (Llama 2, 3, 3.1, 3.2, with rope_scaling type ``llama3``, tied or
 untied embeddings, ``attention_bias``, ``mlp_bias``), ``mistral``, ``qwen2`` (Qwen2, Qwen2.5:
-q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm). Anything else, or a feature the model code
-does not implement (another RoPE type, another activation, a sliding window shorter than the
-served context, a quantized checkpoint...), raises ``UnsupportedModel`` with a one-line message
-naming it; nothing is approximated.
+q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm); RoPE types default, linear, dynamic (within
+max_position_embeddings, where its frequencies are the default ones) and llama3. Anything else,
+or a feature the model code does not implement (another RoPE type, another activation, a
+sliding window shorter than the served context, a quantized checkpoint...), raises
+``UnsupportedModel`` with a one-line message naming it; nothing is approximated.
 
 Both ways transformers writes RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (hub
 checkpoints) and ``rope_parameters`` (transformers 5), with transformers' precedence (see
@@ -35,7 +36,7 @@ class UnsupportedModel(ValueError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"unsupported model: {what} (kvpager serves model types "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} with default or llama3 RoPE, SiLU MLPs and "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} with default, linear, dynamic or llama3 RoPE, SiLU MLPs and "
                          f"full causal attention)")
 
 
@@ -52,12 +53,22 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True, slots=True)
 class Rope:
-    theta: float = 10000.0
+    """How q and k are rotated: ``theta ** (-2i / freq_dim)`` for i < head_dim / 2, then scaled."""
+
+    theta: float = 10000.0               # for dynamic NTK: its base at max_position_embeddings
     llama3: Optional[Llama3RopeScaling] = None
+    linear_factor: Optional[float] = None  # rope_type "linear": every frequency divided by it
+    # The exponent's denominator where it is not head_dim: transformers' linear, dynamic and
+    # llama3 types use int(head_dim * partial_rotary_factor), which rotates the whole head only
+    # when it is head_dim - 1 (or head_dim, kept as None).
+    freq_dim: Optional[int] = None
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """The float32 inverse frequencies ``[head_dim / 2]``, as transformers computes them."""
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = self.freq_dim or head_dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        if self.linear_factor is not None:
+            return inv / self.linear_factor
         s = self.llama3
         if s is None:
             return inv
@@ -71,7 +82,7 @@ class Rope:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
 
-    # Neither RoPE type kvpager implements scales cos/sin (transformers' attention_scaling is 1).
+    # No RoPE type kvpager implements scales cos/sin (transformers' attention_scaling is 1).
     attention_scaling = 1.0
 
 
@@ -270,18 +281,35 @@ def _rope(c: dict[str, Any], head_dim: int) -> Rope:
         raise UnsupportedModel(f"rope_theta {theta!r} (a positive number expected)")
     theta = float(theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModel(f"partial_rotary_factor {partial}")
-    if rope_type == "default":
+    if rope_type == "default":   # these four models' default RoPE ignores partial_rotary_factor
         return Rope(theta)
-    if rope_type != "llama3":
-        raise UnsupportedModel(f"rope_type {rope_type!r} (only default and llama3)")
+    if rope_type not in ("linear", "dynamic", "llama3"):
+        raise UnsupportedModel(f"rope_type {rope_type!r} (only default, linear, dynamic and llama3)")
+    dim = _rotary_dim(params, c, head_dim, rope_type)
+    freq_dim = None if dim == head_dim else dim
+    if rope_type in ("linear", "dynamic"):
+        if "factor" not in params:
+            raise UnsupportedModel(f"{rope_type} rope scaling without factor")
+        factor = _positive_number(params["factor"], f"{rope_type} rope scaling factor")
+    if rope_type == "linear":
+        return Rope(theta, linear_factor=float(factor), freq_dim=freq_dim)
+    if rope_type == "dynamic":
+        # Dynamic NTK rescales theta once a sequence passes max_position_embeddings (transformers
+        # recomputes the frequencies at run time); kvpager serves no longer sequences
+        # (max_model_len <= max_position_embeddings), where the base is this one, as transformers
+        # computes it at that length.
+        if dim == 2:
+            raise UnsupportedModel("dynamic rope scaling over a rotary dim of 2 (transformers divides by zero)")
+        max_pos = c["max_position_embeddings"]
+        return Rope(theta * ((factor * max_pos / max_pos) - (factor - 1)) ** (dim / (dim - 2)), freq_dim=freq_dim)
     # A top-level original_max_position_embeddings (written by some Llama 3 fine-tunes) is put
     # over the dict's own when transformers computes the llama3 frequencies; then the dict's;
-    # then max_position_embeddings.
+    # then max_position_embeddings. transformers computes with any number there; an integral
+    # float (8192.0) is the integer it means, another one is refused.
     original = c["original_max_position_embeddings"] if "original_max_position_embeddings" in c else \
         params.get("original_max_position_embeddings", c["max_position_embeddings"])
+    if isinstance(original, float) and original.is_integer():
+        original = int(original)
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
         raise UnsupportedModel(f"llama3 rope scaling with original_max_position_embeddings {original!r} "
                                f"(a positive integer expected)")
@@ -295,23 +323,82 @@ def _rope(c: dict[str, Any], head_dim: int) -> Rope:
         raise UnsupportedModel(f"llama3 rope scaling {params!r} (numbers expected)") from None
     if scaling.high_freq_factor == scaling.low_freq_factor:
         raise UnsupportedModel("llama3 rope scaling with high_freq_factor == low_freq_factor")
-    return Rope(theta, scaling)
+    return Rope(theta, scaling, freq_dim=freq_dim)
+
+
+def _positive_number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UnsupportedModel(f"{what} {value!r} (a positive number expected)")
+    return value
+
+
+def _rotary_dim(params: dict[str, Any], c: dict[str, Any], head_dim: int, rope_type: str) -> int:
+    """The dimension in the exponent of transformers' scaled RoPE types: int(head_dim *
+    partial_rotary_factor), the rope dict's own factor over the top level's. Its model rotates
+    all head_dim dims with 2 * ceil(dim / 2) frequencies, and fails on any other length."""
+    if "partial_rotary_factor" in params:
+        partial = params["partial_rotary_factor"]
+    else:   # transformers drops a null at the top level (not in the dict)
+        partial = 1.0 if c.get("partial_rotary_factor") is None else c["partial_rotary_factor"]
+    dim = int(head_dim * _positive_number(partial, "partial_rotary_factor"))
+    if dim not in (head_dim - 1, head_dim):
+        raise UnsupportedModel(f"partial_rotary_factor {partial} with rope_type {rope_type!r} (rotates {dim} of "
+                               f"{head_dim} head dims: transformers' model fails on it)")
+    return dim
 
 
 def _sliding_window(model_type: str, c: dict[str, Any]) -> Optional[int]:
     """The window some layer applies, as transformers decides it (None: every layer attends to
     the whole context)."""
+    layer_types = _layer_types(model_type, c)
     window = c.get("sliding_window")
-    if window is None or model_type == "llama":
-        return None
+    if model_type == "llama":
+        # Llama's attention masks no window, but transformers' cache keeps only the last
+        # sliding_window tokens of a layer it thinks slides (all of them without layer_types), so
+        # its generate() parts from its own forward: kvpager takes the window as it comes.
+        sliding = "sliding_attention" in layer_types if layer_types is not None else window is not None
+        if not sliding:
+            return None
+        if window is None:
+            raise UnsupportedModel("layer_types with sliding_attention and no sliding_window (transformers' "
+                                   "cache fails on it)")
+        return _int(c, "sliding_window")
     if model_type in ("qwen2", "qwen3"):
-        if not c.get("use_sliding_window"):
+        full = c["max_window_layers"]   # typed in transformers' config: checked whether used or not
+        if isinstance(full, bool) or not isinstance(full, int):
+            raise UnsupportedModel(f"max_window_layers {full!r} (an integer expected)")
+        if not _bool(c, "use_sliding_window"):
+            window = None                  # transformers drops the window
+        if layer_types is None:
+            sliding = window is not None and full < c["num_hidden_layers"]
+        elif "sliding_attention" in layer_types and window is None:
+            raise UnsupportedModel("layer_types with sliding_attention and no window (use_sliding_window false or "
+                                   "sliding_window null: transformers' model fails on it)")
+        else:
+            sliding = "sliding_attention" in layer_types
+        if not sliding:
             return None
-        n, full = c["num_hidden_layers"], c["max_window_layers"]
-        layer_types = c.get("layer_types") or ["sliding_attention" if i >= full else "full_attention" for i in range(n)]
-        if "sliding_attention" not in layer_types:
-            return None
+    if window is None:
+        return None
     return _int(c, "sliding_window")
+
+
+def _layer_types(model_type: str, c: dict[str, Any]) -> Optional[list[str]]:
+    """config.json's layer_types (None: not given) where transformers' model runs them: one per
+    layer, each full or sliding attention ("attention" is its older name of full)."""
+    layer_types = c.get("layer_types")
+    if layer_types is None:
+        return None
+    if model_type == "mistral":
+        raise UnsupportedModel("mistral with layer_types (transformers builds a ministral model for it)")
+    if not isinstance(layer_types, list) or len(layer_types) != c["num_hidden_layers"]:
+        raise UnsupportedModel(f"layer_types {layer_types!r} (a list of num_hidden_layers "
+                               f"{c['num_hidden_layers']} layer types expected)")
+    named = ["full_attention" if t == "attention" else t for t in layer_types]
+    other = sorted({str(t) for t in named} - {"full_attention", "sliding_attention"})
+    if other:
+        raise UnsupportedModel(f"layer_types {', '.join(other)} (only full_attention and sliding_attention)")
+    return named
 
 
 # ---- seeded random-weight models -------------------------------------------------------------------

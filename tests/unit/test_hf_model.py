@@ -46,6 +46,13 @@ CASES = {
     "qwen2-qkv-biases": dict(model_type="qwen2"),
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=32),
     "llama-llama3-rope-top-level-original-max": dict(model_type="llama", max_position_embeddings=1024),
+    # int(16 * 0.97) = 15: transformers' scaled RoPE types put 15, not head_dim, in the exponent.
+    "llama-linear-rope-partial-rotary": dict(model_type="llama", rope_scaling=dict(rope_type="linear", factor=4.0),
+                                             partial_rotary_factor=0.97),
+    # Dynamic NTK within max_position_embeddings (64 > the 20 positions run); int(32 * 0.97) = 31.
+    "qwen3-dynamic-rope-partial-rotary": dict(model_type="qwen3", head_dim=32, max_position_embeddings=64,
+                                              rope_scaling=dict(rope_type="dynamic", factor=2.0,
+                                                                partial_rotary_factor=0.97)),
 }
 # Hub-style config.json settings written over a case's (its rope_parameters dropped). Here the
 # top-level original_max_position_embeddings (as some Llama 3 fine-tunes write it), which
@@ -195,6 +202,8 @@ def test_checkpoint_features_reach_the_config(checkpoints):
     assert cfgs["qwen2-qkv-biases"].attention_bias and not cfgs["qwen2-qkv-biases"].o_proj_bias
     qwen3 = cfgs["qwen3-qk-norm"]
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.num_q_heads * qwen3.head_dim == 2 * qwen3.hidden_size
+    assert cfgs["llama-linear-rope-partial-rotary"].rope == Rope(10000.0, linear_factor=4.0, freq_dim=15)
+    assert cfgs["qwen3-dynamic-rope-partial-rotary"].rope == Rope(10000.0, freq_dim=31)
 
 
 def test_hub_style_rope_settings_read_like_transformers_5(checkpoints):
@@ -227,6 +236,19 @@ ROPE_SETTINGS = {
                                                                                                    **LLAMA3}),
     "rope_parameters theta over the top level's": dict(rope_parameters=dict(rope_type="default", rope_theta=5e5)),
     "empty rope_scaling": dict(rope_scaling={}, rope_parameters=dict(LLAMA3, rope_theta=5e5)),
+    "integral float original max": dict(rope_scaling=LLAMA3, original_max_position_embeddings=4096.0),
+    "linear": dict(rope_scaling=dict(rope_type="linear", factor=4.0)),
+    "linear, older type key, int factor": dict(rope_scaling=dict(type="linear", factor=3)),
+    # Below max_position_embeddings dynamic NTK's frequencies are the default ones (its run-time
+    # update starts past it, where kvpager serves nothing).
+    "dynamic": dict(rope_parameters=dict(rope_type="dynamic", factor=1.7, rope_theta=5e5)),
+    # Default RoPE ignores partial_rotary_factor; the scaled types put int(head_dim * factor) in the
+    # exponent (7 of head dim 8 for llama, 127 of qwen3's 128), the dict's own over the top level's.
+    "default, partial rotary": dict(partial_rotary_factor=0.5),
+    "linear, partial rotary": dict(rope_scaling=dict(rope_type="linear", factor=4.0), partial_rotary_factor=0.995),
+    "dynamic, partial rotary": dict(rope_parameters=dict(rope_type="dynamic", factor=1.7, rope_theta=5e5,
+                                                         partial_rotary_factor=0.995), partial_rotary_factor=0.5),
+    "llama3, partial rotary": dict(rope_scaling=dict(LLAMA3, partial_rotary_factor=0.995)),
 }
 
 
@@ -386,12 +408,19 @@ LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_si
     (dict(LLAMA, model_type="gpt2"), ["model_type 'gpt2'"]),
     (dict(LLAMA, model_type="llama4"), ["model_type 'llama4'"]),
     (dict(LLAMA, rope_scaling=dict(rope_type="yarn", factor=4.0)), ["rope_type 'yarn'"]),
-    (dict(LLAMA, rope_scaling=dict(type="linear", factor=2.0)), ["rope_type 'linear'"]),
-    (dict(LLAMA, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)), ["rope_type 'dynamic'"]),
+    (dict(LLAMA, rope_scaling=dict(type="linear")), ["linear rope scaling without factor"]),
+    (dict(LLAMA, rope_scaling=dict(type="linear", factor="2")), ["linear rope scaling factor '2'"]),
+    (dict(LLAMA, rope_parameters=dict(rope_type="dynamic", factor=0, rope_theta=1e4)),
+     ["dynamic rope scaling factor 0"]),
     (dict(LLAMA, rope_scaling=dict(rope_type="longrope", short_factor=[1.0], long_factor=[1.0])),
      ["rope_type 'longrope'"]),
     (dict(LLAMA, hidden_act="gelu"), ["hidden_act 'gelu'"]),
-    (dict(LLAMA, partial_rotary_factor=0.5), ["partial_rotary_factor 0.5"]),
+    (dict(LLAMA, rope_scaling=dict(type="linear", factor=2.0), partial_rotary_factor=0.5),
+     ["partial_rotary_factor 0.5 with rope_type 'linear' (rotates 4 of 8 head dims"]),
+    (dict(LLAMA, rope_scaling=dict(LLAMA3, partial_rotary_factor=1.5)), ["partial_rotary_factor 1.5"]),
+    (dict(LLAMA, rope_scaling=dict(LLAMA3, partial_rotary_factor=None)), ["partial_rotary_factor None"]),
+    (dict(LLAMA, rope_scaling=LLAMA3, original_max_position_embeddings=4096.5),
+     ["original_max_position_embeddings 4096.5"]),
     (dict(LLAMA, quantization_config=dict(quant_method="awq")), ["quantized", "awq"]),
     (dict(LLAMA, architectures=["LlamaForSequenceClassification"]), ["LlamaForSequenceClassification"]),
     (dict(LLAMA, model_type="mistral", sliding_window=4096), ["sliding_window 4096", "8192"]),
@@ -400,6 +429,21 @@ LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_si
     (dict(LLAMA, tie_word_embeddings="false"), ["tie_word_embeddings 'false' (true or false expected)"]),
     (dict(LLAMA, attention_bias=1), ["attention_bias 1"]),
     (dict(LLAMA, rms_norm_eps=None), ["rms_norm_eps None"]),
+    *[(dict(LLAMA, model_type=model_type, **config), words) for model_type, config, words in [
+        ("qwen2", dict(max_window_layers=1.0), ["max_window_layers 1.0"]),
+        ("qwen3", dict(max_window_layers="28"), ["max_window_layers '28'"]),
+        ("qwen2", dict(use_sliding_window="yes"), ["use_sliding_window 'yes'"]),
+        ("qwen2", dict(layer_types=["full_attention"]), ["layer_types ['full_attention']", "num_hidden_layers 2"]),
+        ("qwen3", dict(layer_types=[]), ["layer_types []"]),
+        ("llama", dict(layer_types=["full_attention"] * 3), ["num_hidden_layers 2"]),
+        ("qwen3", dict(layer_types=["chunked_attention", "full_attention"]), ["layer_types chunked_attention"]),
+        ("qwen2", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+         ["use_sliding_window false"]),
+        ("mistral", dict(layer_types=["full_attention"] * 2), ["mistral with layer_types"]),
+        # Llama's mask has no window, but transformers' cache keeps only the window's last tokens.
+        ("llama", dict(sliding_window=4096), ["sliding_window 4096 shorter than the served context of 8192"]),
+        ("llama", dict(layer_types=["sliding_attention"] * 2), ["no sliding_window"]),
+    ]],
 ])
 def test_refused_configurations_say_what(config, words):
     with pytest.raises(UnsupportedModel) as err:
@@ -408,6 +452,47 @@ def test_refused_configurations_say_what(config, words):
     assert "\n" not in message and "llama, mistral, qwen2, qwen3" in message
     for word in words:
         assert word in message
+
+
+def _transformers_model(tmp_path, config):
+    """transformers' model of ``config`` after one forward; raises where transformers fails."""
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    with torch.no_grad():
+        hf(torch.tensor([[1, 2, 3]]))
+    return hf
+
+
+@pytest.mark.parametrize("model_type, config", [
+    ("qwen2", dict(max_window_layers=1.0)), ("qwen3", dict(max_window_layers="28")),
+    ("qwen2", dict(use_sliding_window="yes")), ("qwen3", dict(layer_types=["full_attention"])),
+    ("qwen2", dict(layer_types=[])), ("llama", dict(layer_types=["full_attention"] * 3)),
+    ("qwen3", dict(layer_types=["chunked_attention", "full_attention"])),
+    ("qwen2", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)),
+    ("llama", dict(layer_types=["sliding_attention"] * 2)),
+])
+def test_layer_settings_refused_are_ones_transformers_fails_on(tmp_path, model_type, config):
+    config = dict(LLAMA, model_type=model_type, **config)
+    with pytest.raises(UnsupportedModel):
+        config_from_hf(config)
+    with pytest.raises(Exception):
+        _transformers_model(tmp_path, config)
+
+
+@pytest.mark.parametrize("model_type, config, window", [
+    ("qwen2", dict(layer_types=["attention", "full_attention"], use_sliding_window=True), None),   # older name
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=8192),
+     8192),
+    ("qwen2", dict(max_window_layers=-1, use_sliding_window=True, sliding_window=8192), 8192),
+    ("qwen3", dict(max_window_layers=2, use_sliding_window=True, sliding_window=16), None),
+])
+def test_layer_settings_give_transformers_windows(tmp_path, model_type, config, window):
+    config = dict(LLAMA, model_type=model_type, **config)
+    assert config_from_hf(config).sliding_window == window
+    windows = {layer.self_attn.sliding_window for layer in _transformers_model(tmp_path, config).model.layers}
+    assert max(windows - {None}, default=None) == window
 
 
 def test_sliding_window_is_accepted_when_it_covers_the_served_context():
