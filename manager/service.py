@@ -282,7 +282,7 @@ class BlockManagerService(WorkerRegistration, pb_grpc.BlockManagerServicer):
                 # Tokens: a scheduler sees its tenant, an admin every tenant. O(sequences + their blocks).
                 admin = identity.role == "admin"
                 usage = tenancy.usage(manager, None if admin else identity.tenant)
-                wire.fill_tenant_stats(reply, usage, self.quotas, identity.tenant, admin)
+                wire.fill_tenant_stats(reply, usage, self.quotas, self.sequence_quotas, identity.tenant, admin)
                 if not admin:   # its own lost sequences only, as its running and swapped ones
                     reply.lost_sequences = sum(1 for key in manager.lost if tenancy.tenant_of(key) == identity.tenant)
             return reply

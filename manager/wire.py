@@ -291,21 +291,21 @@ def stats_pb(s: ManagerStats) -> pb.GetStatsResponse:
 
 
 def fill_tenant_stats(reply: pb.GetStatsResponse, usage: Mapping[str, Usage], quotas: Mapping[str, int],
-                      tenant: str, admin: bool) -> None:
+                      sequence_quotas: Mapping[str, int], tenant: str, admin: bool) -> None:
     """A scheduler's stats: its own tenant's sequences and usage (``tenant``) besides the pool
     totals; an admin's: everything, and ``tenants``, one entry per tenant with live sequences
-    or a quota (``usage`` then holds every tenant). O(tenants)."""
+    or a quota of blocks or sequences (``usage`` then holds every tenant). O(tenants)."""
     def fill(m: pb.TenantStats, name: str, use: Usage) -> None:
         m.tenant = name
         m.gpu_blocks, m.cpu_blocks = use.gpu_blocks, use.cpu_blocks
         m.running_sequences, m.swapped_sequences = use.running_sequences, use.swapped_sequences
-        quota = quotas.get(name)
-        m.has_quota = quota is not None
-        m.quota_blocks = quota or 0
+        quota, sequences = quotas.get(name), sequence_quotas.get(name)
+        m.has_quota, m.quota_blocks = quota is not None, quota or 0
+        m.has_sequence_quota, m.quota_sequences = sequences is not None, sequences or 0
 
     mine = usage.get(tenant, Usage())
     if admin:
-        for name in sorted(set(usage) | set(quotas)):
+        for name in sorted(set(usage) | set(quotas) | set(sequence_quotas)):
             fill(reply.tenants.add(), name, usage.get(name, Usage()))
     else:
         reply.running_sequences, reply.swapped_sequences = mine.running_sequences, mine.swapped_sequences

@@ -347,7 +347,7 @@ class GetStatsResponse(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., gpu: _Optional[_Union[TierStats, _Mapping]] = ..., cpu: _Optional[_Union[TierStats, _Mapping]] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., internal_fragmentation: _Optional[float] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cow_copies: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., evictions: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., steps: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., workers_registered: _Optional[int] = ..., workers_expected: _Optional[int] = ..., epoch: _Optional[int] = ..., lost_sequences: _Optional[int] = ..., tenant: _Optional[_Union[TenantStats, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "gpu_blocks", "cpu_blocks", "running_sequences", "swapped_sequences", "has_quota", "quota_blocks")
+    __slots__ = ("tenant", "gpu_blocks", "cpu_blocks", "running_sequences", "swapped_sequences", "has_quota", "quota_blocks", "has_sequence_quota", "quota_sequences")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,8 @@ class TenantStats(_message.Message):
     SWAPPED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     HAS_QUOTA_FIELD_NUMBER: _ClassVar[int]
     QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEQUENCE_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     gpu_blocks: int
     cpu_blocks: int
@@ -362,7 +364,9 @@ class TenantStats(_message.Message):
     swapped_sequences: int
     has_quota: bool
     quota_blocks: int
-    def __init__(self, tenant: _Optional[str] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., has_quota: _Optional[bool] = ..., quota_blocks: _Optional[int] = ...) -> None: ...
+    has_sequence_quota: bool
+    quota_sequences: int
+    def __init__(self, tenant: _Optional[str] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., running_sequences: _Optional[int] = ..., swapped_sequences: _Optional[int] = ..., has_quota: _Optional[bool] = ..., quota_blocks: _Optional[int] = ..., has_sequence_quota: _Optional[bool] = ..., quota_sequences: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
