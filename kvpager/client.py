@@ -12,6 +12,9 @@ with the same ``request_id`` (within the server's ``--request-cache-ttl``) to fi
 The retries are ours, not gRPC's ``retryPolicy``: that one spends one deadline on all attempts
 and never retries the client's own DEADLINE_EXCEEDED, the very case (a slow step whose answer
 the caller stopped waiting for) where a retry with a fresh deadline gets the first answer.
+A value protobuf cannot encode (a str with a lone surrogate, which UTF-8 cannot carry; an
+integer beyond its field's range) or a token that cannot be a header raises ``InvalidArgument``
+naming the field before anything is sent, as the manager answers a bad request.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import random
 import time
 import uuid
 import os
-from typing import Callable, Iterable, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 
 import grpc
 from google.protobuf.message import Message
@@ -36,6 +39,7 @@ from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 _RETRYABLE = (errors.Unavailable, errors.DeadlineExceeded, errors.Cancelled)  # the answer may have been lost
 _MAX_BACKOFF = 2.0  # seconds, the longest wait between two attempts
 R = TypeVar("R")  # a response message type
+M = TypeVar("M", bound=Message)  # a request message type
 PemSource = Union[str, bytes, os.PathLike[str], None]  # PEM bytes, a file path, or none
 
 
@@ -70,19 +74,56 @@ def rpc_error(exc: grpc.RpcError) -> errors.ManagerError:
     return err
 
 
+# ---- requests ---------------------------------------------------------------------------------------
+def unsendable(field: str, value: object, err: ValueError) -> errors.InvalidArgument:
+    """The error for a value protobuf cannot encode into ``field``: a str holding a lone surrogate
+    ("a\\ud800": Python allows it, UTF-8 does not), an integer beyond its field's range."""
+    shown = errors.quote(value) if isinstance(value, str) else repr(value)
+    why = (f"a lone surrogate at index {err.start}, which UTF-8 cannot encode" if isinstance(err, UnicodeEncodeError)
+           else str(err))
+    return errors.InvalidArgument(f"{field} {shown} cannot be sent: {why}")
+
+
+def build(message_type: type[M], **fields: Any) -> M:
+    """``message_type(**fields)``; a value it cannot encode raises InvalidArgument naming the field
+    (and the index in a list), as the manager answers a bad request, before anything is sent."""
+    try:
+        built: M = message_type(**fields)  # protobuf's constructors are untyped
+        return built
+    except ValueError as err:  # UnicodeEncodeError is one
+        for name, value in fields.items():
+            items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+            for i, item in items:
+                try:
+                    message_type(**{name: item if i is None else [item]})
+                except ValueError as cause:
+                    raise unsendable(name if i is None else f"{name}[{i}]", item, cause) from None
+        raise errors.InvalidArgument(f"{message_type.__name__} cannot be sent: {err}") from None
+
+
+def check_token(token: Optional[str]) -> None:
+    """Refuse a bearer token that cannot travel in the authorization header, whose value gRPC
+    takes in printable ASCII only (else every call fails, as an encoding error or an "Invalid
+    metadata" status); the message names the character's index, never the secret."""
+    bad = next((i for i, ch in enumerate(token or "") if not " " <= ch <= "~"), None)
+    if bad is not None:
+        raise errors.InvalidArgument(f"token cannot be sent: its character at index {bad} is not printable ASCII, "
+                                     "which a bearer token in the authorization header must be")
+
+
 # ---- Step operations ----------------------------------------------------------------------------
 def allocate_op(seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0, namespace: str = "") -> pb.Operation:
-    return pb.Operation(allocate=pb.AllocateRequest(seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens,
-                                                    cache_namespace=namespace))
+    return pb.Operation(allocate=build(pb.AllocateRequest, seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens,
+                                       cache_namespace=namespace))
 
 
 def append_op(seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0) -> pb.Operation:
-    return pb.Operation(append=pb.AppendRequest(seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens))
+    return pb.Operation(append=build(pb.AppendRequest, seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens))
 
 
 def append_batch_op(seq_ids: Sequence[str], token_ids: Sequence[int] = ()) -> pb.Operation:
     """One token to each sequence (a decode step); failures come back per sequence."""
-    return pb.Operation(append_batch=pb.AppendBatchRequest(seq_ids=seq_ids, token_ids=token_ids))
+    return pb.Operation(append_batch=build(pb.AppendBatchRequest, seq_ids=seq_ids, token_ids=token_ids))
 
 
 def batch_failures(result: pb.OperationResult) -> list[tuple[int, errors.ManagerError]]:
@@ -93,19 +134,19 @@ def batch_failures(result: pb.OperationResult) -> list[tuple[int, errors.Manager
 
 
 def fork_op(parent_seq_id: str, child_seq_id: str) -> pb.Operation:
-    return pb.Operation(fork=pb.ForkRequest(parent_seq_id=parent_seq_id, child_seq_id=child_seq_id))
+    return pb.Operation(fork=build(pb.ForkRequest, parent_seq_id=parent_seq_id, child_seq_id=child_seq_id))
 
 
 def free_op(seq_id: str) -> pb.Operation:
-    return pb.Operation(free=pb.FreeRequest(seq_id=seq_id))
+    return pb.Operation(free=build(pb.FreeRequest, seq_id=seq_id))
 
 
 def swap_out_op(seq_ids: Iterable[str]) -> pb.Operation:
-    return pb.Operation(swap_out=pb.SwapOutRequest(seq_ids=list(seq_ids)))
+    return pb.Operation(swap_out=build(pb.SwapOutRequest, seq_ids=list(seq_ids)))
 
 
 def swap_in_op(seq_ids: Iterable[str]) -> pb.Operation:
-    return pb.Operation(swap_in=pb.SwapInRequest(seq_ids=list(seq_ids)))
+    return pb.Operation(swap_in=build(pb.SwapInRequest, seq_ids=list(seq_ids)))
 
 
 class BlockManagerClient:
@@ -116,6 +157,7 @@ class BlockManagerClient:
         (PEM bytes or a file path): use TLS, verifying the manager with this CA;
         ``certificate_chain``/``private_key`` (PEM bytes or paths): a client certificate for
         mutual TLS. Neither: plaintext, no token (docs/security.md)."""
+        check_token(token)
         self.target = target
         self.timeout = timeout
         self.retries = retries
@@ -147,26 +189,29 @@ class BlockManagerClient:
     # ---- mutating calls ------------------------------------------------------------------------
     def allocate(self, seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0, namespace: str = "",
                  request_id: Optional[str] = None) -> pb.AllocateResponse:
-        return self._mutate(self.stub.Allocate, pb.AllocateResponse, pb.AllocateRequest(
-            seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens, cache_namespace=namespace), request_id)
+        return self._mutate(self.stub.Allocate, pb.AllocateResponse, build(
+            pb.AllocateRequest, seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens, cache_namespace=namespace),
+            request_id)
 
     def append(self, seq_id: str, token_ids: Sequence[int] = (), num_tokens: int = 0,
                request_id: Optional[str] = None) -> pb.AppendResponse:
-        return self._mutate(self.stub.Append, pb.AppendResponse, pb.AppendRequest(
-            seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens), request_id)
+        return self._mutate(self.stub.Append, pb.AppendResponse, build(
+            pb.AppendRequest, seq_id=seq_id, token_ids=token_ids, num_tokens=num_tokens), request_id)
 
     def fork(self, parent_seq_id: str, child_seq_id: str, request_id: Optional[str] = None) -> pb.ForkResponse:
-        return self._mutate(self.stub.Fork, pb.ForkResponse, pb.ForkRequest(
-            parent_seq_id=parent_seq_id, child_seq_id=child_seq_id), request_id)
+        return self._mutate(self.stub.Fork, pb.ForkResponse, build(
+            pb.ForkRequest, parent_seq_id=parent_seq_id, child_seq_id=child_seq_id), request_id)
 
     def free(self, seq_id: str, request_id: Optional[str] = None) -> pb.FreeResponse:
-        return self._mutate(self.stub.Free, pb.FreeResponse, pb.FreeRequest(seq_id=seq_id), request_id)
+        return self._mutate(self.stub.Free, pb.FreeResponse, build(pb.FreeRequest, seq_id=seq_id), request_id)
 
     def swap_out(self, seq_ids: Iterable[str], request_id: Optional[str] = None) -> pb.SwapOutResponse:
-        return self._mutate(self.stub.SwapOut, pb.SwapOutResponse, pb.SwapOutRequest(seq_ids=list(seq_ids)), request_id)
+        return self._mutate(self.stub.SwapOut, pb.SwapOutResponse, build(pb.SwapOutRequest, seq_ids=list(seq_ids)),
+                            request_id)
 
     def swap_in(self, seq_ids: Iterable[str], request_id: Optional[str] = None) -> pb.SwapInResponse:
-        return self._mutate(self.stub.SwapIn, pb.SwapInResponse, pb.SwapInRequest(seq_ids=list(seq_ids)), request_id)
+        return self._mutate(self.stub.SwapIn, pb.SwapInResponse, build(pb.SwapInRequest, seq_ids=list(seq_ids)),
+                            request_id)
 
     def step(self, operations: Iterable[pb.Operation], all_or_nothing: bool = False,
              request_id: Optional[str] = None,
@@ -181,7 +226,8 @@ class BlockManagerClient:
 
     # ---- queries ---------------------------------------------------------------------------------
     def get_block_table(self, seq_id: str) -> pb.GetBlockTableResponse:
-        return self._call(self.stub.GetBlockTable, pb.GetBlockTableRequest(seq_id=seq_id), pb.GetBlockTableResponse)
+        return self._call(self.stub.GetBlockTable, build(pb.GetBlockTableRequest, seq_id=seq_id),
+                          pb.GetBlockTableResponse)
 
     def get_stats(self) -> pb.GetStatsResponse:
         return self._call(self.stub.GetStats, pb.GetStatsRequest(), pb.GetStatsResponse)
@@ -191,14 +237,15 @@ class BlockManagerClient:
 
     def health(self, service: str = "") -> str:
         """SERVING, NOT_SERVING or SERVICE_UNKNOWN."""
-        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+        reply = self._call(self._health.Check, build(health_pb2.HealthCheckRequest, service=service),
                            health_pb2.HealthCheckResponse)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
     def health_epoch(self, service: str = "") -> tuple[str, int]:
         """(health status, worker epoch): the epoch counts the times the workers' caches were
         lost (a replaced group); a manager that sends none gives 0."""
-        reply, call = self._call(self._health.Check.with_call, health_pb2.HealthCheckRequest(service=service), tuple)
+        reply, call = self._call(self._health.Check.with_call, build(health_pb2.HealthCheckRequest, service=service),
+                                 tuple)
         epoch = dict(call.initial_metadata()).get("kvpager-epoch", "0")
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)), int(epoch)
 
@@ -211,7 +258,10 @@ class BlockManagerClient:
         if request_id is None:
             request_id = uuid.uuid4().hex
         if request_id:
-            request.request_id = request_id
+            try:
+                request.request_id = request_id
+            except ValueError as err:
+                raise unsendable("request_id", request_id, err) from None
         attempts = 1 + (max(0, self.retries) if request_id else 0)
         for attempt in range(attempts):
             try:

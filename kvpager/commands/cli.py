@@ -10,8 +10,9 @@ Conventions:
 
 - every flag also reads an environment variable, ``KVPAGER_<NAME>``, named with its default in
   the flag's help (flags win; ``source`` says where a value came from, so that of two flags that
-  say one thing two ways the typed one wins over the environment's); an environment value is
-  checked like a typed flag, and only by the subcommand that reads it;
+  clash the typed one wins over the environment's, whose value is ignored as silently as a
+  variable whose own flag was typed: ``settle``); an environment value is checked like a typed
+  flag, and only by the subcommand that reads it;
 - a bad flag prints one line, ``kvpager <sub>: error: <what> (see kvpager <sub> --help)``, and
   exits 2; a failure at run time (an address that does not answer, a port in use, a bad
   configuration) prints one line, ``kvpager <sub>: <what>``, and exits 1; Ctrl-C exits 130
@@ -89,9 +90,10 @@ class Source(enum.IntEnum):
     COMMAND_LINE = 2
 
 
-# The namespace attribute holding {dest: Source} for every ``flag`` (argparse copies it from a
-# subcommand's namespace to the top one with the values).
+# The namespace attributes holding {dest: Source} and {dest: its default} for every ``flag``
+# (argparse copies them from a subcommand's namespace to the top one with the values).
 _SOURCES = "_flag_sources"
+_DEFAULTS = "_flag_defaults"
 
 
 def source(args: argparse.Namespace, dest: str) -> Source:
@@ -105,6 +107,26 @@ def outranks(args: argparse.Namespace, dest: str, other: str) -> bool:
     flags that say one thing two ways (``--once``, ``--count``), the one typed wins over one from
     the environment, whatever the order the code reads them in."""
     return source(args, dest) > source(args, other)
+
+
+def settle(args: argparse.Namespace, one: str | Sequence[str], other: str | Sequence[str]) -> bool:
+    """Settle a clash between two sides set in ways that exclude each other (each a flag's dest, or
+    the dests of flags that together say one thing, such as a deployment's two addresses): the
+    side typed on the command line wins over one from the environment, whose flags are set back
+    to their defaults (as if unset, silently, as a variable whose own flag was typed is ignored).
+    False, changing nothing, when neither side outranks the other (both typed, or both from the
+    environment): the caller refuses, naming the flags. A side at its defaults never clashes."""
+    sides = [(one,) if isinstance(one, str) else tuple(one), (other,) if isinstance(other, str) else tuple(other)]
+    strongest = [max(source(args, dest) for dest in side) for side in sides]
+    if strongest[0] == strongest[1]:
+        return False
+    loser = sides[0] if strongest[0] < strongest[1] else sides[1]
+    sources: dict[str, Source] = dict(getattr(args, _SOURCES))
+    for dest in loser:
+        setattr(args, dest, getattr(args, _DEFAULTS)[dest])
+        sources[dest] = Source.DEFAULT
+    setattr(args, _SOURCES, sources)
+    return True
 
 
 class Parser(argparse.ArgumentParser):
@@ -123,6 +145,7 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = super().parse_known_args(args, namespace)
         sources = dict(getattr(namespace, _SOURCES, {}))  # a subcommand's, when this is the top parser
+        defaults = dict(getattr(namespace, _DEFAULTS, {}))
         for action in self._actions:
             env = getattr(action, "env", None)
             if env is None:
@@ -135,9 +158,11 @@ class Parser(argparse.ArgumentParser):
             else:
                 sources[action.dest] = Source.COMMAND_LINE
             setattr(namespace, action.dest, value)
+            defaults[action.dest] = action.unset  # type: ignore[attr-defined]
             if value is None and getattr(action, "env_required", False):
                 self.error(f"{action.option_strings[0]} (or {env}) is required")
         setattr(namespace, _SOURCES, sources)
+        setattr(namespace, _DEFAULTS, defaults)
         return namespace, extras
 
     def _convert_env(self, action: argparse.Action, env: str, raw: str) -> Any:
@@ -221,7 +246,8 @@ def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, typ
     text = f"{help} [env {env}{now}; {'required' if required else 'default ' + shown}]".replace("%", "%%")
     # Both kinds of default stay wrapped until parsing ends (Parser.parse_known_args), which keeps
     # where each value came from (``source``).
-    start = _FromEnv(raw) if raw is not None else _Default(bool(default) if type is bool else default)
+    unset = bool(default) if type is bool else default
+    start = _FromEnv(raw) if raw is not None else _Default(unset)
     if metavar is None and type is address:
         metavar = "HOST:PORT"
     if type is bool:
@@ -231,6 +257,7 @@ def flag(parser: argparse.ArgumentParser, name: str, *, env: str, help: str, typ
         action = parser.add_argument(name, type=type, default=start, choices=choices, metavar=metavar, help=text)
     action.env = env  # type: ignore[attr-defined]
     action.env_required = required  # type: ignore[attr-defined]
+    action.unset = unset  # type: ignore[attr-defined]  # its value when unset (``settle``)
     return action
 
 

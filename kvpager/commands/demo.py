@@ -332,6 +332,12 @@ def check_block_size(block_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A running deployment (--manager, --ray-address) or the embedded workers' own flags: where both
+    # are set, the side typed wins over the side from the environment (cli.settle), else refused below.
+    deployment = [dest for dest in ("manager", "ray_address") if getattr(args, dest)]
+    embedded_only = [dest for dest in ("model", "no_ray") if getattr(args, dest)]
+    if deployment and embedded_only:
+        cli.settle(args, deployment, embedded_only)
     if args.manager and not args.ray_address:
         raise cli.UsageError("--manager needs --ray-address (where the workers run)")
     if args.ray_address and not args.manager:

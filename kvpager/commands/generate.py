@@ -143,14 +143,12 @@ def check_prompts(prompt_ids: list[list[int]], max_new_tokens: int, context_len:
 
 
 def run(args: argparse.Namespace) -> int:
-    ray, no_ray = args.ray, args.no_ray
-    if ray and no_ray:  # the one typed wins over the other from the environment; two typed conflict
-        if cli.source(args, "ray") == cli.source(args, "no_ray"):
-            raise cli.UsageError("--ray and --no-ray: choose one")
-        ray, no_ray = cli.outranks(args, "ray", "no_ray"), cli.outranks(args, "no_ray", "ray")
-    if no_ray and args.tensor_parallel_size != 1:
+    # Of two flags that clash, the one typed wins over the other from the environment (cli.settle).
+    if args.ray and args.no_ray and not cli.settle(args, "ray", "no_ray"):
+        raise cli.UsageError("--ray and --no-ray: choose one")
+    if args.no_ray and args.tensor_parallel_size != 1 and not cli.settle(args, "no_ray", "tensor_parallel_size"):
         raise cli.UsageError("--no-ray runs one worker in this process: --tensor-parallel-size must be 1")
-    use_ray = ray or args.tensor_parallel_size > 1   # one rank: in this process, no Ray to start
+    use_ray = args.ray or args.tensor_parallel_size > 1   # one rank: in this process, no Ray to start
     import torch
 
     from kvpager.embedded import embedded

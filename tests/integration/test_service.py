@@ -369,3 +369,54 @@ def test_append_batch_reports_only_failures_and_merges_slots(served):
     assert client.get_block_table("a").num_tokens == 4
     r = client.step([C.append_batch_op(["a", "b"], [1])])
     assert r.results[0].code == 3  # one token id per sequence, or none
+
+
+# ---- what the client cannot send ------------------------------------------------------------------
+LONE = "a\ud800"  # a Python str, but with a lone surrogate: UTF-8, and so protobuf, cannot encode it
+
+
+def rpcs_answered(service) -> float:
+    return sum(s.value for m in service.metrics.rpc_requests.collect() for s in m.samples
+               if s.name.endswith("_total"))
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.allocate(LONE, num_tokens=3), "seq_id"),
+    (lambda c: c.allocate("x", num_tokens=3, namespace=LONE), "cache_namespace"),
+    (lambda c: c.allocate("x", num_tokens=3, request_id=LONE), "request_id"),
+    (lambda c: c.allocate("x", num_tokens=1 << 40), "num_tokens"),            # beyond int32
+    (lambda c: c.allocate("x", token_ids=[1, 1 << 70]), "token_ids[1]"),      # beyond int64
+    (lambda c: c.append(LONE, num_tokens=1), "seq_id"),
+    (lambda c: c.fork(LONE, "b"), "parent_seq_id"),
+    (lambda c: c.fork("a", LONE), "child_seq_id"),
+    (lambda c: c.free(LONE), "seq_id"),
+    (lambda c: c.swap_out(["a", LONE]), "seq_ids[1]"),
+    (lambda c: c.swap_in([LONE]), "seq_ids[0]"),
+    (lambda c: c.get_block_table(LONE), "seq_id"),
+    (lambda c: c.health(LONE), "service"),
+    (lambda c: c.step([C.append_batch_op(["a", LONE], [1, 2])]), "seq_ids[1]"),
+    (lambda c: c.step([C.allocate_op("x", num_tokens=3, namespace=LONE)]), "cache_namespace"),
+    (lambda c: c.step([C.free_op("a")], request_id=LONE), "request_id"),
+])
+def test_what_protobuf_cannot_encode_is_refused_invalid_argument_before_anything_is_sent(served, call, field):
+    client, service = served
+    client.allocate("a", num_tokens=5)
+    before = (len(service.requests), client.get_stats().gpu.used_blocks)
+    answered = rpcs_answered(service)
+    with pytest.raises(errors.InvalidArgument) as refused:
+        call(client)
+    message = str(refused.value)
+    assert message.startswith(f"{field} ") and "cannot be sent: " in message and "\n" not in message
+    assert rpcs_answered(service) == answered  # nothing reached the server
+    assert (len(service.requests), client.get_stats().gpu.used_blocks) == before  # nor changed it
+    assert list(client.get_block_table("a").block_ids) == [1, 2]
+
+
+def test_a_token_that_cannot_be_a_header_is_refused_invalid_argument_without_showing_it(served):
+    client, service = served
+    answered = rpcs_answered(service)
+    for token in ("s3cret\ud800", "s3crét"):
+        with pytest.raises(errors.InvalidArgument, match="^token cannot be sent: its character at index") as refused:
+            C.BlockManagerClient(client.target, token=token)
+        assert "s3cr" not in str(refused.value)
+    assert rpcs_answered(service) == answered

@@ -126,6 +126,25 @@ def test_each_value_says_where_it_came_from(monkeypatch):
     assert cli.outranks(args, "count", "once") and not cli.outranks(args, "once", "count")
 
 
+def test_settle_lets_the_typed_side_of_a_clash_win_and_unsets_the_other(monkeypatch):
+    monkeypatch.setenv("KVPAGER_TENSOR_PARALLEL_SIZE", "2")
+    args = parse("generate", "--model", "m", "--no-ray", "hi")
+    assert cli.settle(args, "no_ray", "tensor_parallel_size")
+    assert (args.no_ray, args.tensor_parallel_size) == (True, 1)   # the variable's 2 ignored: the default
+    assert cli.source(args, "tensor_parallel_size") is cli.Source.DEFAULT
+    monkeypatch.setenv("KVPAGER_MANAGER_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("KVPAGER_RAY_ADDRESS", "127.0.0.1:2")
+    args = parse("demo", "--model", "m")   # a side of several flags: all of the losing side unset
+    assert cli.settle(args, ("manager", "ray_address"), "model")
+    assert (args.manager, args.ray_address, args.model) == (None, None, "m")
+    both_typed = parse("generate", "--model", "m", "--no-ray", "--tensor-parallel-size", "2", "hi")
+    monkeypatch.setenv("KVPAGER_NO_RAY", "1")
+    both_from_the_environment = parse("generate", "--model", "m", "hi")
+    for args in (both_typed, both_from_the_environment):
+        assert not cli.settle(args, "no_ray", "tensor_parallel_size")
+        assert (args.no_ray, args.tensor_parallel_size) == (True, 2)   # unchanged: the caller refuses
+
+
 def test_environment_configures_the_manager(monkeypatch):
     for name, value in dict(KVPAGER_HOST="127.0.0.3", KVPAGER_PORT="6000", KVPAGER_METRICS_PORT="0",
                             KVPAGER_BLOCK_SIZE="32", KVPAGER_ENABLE_PREFIX_CACHING="false").items():
@@ -223,6 +242,25 @@ def test_worker_metrics_ports_past_65535_fail_in_one_line():
 
 def test_demo_rejects_half_a_deployment():
     assert_one_line_error(kvpager("demo", "--manager", "127.0.0.1:1"), 2, "--manager needs --ray-address")
+
+
+def test_demo_deployment_or_embedded_flags_typed_win_over_the_environment():
+    deployment = {"KVPAGER_MANAGER_ADDRESS": "127.0.0.1:1", "KVPAGER_RAY_ADDRESS": "127.0.0.1:2"}
+    # Typed embedded flags win over a deployment from the environment: the demo goes on embedded
+    # (to the embedded manager's check of --block-size, exit 2 before anything starts).
+    for typed in (["--model", "/nonexistent"], ["--no-ray"]):
+        proc = kvpager("demo", *typed, "--block-size", "2048", env=deployment)
+        assert_one_line_error(proc, 2, "--block-size must be in [1, 1024], got 2048")
+    # A typed deployment wins over the environment's --model or --no-ray: the demo goes on to it.
+    manager = f"127.0.0.1:{closed_port()}"
+    for env in ({"KVPAGER_MODEL": "/nonexistent"}, {"KVPAGER_DEMO_NO_RAY": "1"}):
+        proc = kvpager("demo", "--manager", manager, "--ray-address", "127.0.0.1:2", env=env)
+        assert_one_line_error(proc, 1, f"cannot reach the block manager at {manager}")
+    # Both typed, or both from the environment: refused.
+    proc = kvpager("demo", "--manager", "127.0.0.1:1", "--ray-address", "127.0.0.1:2", "--model", "/nonexistent")
+    assert_one_line_error(proc, 2, "--model is for the embedded workers")
+    proc = kvpager("demo", env={**deployment, "KVPAGER_DEMO_NO_RAY": "1"})
+    assert_one_line_error(proc, 2, "--no-ray runs a worker in this process: not with --manager")
 
 
 def test_rays_report_of_a_dashboard_nobody_asked_for_stays_off_the_terminal(caplog):
@@ -694,6 +732,21 @@ def test_generate_ray_or_not_typed_wins_over_the_environment():
         assert_one_line_error(proc, 1, "cannot serve /nonexistent: /nonexistent: no such checkpoint directory")
     proc = kvpager("generate", "--model", "/nonexistent", "hi", env={"KVPAGER_RAY": "1", "KVPAGER_NO_RAY": "1"})
     assert_one_line_error(proc, 2, "--ray and --no-ray: choose one")
+
+
+def test_generate_no_ray_or_ranks_typed_wins_over_the_environment(checkpoint):
+    def generate(*argv: str, **env: str) -> subprocess.CompletedProcess:
+        return kvpager("generate", "--model", str(checkpoint), *argv, "hello", env=env)
+
+    # The environment's --no-ray ignored: 3 ranks go on to the model's check (exit 1).
+    assert_one_line_error(generate("--tensor-parallel-size", "3", KVPAGER_NO_RAY="1"), 1,
+                          "--tensor-parallel-size 3 does not divide")
+    # The environment's 3 ranks ignored: one rank goes on to the prompt's check (exit 2).
+    assert_one_line_error(generate("--no-ray", "--max-new-tokens", "100", KVPAGER_TENSOR_PARALLEL_SIZE="3"), 2,
+                          "prompt 1: its ", "exceed the model's context of 64 tokens")
+    refusal = "--no-ray runs one worker in this process: --tensor-parallel-size must be 1"
+    assert_one_line_error(generate("--no-ray", "--tensor-parallel-size", "2"), 2, refusal)
+    assert_one_line_error(generate(KVPAGER_NO_RAY="1", KVPAGER_TENSOR_PARALLEL_SIZE="2"), 2, refusal)
 
 
 def test_worker_with_a_metrics_port_taken_exits_1_before_ray_starts(default_manager):
