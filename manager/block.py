@@ -17,5 +17,8 @@ class Block:
     ref_count: int = 0                   # block-table references and pins; changed only by BlockPool
     block_hash: Optional[bytes] = None   # prefix hash of a full block; set by register, cleared on eviction
     num_filled: int = 0                  # token slots written (the fullest sharer); set by BlockPool.fill
+    # The tenant whose block tables name it (no block is shared across tenants): set by BlockPool when
+    # the block gains its first block-table reference, meaningful while it has one; recovery sets it.
+    owner: str = ""
     prev: Optional[Block] = None         # LRU links, meaningful only while CACHED; changed only by PrefixCache
     next: Optional[Block] = None

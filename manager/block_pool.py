@@ -26,6 +26,21 @@ nothing ran in between, and stay valid when other steps did (an undone cache hit
 at its old place if that still exists, else at its head; an undone eviction whose hash another
 block took since becomes FREE; an undone reference that was the last releases the block).
 
+Per-owner counts (``owned``): the blocks that each owner's (tenant's) block tables name, each
+counted once however many tables share it: what a tenant's quota of GPU blocks reads, in O(1)
+(``manager/tenancy.py``'s ``QuotaCheck``). A block's *table references* are its ``ref_count`` less
+its pins; it counts for its ``owner`` while it has at least one. The count moves where that
+number moves between 0 and 1: ``allocate`` and ``acquire`` (which take the owner, and set it on
+the block), ``incref``/``decref`` of a block that only pins hold besides, and the undo of each.
+Pins never move it (``pin`` and ``unpin`` leave table references as they are). The count lives
+here, not in the sequence table, because every undo function has the block in hand: a rollback
+counts for the block's own owner, whichever tenant's step is current when it runs (a tentative
+step rolled back beside another tenant's step). A block's owner is set when it gains its first
+reference and never needs undoing: nothing gives another tenant a block until it has none
+(prefix hashes are per tenant, a hidden block is its step's alone), and every gain but an undo's
+sets it again. Derived data, never logged: recovery rebuilds it (``count_owners``) and the
+invariant checker recounts it.
+
 Complexity: allocate, acquire, incref, decref, fill, lookup and register are O(1) (the free
 deque's ends and the prefix cache's intrusive LRU). Every mutation records its inverse in the
 shared ``Journal`` so that an all-or-nothing step can roll back exactly. The invariant checker
@@ -72,6 +87,7 @@ class BlockPool:
         self.plan_may_have_run = False
         self.num_used = 0
         self.filled_slots = 0  # sum of num_filled over USED blocks
+        self.owned: dict[str, int] = {}  # owner -> blocks its tables name (owners with none are absent)
         self.evictions = 0
 
     # ---- counts -------------------------------------------------------------------------
@@ -93,14 +109,19 @@ class BlockPool:
         """HELD blocks of the step being applied now."""
         return len(self._held) if self._held else 0
 
+    def owned_by(self, owner: str) -> int:
+        """Blocks that ``owner``'s block tables name, each once. O(1)."""
+        return self.owned.get(owner, 0)
+
     @property
     def num_available(self) -> int:
         """Blocks that ``allocate`` can hand out now (free ones, then evicted cached ones)."""
         return len(self._free) + self.cache.num_cached
 
     # ---- allocation and references ------------------------------------------------------
-    def allocate(self) -> int:
-        """Take a FREE block, or evict the least recently used CACHED one; ref_count becomes 1."""
+    def allocate(self, owner: str) -> int:
+        """Take a FREE block, or evict the least recently used CACHED one, for a table of ``owner``;
+        ref_count becomes 1."""
         if self._free:
             block = self.blocks[self._free.popleft()]
             self._journal.record(self._undo_allocate_free, block, block.block_hash)
@@ -116,12 +137,16 @@ class BlockPool:
         block.state = USED
         block.ref_count = 1
         block.num_filled = 0
+        block.owner = owner
+        self._gain(block)
         self.num_used += 1
         return block.block_id
 
     def incref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count += 1
+        if self._pins and block.ref_count - 1 == self._pins.get(block_id, 0):
+            self._gain(block)  # only pins held it: a table names it again
         self._journal.record(self._undo_incref, block)
 
     def decref(self, block_id: int) -> bool:
@@ -129,8 +154,11 @@ class BlockPool:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count > 0:
+            if self._pins and block.ref_count == self._pins.get(block_id, 0):
+                self._lose(block)  # only pins hold it now: no table names it
             self._journal.record(self._undo_decref, block)
             return False
+        self._lose(block)
         self._leave_used(block)
         self._journal.record(self._undo_release, block)
         return True
@@ -145,8 +173,9 @@ class BlockPool:
         else:
             self._park(block)
 
-    def acquire(self, block_id: int) -> None:
-        """Take a reference to a block found by ``lookup`` (USED, CACHED or HELD)."""
+    def acquire(self, block_id: int, owner: str) -> None:
+        """Take a reference to a block found by ``lookup`` (USED, CACHED or HELD) for a table of
+        ``owner`` (the block's own: prefix hashes are per tenant)."""
         block = self.blocks[block_id]
         state = block.state
         if state == USED:
@@ -162,6 +191,8 @@ class BlockPool:
             raise InvariantViolation(f"{self.name} block {block_id} is {state}; cannot acquire")
         block.state = USED
         block.ref_count = 1
+        block.owner = owner
+        self._gain(block)
         self.num_used += 1
         self.filled_slots += block.num_filled
 
@@ -256,6 +287,20 @@ class BlockPool:
         self.cache.unhide(block_id)
 
     # ---- internals ----------------------------------------------------------------------
+    def _gain(self, block: Block) -> None:
+        """``block`` gained its first table reference: count it for its owner. O(1)."""
+        owned = self.owned
+        owned[block.owner] = owned.get(block.owner, 0) + 1
+
+    def _lose(self, block: Block) -> None:
+        """``block`` lost its last table reference: uncount it. O(1)."""
+        owned, owner = self.owned, block.owner
+        left = owned[owner] - 1
+        if left:
+            owned[owner] = left
+        else:
+            del owned[owner]   # so that the map holds only owners with blocks
+
     def _park(self, block: Block) -> None:
         if self.caching and block.block_hash is not None:
             block.state = CACHED
@@ -267,12 +312,14 @@ class BlockPool:
 
     # Inverses of the mutations above, run by Journal.rollback in reverse order.
     def _undo_allocate_free(self, block: Block, old_hash: Optional[bytes]) -> None:
+        self._lose(block)
         block.state, block.ref_count, block.num_filled = FREE, 0, 0
         block.block_hash = old_hash
         self.num_used -= 1
         self._free.appendleft(block.block_id)
 
     def _undo_allocate_evict(self, block: Block, old_hash: bytes, old_filled: int) -> None:
+        self._lose(block)
         self.num_used -= 1
         if self.cache.holds(old_hash) or self.plan_may_have_run:
             # Another block took that prefix since, or the workers may have written this block:
@@ -289,11 +336,15 @@ class BlockPool:
 
     def _undo_incref(self, block: Block) -> None:
         block.ref_count -= 1
-        if block.ref_count == 0:  # the other references went while the step was tentative
+        if block.ref_count == self._pins.get(block.block_id, 0):
+            self._lose(block)  # the other table references went while the step was tentative
+        if block.ref_count == 0:
             self._leave_used(block)
 
     def _undo_decref(self, block: Block) -> None:
         block.ref_count += 1
+        if self._pins and block.ref_count - 1 == self._pins.get(block.block_id, 0):
+            self._gain(block)  # only pins held it meanwhile
 
     def _undo_release(self, block: Block) -> None:
         if block.state == HELD and self._held is not None:
@@ -305,6 +356,7 @@ class BlockPool:
             if popped != block.block_id:
                 raise InvariantViolation(f"undo release: free tail {popped}, expected {block.block_id}")
         block.state, block.ref_count = USED, 1
+        self._gain(block)   # its owner is still the one whose table named it
         self.num_used += 1
         self.filled_slots += block.num_filled
 
@@ -321,6 +373,7 @@ class BlockPool:
         self._held[block.block_id] = None
 
     def _undo_acquire(self, block: Block) -> None:
+        self._lose(block)
         block.ref_count = 0
         self.num_used -= 1
         self.filled_slots -= block.num_filled
@@ -349,6 +402,19 @@ class BlockPool:
         which sets the block records and counters). O(num_blocks)."""
         self._free = deque(free)
         self.cache.load((self.blocks[b] for b in lru), by_hash)
+
+    def count_owners(self, tables: Iterable[tuple[str, Iterable[int]]]) -> None:
+        """Set the owner of every block named in ``tables`` ((owner, block table) of each sequence
+        of this tier) and count ``owned`` again from them (recovery: both are derived, never
+        logged). O(entries)."""
+        blocks = self.blocks
+        named: dict[int, str] = {}
+        for owner, table in tables:
+            for b in table:
+                named[b] = owner
+        for b, owner in named.items():
+            blocks[b].owner = owner
+        self.owned = dict(Counter(named.values()))
 
     def held_ids(self) -> set[int]:
         """Every HELD block: the current step's and the tentative steps'. O(held)."""

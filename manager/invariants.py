@@ -1,7 +1,8 @@
 """The manager's invariant checker: every block is free, cached, held or owned exactly as the
-block tables say (ref counts and pins, fill, totals per tier), sequences and their hash state
-agree, a packed block table marked current encodes its table. O(blocks + sequences): tests, the demo
-and recovery call it, never the hot path."""
+block tables say (ref counts and pins, fill, owner, totals per tier and per tenant: the pools'
+``owned`` against ``tenancy.usage``), sequences and their hash state agree, a packed block table
+marked current encodes its table. O(blocks + sequences): tests, the demo and recovery call it,
+never the hot path."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .batch_tables import check_packed
 from .block import CACHED, FREE, HELD, NULL, USED
 from .block_pool import BlockPool
 from .sequence import CPU, GPU
+from .tenancy import usage
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -38,11 +40,17 @@ def check_manager(m: "BlockManager") -> None:
         check_packed(seq)
         swapped += seq.tier == CPU
         entries += len(table)
-        owned[m.seqs.owner(seq.seq_id)] += 1
+        owner = m.seqs.owner(seq.seq_id)
+        owned[owner] += 1
         refs[seq.tier].update(table)
+        blocks = (m.gpu if seq.tier == GPU else m.cpu).blocks
         for i, b in enumerate(table):
             filled = min(B, seq.num_tokens - i * B)
             fill[seq.tier][b] = max(fill[seq.tier].get(b, 0), filled)
+            if blocks[b].owner != owner:
+                raise InvariantViolation(
+                    f"{seq.tier} block {b} of sequence {quote(seq.seq_id)} records owner {blocks[b].owner!r}, "
+                    f"not {owner!r}")
     both = [s for s in m.lost if s in m.seqs]
     if both:
         raise InvariantViolation(f"sequence {quote(both[0])} is both live and lost")
@@ -52,6 +60,11 @@ def check_manager(m: "BlockManager") -> None:
         raise InvariantViolation(f"{entries} block-table entries in live sequences, counter says {m.seqs.num_entries}")
     if owned != m.seqs.owned:
         raise InvariantViolation(f"live sequences per tenant {dict(owned)}, counters say {m.seqs.owned}")
+    used = usage(m)
+    for tier, pool in ((GPU, m.gpu), (CPU, m.cpu)):
+        counted = {t: n for t, u in used.items() if (n := u.gpu_blocks if tier == GPU else u.cpu_blocks)}
+        if counted != pool.owned:
+            raise InvariantViolation(f"{tier} blocks per tenant {counted}, counters say {pool.owned}")
     for tier, pool in ((GPU, m.gpu), (CPU, m.cpu)):
         check_pool(pool, refs[tier])
         for b, filled in fill[tier].items():

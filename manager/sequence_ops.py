@@ -85,9 +85,10 @@ class SequenceOperations(ManagerState):
         self._admit_sequence(f"allocate {quote(op.seq_id)}", num_blocks)
         self._admit(f"allocate {quote(op.seq_id)}", new, hits)
 
+        owner = self.seqs.owner(op.seq_id)
         for b in hits:
-            gpu.acquire(b)
-        block_ids = hits + [gpu.allocate() for _ in range(new)]
+            gpu.acquire(b, owner)
+        block_ids = hits + [gpu.allocate(owner) for _ in range(new)]
         for i in range(len(hits), len(hashes)):
             gpu.register(block_ids[i], hashes[i])
         for i in range(len(hits), num_blocks):
@@ -149,7 +150,7 @@ class SequenceOperations(ManagerState):
             raise InvalidArgument("append batch: token ids must be >= 0")
         result = AppendBatchResult()
         journal, grow, lookup, save, admit = self._journal, self._grow, self.seqs.getter(), self.seqs.save, self.admit
-        gpu = self.gpu
+        gpu, owner_of = self.gpu, self.seqs.owner
         B, blocks, limit, register = self.block_size, gpu.blocks, self.config.max_seq_len, gpu.register
         step = self._step
         touched: dict[str, list[int]] = step.touched if step is not None else {}
@@ -213,7 +214,7 @@ class SequenceOperations(ManagerState):
                         # journal entries, in the same order; its room checks passed above).
                         run = None  # its entries come after the run's: a later in-place append starts a new run
                         save(seq)
-                        last = gpu.allocate()
+                        last = gpu.allocate(owner_of(seq_id))
                         seq.block_ids.append(last)
                         entries += 1
                         gpu.fill(last, 1)
@@ -313,12 +314,13 @@ class SequenceOperations(ManagerState):
             self.admit(f"append to {quote(seq_id)}", need)
 
         self.seqs.save(seq)
+        owner = self.seqs.owner(seq_id)
         copies: Optional[BlockMapping] = None
         new_ids: list[int] = []
         if cow:
             copies = BlockMapping()
             shared = table[-1]
-            private = gpu.allocate()
+            private = gpu.allocate(owner)
             gpu.fill(private, n % B)
             copies.add(shared, private)
             table[-1] = private
@@ -328,7 +330,7 @@ class SequenceOperations(ManagerState):
         if total > len(table):
             self.seqs.lengthened(total - len(table))
         while len(table) < total:
-            bid = gpu.allocate()
+            bid = gpu.allocate(owner)
             table.append(bid)
             new_ids.append(bid)
         first = n // B

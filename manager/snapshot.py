@@ -13,7 +13,7 @@ from .block_manager import BlockManager
 from .block_pool import BlockPool
 from .config import ManagerConfig
 from .counts import Counters
-from .sequence import Sequence
+from .sequence import CPU, GPU, Sequence
 from .wal import CorruptState
 
 
@@ -67,6 +67,8 @@ def restore_manager(state: dict[str, Any], config: ManagerConfig) -> BlockManage
     _restore_pool(m.cpu, state["cpu"])
     for seq_id, table, n, tier, namespace, last_hash, pending in state["seqs"]:
         m.seqs.add_silently(Sequence(seq_id, table, n, tier, namespace, last_hash, pending))
+    for pool, tier in ((m.gpu, GPU), (m.cpu, CPU)):  # blocks' owners: derived from the tables, never saved
+        pool.count_owners((m.seqs.owner(s.seq_id), s.block_ids) for s in m.seqs.values() if s.tier == tier)
     m.lost = dict(state.get("lost", {}))
     return m
 

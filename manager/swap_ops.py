@@ -76,9 +76,10 @@ class SwapOperations(ManagerState):
             raise OutOfRange(f"swap in: needs {need} GPU blocks; the GPU pool can never give more than {usable}")
         self._admit(f"swap in {quote(seqs[0].seq_id)}", need, set(reuse.values()))
 
-        # Take the cache hits first, so that allocating the other blocks cannot evict them.
-        for g in dict.fromkeys(reuse.values()):  # two CPU copies of one block map to one GPU block
-            gpu.acquire(g)
+        # Take the cache hits first, so that allocating the other blocks cannot evict them. Two
+        # CPU copies of one block map to one GPU block; the owner of each is its CPU copy's.
+        for g, owner in {g: cpu.blocks[c].owner for c, g in reuse.items()}.items():
+            gpu.acquire(g, owner)
         mapping = BlockMapping()
         to_gpu: dict[int, int] = {}
         for c in distinct:
@@ -98,9 +99,9 @@ class SwapOperations(ManagerState):
 
     @staticmethod
     def _new_copy(src: BlockPool, block_id: int, dst: BlockPool) -> int:
-        """A new block of ``dst`` to receive ``src``'s block: its fill, and its prefix hash carried
-        over (so a swapped block can be matched against the GPU prefix cache). O(1)."""
-        new = dst.allocate()
+        """A new block of ``dst`` to receive ``src``'s block: its owner, its fill, and its prefix hash
+        carried over (so a swapped block can be matched against the GPU prefix cache). O(1)."""
+        new = dst.allocate(src.blocks[block_id].owner)
         dst.fill(new, src.blocks[block_id].num_filled)
         block_hash = src.hash_of(block_id)
         if block_hash is not None:

@@ -199,7 +199,7 @@ def test_the_invariant_checker_catches_a_stale_packed_row():
     m.step([AppendBatchOp(["x"], [4])], layout=TableLayout.PADDED_PACKED)
     m.check_invariants()
     seq = m.block_table("x")
-    seq.block_ids.append(m.gpu.allocate())  # a change that bypassed SequenceTable.save (a bug)
+    seq.block_ids.append(m.gpu.allocate(""))  # a change that bypassed SequenceTable.save (a bug)
     seq.num_tokens += 1
     m.gpu.fill(seq.block_ids[-1], 1)
     with pytest.raises(InvariantViolation, match="packed block table"):
