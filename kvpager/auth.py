@@ -63,12 +63,19 @@ def read_bytes(source: Union[str, bytes, os.PathLike, None], what: str = "file")
 
 
 def read_token(path: Union[str, os.PathLike, None], what: str = "token file") -> Optional[str]:
-    """A token file's contents, stripped (one token, surrounding whitespace ignored)."""
+    """A token file's contents, stripped (one token, surrounding whitespace ignored). A bearer
+    token travels in the authorization header, which gRPC takes in printable ASCII only: any
+    other character is refused here, naming its index (never the secret), instead of failing
+    every call later."""
     if path is None:
         return None
     token = read_bytes(path, what).decode("utf-8", "replace").strip()
     if not token:
         raise CredentialError(f"{what} {path} is empty")
+    bad = next((i for i, ch in enumerate(token) if not " " <= ch <= "~"), None)
+    if bad is not None:
+        raise CredentialError(f"{what} {path}: its character at index {bad} is not printable ASCII, which a bearer "
+                              "token must be")
     return token
 
 

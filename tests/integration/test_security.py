@@ -309,7 +309,7 @@ def test_worker_flags_become_credentials_for_the_ranks(pki, tmp_path):
     from kvpager.commands import worker as launcher
 
     files = write(tmp_path, ca=pki["ca"], cert=pki["worker"].cert, key=pki["worker"].key, worker=f" {WORKER}\n",
-                  mgr=MANAGER_TO_WORKERS, empty="")
+                  mgr=MANAGER_TO_WORKERS, empty="", accented="tok\u00e9n\n")
 
     def parse(*argv):
         parser, parsers = cli.build_parser(["worker"])
@@ -323,6 +323,7 @@ def test_worker_flags_become_credentials_for_the_ranks(pki, tmp_path):
     assert launcher.credentials(parse("--insecure")) is None
     for argv, fragment in ((["--auth-token", files["worker"]], "no credentials"),  # nothing guards the service
                            (["--insecure", "--auth-token", files["empty"]], "is empty"),
+                           (["--insecure", "--auth-token", files["accented"]], "index 3 is not printable ASCII"),
                            (["--insecure", "--tls-cert", files["cert"]], "--tls-key"),
                            (["--insecure", "--auth-token", str(tmp_path / "missing")], "cannot read")):
         with pytest.raises(cli.Failure, match=fragment):

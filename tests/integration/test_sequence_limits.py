@@ -26,6 +26,7 @@ from kvpager.manager.block_manager import BlockManager
 from kvpager.manager.service import create_server
 from kvpager.manager.snapshot import manager_state
 from tests.support.state import served_fingerprint
+from tests.support.tenant_server import tenant_clients
 from tests.support.tls import CA
 
 from ..conftest import running_server
@@ -127,20 +128,8 @@ def tenants():
     ca = CA.create()
     cert = ca.issue("manager")
     config = ManagerConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0, max_sequences=6)
-    server, port, service, _ = create_server(config, "127.0.0.1:0", tokens=auth.TokenTable.from_json(TOKENS),
-                                             tls=auth.TLS(cert=cert.cert, key=cert.key))
-    server.start()
-    with contextlib.ExitStack() as stack:
-        clients = {name: stack.enter_context(C.BlockManagerClient(f"127.0.0.1:{port}", timeout=5, token=token,
-                                                                  root_certificates=ca.cert))
-                   for name, token in (("q", Q), ("b", B))}
-        try:
-            yield clients, service
-            with service.lock:
-                service.manager.check_invariants()
-        finally:
-            server.stop(None)
-            service.close()
+    with tenant_clients(config, TOKENS, cert, ca.cert, {"q": Q, "b": B}) as served:
+        yield served
 
 
 def test_a_tenants_sequence_quota_refuses_only_that_tenant(tenants):

@@ -6,7 +6,6 @@ quotas refuse what would go over them, nothing applied. Invariants are checked a
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
@@ -14,8 +13,8 @@ from kvpager import auth
 from kvpager import client as C
 from kvpager import errors
 from kvpager.manager import ManagerConfig, tenancy
-from kvpager.manager.service import create_server
 from tests.support.state import served_fingerprint
+from tests.support.tenant_server import tenant_clients
 from tests.support.tls import CA
 
 A, A2, B, EMPTY, QUOTA, SEQUENCES, ADMIN = (f"{name}-token-0123456789abcdef" for name in
@@ -42,21 +41,9 @@ def pki():
 def tenants(pki):
     """(clients by token name, service) of a TLS + token server; invariants checked at the end."""
     config = ManagerConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=16, watermark=0.0)
-    server, port, service, _ = create_server(config, "127.0.0.1:0", tokens=auth.TokenTable.from_json(TOKENS),
-                                             tls=auth.TLS(cert=pki["server"].cert, key=pki["server"].key))
-    server.start()
-    with contextlib.ExitStack() as stack:
-        clients = {name: stack.enter_context(C.BlockManagerClient(f"127.0.0.1:{port}", timeout=5, token=token,
-                                                                  root_certificates=pki["ca"]))
-                   for name, token in (("a", A), ("a2", A2), ("b", B), ("c", EMPTY), ("q", QUOTA), ("s", SEQUENCES),
-                                                    ("admin", ADMIN))}
-        try:
-            yield clients, service
-            with service.lock:
-                service.manager.check_invariants()
-        finally:
-            server.stop(None)
-            service.close()
+    named = {"a": A, "a2": A2, "b": B, "c": EMPTY, "q": QUOTA, "s": SEQUENCES, "admin": ADMIN}
+    with tenant_clients(config, TOKENS, pki["server"], pki["ca"], named) as served:
+        yield served
 
 
 def error_of(call) -> tuple[str, str]:
