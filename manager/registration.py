@@ -7,7 +7,7 @@ capacity; a rank that comes back with another cache id loses every sequence (a n
 ``manager/epochs.py``), and a replaced rank without cache ids forgets the prefix cache's
 contents. It waits until no step is tentative first, since no pending step could be undone
 across those changes, but never past the worker's own deadline on the call (gRPC carries it):
-it gives up ``REGISTRATION_WORK_S`` before it, UNAVAILABLE with nothing registered, so that a
+it gives up ``REGISTRATION_WORK_S`` before it (half the time left, when less), UNAVAILABLE with nothing registered, so that a
 worker learns of every registration the manager makes (``worker/registration.py`` sets that
 deadline). Health is SERVING unless workers registered and a rank is missing (the
 BlockManager service also NOT_SERVING while no pool exists or recovered state waits for its
@@ -43,7 +43,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 # Seconds a registration keeps, of its caller's deadline, for its own work after waiting for the
 # tentative steps: the registry and epochs, ``lose_all`` when a rank's cache was lost, the log's
 # fsync. ``lose_all`` over a full pool of 2M blocks (32K sequences) took 4.1 s on a busy 2-core
-# machine; pools are built only where no step can be tentative (no pool existed yet).
+# machine; pools are built only where no step can be tentative (no pool existed yet). A caller
+# whose deadline leaves less than twice this keeps half of what is left (it still waits a while).
 REGISTRATION_WORK_S = 5.0
 
 
@@ -127,13 +128,15 @@ class WorkerRegistration:
     def _until_no_tentative_step(self, method: str, deadline: Optional[float] = None) -> None:
         """Wait until no step waits on the workers (a registration may forget the caches' contents
         or lose every sequence, which no pending step could be undone across): at most the state
-        lock's ``wait_limit``, and until ``REGISTRATION_WORK_S`` before ``deadline`` (the caller's)."""
+        lock's ``wait_limit``, and until ``REGISTRATION_WORK_S`` (or half the time left, if less)
+        before ``deadline`` (the caller's)."""
         manager = self.manager
         if manager is None or not manager.tentative:
             return
         limit = self.state.wait_limit
-        if deadline is not None:
-            limit = min(limit, deadline - REGISTRATION_WORK_S - time.monotonic())
+        if deadline is not None:   # keep REGISTRATION_WORK_S of it for the work, or half of a shorter one
+            left = deadline - time.monotonic()
+            limit = min(limit, left - min(REGISTRATION_WORK_S, left / 2))
         if not self.state.wait_until(lambda: not manager.tentative, limit):
             bound = " (all that the caller's deadline allows)" if limit < self.state.wait_limit else ""
             raise Unavailable(f"{method}: {len(manager.tentative)} steps still wait on the workers after "

@@ -78,13 +78,11 @@ gated_worker = test_workers.gated_worker   # its fixture: a worker whose plans w
 
 
 def test_a_manager_busy_with_a_waiting_step_is_asked_again(gated_worker, caplog, monkeypatch):
-    """The manager waits for the step until REGISTRATION_WORK_S before the worker's deadline, then
-    answers UNAVAILABLE ("steps still wait on the workers"); asked again once the step is done, it
-    registers the worker."""
-    from kvpager.manager.registration import REGISTRATION_WORK_S
-
+    """The manager waits for the step until shortly before the worker's deadline (half of a 2 s
+    one), then answers UNAVAILABLE ("steps still wait on the workers"); asked again once the step
+    is done, it registers the worker."""
     worker, address = gated_worker
-    monkeypatch.setattr(registration, "REGISTER_DEADLINE_S", REGISTRATION_WORK_S + 1.0)   # a 1 s wait
+    monkeypatch.setattr(registration, "REGISTER_DEADLINE_S", 2.0)   # a 1 s wait: half of a short deadline is kept
     request = pb.RegisterWorkerRequest(address=address, rank=0, tensor_parallel_size=1, num_gpu_blocks=16,
                                        num_cpu_blocks=8, block_size=BLOCK, cache_id="c0")
     with running_server(CONFIG) as (client, service):
