@@ -72,11 +72,17 @@ def read_token(path: Union[str, os.PathLike, None], what: str = "token file") ->
     token = read_bytes(path, what).decode("utf-8", "replace").strip()
     if not token:
         raise CredentialError(f"{what} {path} is empty")
-    bad = next((i for i, ch in enumerate(token) if not " " <= ch <= "~"), None)
+    bad = unsendable_index(token)
     if bad is not None:
         raise CredentialError(f"{what} {path}: its character at index {bad} is not printable ASCII, which a bearer "
                               "token must be")
     return token
+
+
+def unsendable_index(token: str) -> Optional[int]:
+    """The index of the first character of ``token`` that a bearer token in the authorization
+    header cannot hold (gRPC takes its value in printable ASCII only), or None."""
+    return next((i for i, ch in enumerate(token) if not " " <= ch <= "~"), None)
 
 
 def digest(token: str) -> bytes:

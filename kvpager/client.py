@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from kvpager import errors, status
+from kvpager import auth, errors, status
 from kvpager.v1 import block_manager_pb2 as pb
 from kvpager.v1 import block_manager_pb2_grpc as pb_grpc
 
@@ -105,7 +105,7 @@ def check_token(token: Optional[str]) -> None:
     """Refuse a bearer token that cannot travel in the authorization header, whose value gRPC
     takes in printable ASCII only (else every call fails, as an encoding error or an "Invalid
     metadata" status); the message names the character's index, never the secret."""
-    bad = next((i for i, ch in enumerate(token or "") if not " " <= ch <= "~"), None)
+    bad = auth.unsendable_index(token or "")
     if bad is not None:
         raise errors.InvalidArgument(f"token cannot be sent: its character at index {bad} is not printable ASCII, "
                                      "which a bearer token in the authorization header must be")
