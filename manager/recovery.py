@@ -126,34 +126,12 @@ class Durability:
         # The service's admission hooks (tenant quotas of blocks and of sequences) decide outside
         # the manager's state: each hook's decisions are logged, in order, and replayed as they were.
         live_admit, live_admit_sequence = m.admit, m.admit_sequence
-        decisions: Optional[list[Decision]] = None
-        sequence_decisions: Optional[list[Decision]] = None
+        decisions: Optional[list[Decision]] = None if live_admit is None else []
+        sequence_decisions: Optional[list[Decision]] = None if live_admit_sequence is None else []
         if live_admit is not None:
-            made: list[Decision] = []
-            decisions = made
-
-            def admit(what: str, blocks: int) -> None:
-                try:
-                    live_admit(what, blocks)
-                except ManagerError as err:
-                    made.append((status_of(err), str(err)))
-                    raise
-                made.append(None)
-
-            m.admit = admit
+            m.admit = _recording(live_admit, decisions)
         if live_admit_sequence is not None:
-            made_sequences: list[Decision] = []
-            sequence_decisions = made_sequences
-
-            def admit_sequence(what: str) -> None:
-                try:
-                    live_admit_sequence(what)
-                except ManagerError as err:
-                    made_sequences.append((status_of(err), str(err)))
-                    raise
-                made_sequences.append(None)
-
-            m.admit_sequence = admit_sequence
+            m.admit_sequence = _recording(live_admit_sequence, sequence_decisions)
         opened: list[int] = []
 
         def on_tentative(result: StepResult) -> None:
@@ -337,21 +315,8 @@ class Durability:
             sequence_decisions: Optional[list[Decision]] = rest[0] if rest else None
             m.steps = before
             args = {} if layout is None else {"layout": layout}
-            replayed = iter(decisions or ())
-            replayed_sequences = iter(sequence_decisions or ())
-
-            def admit(what: str, blocks: int) -> None:
-                decision = next(replayed, None)
-                if decision is not None:
-                    raise error_for(decision[0], decision[1])
-
-            def admit_sequence(what: str) -> None:
-                decision = next(replayed_sequences, None)
-                if decision is not None:
-                    raise error_for(decision[0], decision[1])
-
-            m.admit = admit if decisions is not None else None
-            m.admit_sequence = admit_sequence if sequence_decisions is not None else None
+            m.admit = _replaying(decisions)
+            m.admit_sequence = _replaying(sequence_decisions)
             try:
                 result = m.step(ops, all_or_nothing, batch, **args, hold_open=kind == "open")
             except ManagerError as err:
@@ -428,3 +393,33 @@ def open_state(service: Logged) -> Durability:
         state.close()
         raise
     return durable
+
+
+def _recording(hook: Callable[..., None], made: Optional[list[Decision]]) -> Callable[..., None]:
+    """``hook`` (an admission hook of the service), with each decision it makes appended to
+    ``made``: None for a pass, (status, message) for a refusal, which it raises as before."""
+    assert made is not None
+
+    def admit(*args: Any) -> None:
+        try:
+            hook(*args)
+        except ManagerError as err:
+            made.append((status_of(err), str(err)))
+            raise
+        made.append(None)
+
+    return admit
+
+
+def _replaying(decisions: Optional[list[Decision]]) -> Optional[Callable[..., None]]:
+    """An admission hook that makes the logged ``decisions`` again, in order (None: none logged)."""
+    if decisions is None:
+        return None
+    replayed = iter(decisions)
+
+    def admit(*args: Any) -> None:
+        decision = next(replayed, None)
+        if decision is not None:
+            raise error_for(decision[0], decision[1])
+
+    return admit
